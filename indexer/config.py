@@ -39,6 +39,7 @@ from pydantic import (
 from indexer.backends import check_backend_url, check_redis_options
 from indexer.batch import Component, Tier
 from indexer.cache_groups import CacheGroup, component_of_kind
+from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES
 from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES
 from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
@@ -202,6 +203,9 @@ class ZmqSourceConfig(_SourceCommon):
     # Received messages waiting for the index, at most (their bytes; the oldest are dropped
     # past it, healed from the replay as gaps).
     receive_queue_bytes: StrictInt = Field(default=DEFAULT_RECEIVE_QUEUE_BYTES, gt=0)
+    # A replay's replies held until applied, at most (their bytes; the oldest are dropped past
+    # it: the worker is rebuilt from the newest).
+    replay_bytes: StrictInt = Field(default=DEFAULT_REPLAY_BYTES, gt=0)
 
     @model_validator(mode="after")
     def _check_endpoints(self) -> ZmqSourceConfig:

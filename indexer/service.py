@@ -84,6 +84,7 @@ def build_source(
             replay_timeout_s=config.replay_timeout_s,
             heartbeat=config.heartbeat(),
             receive_queue_bytes=config.receive_queue_bytes,
+            replay_bytes=config.replay_bytes,
         )
         return ZmqSource(settings, translator, backend)
     return OpenEngineSource(

@@ -31,7 +31,10 @@ class Heartbeat:
     """ZMTP heartbeats on a SUB: a PING every `interval_s`; a connection that brings nothing
     back (no PONG, no message) within `timeout_s` of a PING is closed. The publisher also drops
     the SUB after `timeout_s` without a PING from it (ZMTP's TTL), so a stopped indexer frees
-    the publisher's queue for it.
+    the publisher's queue for it. A new connection whose ZMTP handshake brings nothing back
+    within `timeout_s` is closed too (libzmq's handshake interval, 30 s unless set): the
+    kernel of a stopped process still accepts TCP connections, which then carry nothing;
+    libzmq dials again after it.
 
     PINGs are answered by the publisher's libzmq I/O thread, not its Python code: a busy engine
     or a GC pause (on either side) still answers; only a stopped process, a frozen host or a
@@ -54,6 +57,7 @@ class Heartbeat:
         sock.setsockopt(zmq.HEARTBEAT_IVL, round(self.interval_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(self.timeout_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, round(self.timeout_s * 1000))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, round(self.timeout_s * 1000))
 
 
 DEFAULT_HEARTBEAT = Heartbeat()

@@ -37,7 +37,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   otherwise the replayed batches heal the gap;
 - a replay's replies count only as an unbroken run of seqs ending at the newest: a replay
   ROUTER drops replies past its high-water mark and still sends the end marker, so a hole is
-  asked for again, and what stays unfilled drops everything before it (`_replay`);
+  asked for again, and what stays unfilled drops everything before it (`_replay`). A replay
+  holds at most `replay_bytes` of replies as they come (`HeldReplies`): past that its oldest
+  are dropped, a hole before the newest as an unfilled one is;
 - seq < expected: a live copy of a batch the last replay applied (same seq, same bytes) is
   dropped as a duplicate; anything else is an engine restart (seq reset), so the worker is
   cleared and rebuilt as on a first message;
@@ -52,9 +54,12 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   timeout is closed by libzmq, which is the disconnect above. Only a connection whose ZMTP
   handshake succeeded counts as the publisher back: the kernel of a stopped process still
   accepts TCP connections, and such a connection carries nothing;
-- a connecting SUB's connection that ends before its ZMTP handshake (a peer of another socket
-  type, a server that is not ZMQ, a stopped process) restarts the loop as a failure does:
-  libzmq never dials again after a protocol error;
+- a connecting SUB's connection that ends before its ZMTP handshake on a protocol error (a
+  peer of another socket type) restarts the loop as a failure does: libzmq never dials again
+  after a protocol error. One whose handshake failed otherwise (it timed out: a stopped
+  process, whose kernel still accepts the connection; the peer closed it) is dialled again
+  by libzmq itself: the SUB is kept, its link down, and the streak is logged at its 1st, 2nd,
+  4th, 8th, ... failure (`_OpenConnections.redials`);
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
   message rebuilds the worker as on a first message; an endpoint ZMQ cannot parse (EINVAL,
   EPROTONOSUPPORT from connect / bind) would fail again on every restart, so it ends `run`
@@ -113,6 +118,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
+from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES, HeldReplies
 from indexer.sources.link import Link
 from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES, ReceiveQueue
 from indexer.translate import WorkerTranslator
@@ -230,6 +236,8 @@ class ZmqSourceSettings:
     # The receive queue's bounds, in messages and in bytes (`ReceiveQueue`).
     receive_hwm: int = 100_000
     receive_queue_bytes: int = DEFAULT_RECEIVE_QUEUE_BYTES
+    # A replay's replies held until applied, at most, in bytes (`HeldReplies`).
+    replay_bytes: int = DEFAULT_REPLAY_BYTES
 
 
 class ZmqSource:
@@ -306,6 +314,9 @@ class ZmqSource:
         self.link = Link(f"connecting to {settings.endpoint}")
         # Whether a failed connection to a publisher never reached was warned of.
         self._warned_unreachable = False
+        # Connections in a row whose ZMTP handshake failed without a protocol error (a
+        # stopped publisher), since the last that succeeded (`_on_end_before_handshake`).
+        self._silent_handshakes = 0
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
         self.ready = asyncio.Event()
@@ -381,6 +392,7 @@ class ZmqSource:
         # (Failed connection attempts only for `_warn_unreachable`.)
         connections = sub.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_DISCONNECTED
             | _OpenConnections.OPENED
             | zmq.EVENT_CONNECT_RETRIED
@@ -524,6 +536,7 @@ class ZmqSource:
             if self._warned_unreachable and not self.link.ever_up:
                 log.info("worker %s: reached publisher %s", self.worker_id, self.settings.endpoint)
             self.link.went_up()
+            self._silent_handshakes = 0
             # A failed start replay on this connection is retried from the shortest wait.
             self._start_replay_backoff = self.settings.backoff_initial_s
         elif ends:
@@ -551,19 +564,39 @@ class ZmqSource:
                 self._resync_wanted.set()
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
-        if ends and not self.settings.bind and self._ended_before_handshake():
-            # libzmq dials again after a connection it could not handshake on that timed out
-            # or failed, not after a protocol error (a peer of another socket type): the SUB
-            # would stay unconnected for good, so the source restarts it (with its backoff).
-            raise ConnectionError(
-                f"the connection to {self.settings.endpoint} ended before its ZMTP handshake: "
-                "no ZMQ publisher answers there (a socket of another type, e.g. the replay "
-                "endpoint's ROUTER; a server that is not ZMQ; a stopped process)"
-            )
+        if ends and not self.settings.bind and self._monitor is not None:
+            self._on_end_before_handshake(self._monitor[1])
 
-    def _ended_before_handshake(self) -> bool:
-        """Whether the SUB's last connection ended before its ZMTP handshake."""
-        return self._monitor is not None and self._monitor[1].ended_before_handshake
+    def _on_end_before_handshake(self, open_connections: _OpenConnections) -> None:
+        """The SUB's last connection ended before its ZMTP handshake (if it did). libzmq dials
+        again after a handshake that timed out or a connection the peer closed (a silent peer:
+        a stopped process, whose kernel still accepts connections), not after a protocol error
+        (a peer of another socket type): the SUB would then stay unconnected for good, so the
+        source restarts it (with its backoff). The other kind keeps the SUB: restarting it
+        would only dial the same silent peer again, and count a failure each time."""
+        if not open_connections.ended_before_handshake:
+            return
+        if open_connections.redials:
+            self._silent_handshakes += 1
+            reason = (
+                f"publisher {self.settings.endpoint} accepted the connection but did not "
+                f"complete its ZMTP handshake within {self.settings.heartbeat.timeout_s:g} s "
+                "(a stopped or frozen process?); ZMQ dials again"
+            )
+            self.link.went_down(reason)
+            log.log(
+                _sparse_level(self._silent_handshakes - 1, self._silent_handshakes),
+                "worker %s: %s (%d times in a row)",
+                self.worker_id,
+                reason,
+                self._silent_handshakes,
+            )
+            return
+        raise ConnectionError(
+            f"the connection to {self.settings.endpoint} ended before its ZMTP handshake: "
+            "no ZMQ publisher answers there (a socket of another type, e.g. the replay "
+            "endpoint's ROUTER)"
+        )
 
     async def _handle_queued_connection_events(self) -> bool:
         """Act on the SUB's monitor events queued so far (`_on_connection_events`); whether
@@ -928,7 +961,8 @@ class ZmqSource:
         if not replies or replies[0].seq != last:
             await self._rebuild(
                 trigger,
-                reason=f"the replay no longer holds seq {last} (buffer trimmed, or a restart)",
+                reason=f"the replay no longer holds seq {last} (buffer trimmed, a restart, or "
+                "more to replay than replay_bytes)",
                 # A buffer that starts after `last` came whole (the backlog outgrew it).
                 buffered=replies or None,
             )
@@ -965,13 +999,15 @@ class ZmqSource:
         engine evicted would stay indexed. So each hole is asked for again (a replay from its
         first missing seq, `MAX_REPLAY_ROUNDS` at most, while each round fills some), and
         what stays unfilled drops every message before the last hole: those blocks are
-        missing until stored again, never stale, as with a buffer trimmed at its start."""
+        missing until stored again, never stale, as with a buffer trimmed at its start. The
+        replies are held as they come, at most `replay_bytes` of them: past that the oldest
+        are dropped, which leaves such a hole, treated the same way (`HeldReplies`)."""
         if not self.settings.replay_endpoint:
             return None
         # (No heartbeats here: `replay_timeout_s` bounds every wait of a replay, a silent
         # publisher's included.)
         dealer = self._context.socket(zmq.DEALER)
-        received: dict[int, ZmqMessage] = {}
+        received = HeldReplies(self.settings.replay_bytes)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             # As deep as the receive queue: a replay's replies are read one at a time, and
@@ -983,12 +1019,10 @@ class ZmqSource:
             for round_number in range(MAX_REPLAY_ROUNDS):
                 if request is None:
                     break
-                replies = await self._replay_round(dealer, request)
-                if round_number and (not replies or replies[0].seq != request):
+                first = await self._replay_round(dealer, request, received)
+                if round_number and first != request:
                     break  # the hole is no longer buffered (trimmed meanwhile, or a restart)
-                for reply in replies:
-                    received.setdefault(reply.seq, reply)
-                request = _first_missing_seq(received)
+                request = received.first_missing_seq()
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
             self._replay_failures_in_a_row += 1
@@ -1014,9 +1048,21 @@ class ZmqSource:
                 self._replay_failures_in_a_row,
             )
             self._replay_failures_in_a_row = 0
-        replies = [received[seq] for seq in sorted(received)]
+        replies = received.in_seq_order()
         run = _consecutive_tail(replies)
-        if len(run) < len(replies):
+        if received.dropped:
+            self.counters.num_gaps += 1
+            log.warning(
+                "worker %s: the replay from seq %d brought more than replay_bytes "
+                "(%d bytes): dropped its %d oldest replies; applying seq %d to %d only",
+                self.worker_id,
+                start_seq,
+                received.max_bytes,
+                received.dropped,
+                run[0].seq,
+                run[-1].seq,
+            )
+        elif len(run) < len(replies):
             self.counters.num_gaps += 1
             log.warning(
                 "worker %s: the replay from seq %d has a hole before seq %d that asking again "
@@ -1030,10 +1076,14 @@ class ZmqSource:
             )
         return run
 
-    async def _replay_round(self, dealer: zmq.asyncio.Socket, start_seq: int) -> list[ZmqMessage]:
-        """One replay request on `dealer`: the replies up to the end marker, in seq order."""
+    async def _replay_round(
+        self, dealer: zmq.asyncio.Socket, start_seq: int, received: HeldReplies
+    ) -> int | None:
+        """One replay request on `dealer`: its replies up to the end marker go to `received`;
+        the lowest seq they held (None: none)."""
         self.counters.num_replays += 1
-        replies: list[ZmqMessage] = []
+        count = 0
+        lowest: int | None = None
         foreign_topic: str | None = None  # a reply's under another topic than the source's
         # A DEALER with no connected peer blocks on send: bound that wait too. (Not
         # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
@@ -1051,10 +1101,12 @@ class ZmqSource:
             if reply is None:
                 break
             if _is_wanted_topic(reply.topic, self.settings.topic):
-                replies.append(reply)
+                count += 1
+                lowest = reply.seq if lowest is None else min(lowest, reply.seq)
+                received.add(reply)
             else:
                 foreign_topic = reply.topic
-        if foreign_topic is not None and not replies:
+        if foreign_topic is not None and not count:
             # The SUB filters at the publisher, so a `topic` the publisher never sends shows
             # nowhere else: the worker stays empty, its link up, no message counted.
             log.warning(
@@ -1065,9 +1117,8 @@ class ZmqSource:
                 foreign_topic,
                 self.settings.topic,
             )
-        self.counters.num_replayed_messages += len(replies)
-        replies.sort(key=lambda m: m.seq)
-        return replies
+        self.counters.num_replayed_messages += count
+        return lowest
 
 
 def _named_types(tags: tuple[str, ...], most: int = 4) -> str:
@@ -1083,13 +1134,6 @@ def _sparse_level(before: int, after: int, level: int = logging.WARNING) -> int:
     ... occurrence), else DEBUG: how a condition that may repeat on every message, or every
     retry, is logged."""
     return level if after.bit_length() > before.bit_length() else logging.DEBUG
-
-
-def _first_missing_seq(received: dict[int, ZmqMessage]) -> int | None:
-    """The first seq missing between the lowest and the highest received (a hole), if any."""
-    if not received or len(received) == max(received) - min(received) + 1:
-        return None
-    return next(seq for seq in itertools.count(min(received)) if seq not in received)
 
 
 def _consecutive_tail(replies: list[ZmqMessage]) -> list[ZmqMessage]:
@@ -1119,15 +1163,23 @@ class _OpenConnections:
     publisher leaving while the publisher's own connection is still open. So an end counts
     only when it leaves no connection open (one still open without a handshake ends at the
     handshake's timeout, and its end then counts). A connecting SUB has one connection at a
-    time: every end counts, as before."""
+    time: every end counts, as before.
+
+    A handshake that fails without a protocol error (it timed out, or the peer closed the
+    connection) is reported as such before the end; one that fails on a protocol error (a peer
+    of another socket type) is not: its connection just ends. libzmq dials again after the
+    former only (`redials`)."""
 
     OPENED = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
 
     def __init__(self) -> None:
         self._open: set[int] = set()
         self._handshaken = False  # since the last connection opened
-        # Whether the last end that counted came before any handshake since that opening.
+        self._handshake_failed = False  # without a protocol error, since that opening
+        # Whether the last end that counted came before any handshake since that opening, and
+        # whether libzmq dials again after it (its handshake failed without a protocol error).
         self.ended_before_handshake = False
+        self.redials = False
 
     def publisher_events(self, events: list[tuple[int, int]]) -> list[int]:
         """`events` (in order) reduced to the handshakes and the ends that leave no connection
@@ -1136,12 +1188,15 @@ class _OpenConnections:
         for event, descriptor in events:
             if event & self.OPENED:
                 self._open.add(descriptor)
-                self._handshaken = False
+                self._handshaken = self._handshake_failed = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._handshake_failed = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self._open.discard(descriptor)
                 if not self._open:
                     kept.append(event)
                     self.ended_before_handshake = not self._handshaken
+                    self.redials = self._handshake_failed
             else:
                 self._handshaken = True
                 kept.append(event)

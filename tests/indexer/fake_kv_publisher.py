@@ -4,16 +4,19 @@ An XPUB socket (a PUB that also reports subscriptions, so a test can wait until 
 connected instead of sleeping) and a ROUTER speaking vLLM 0.32's legacy replay protocol:
 `[b"", start_seq]` in, `[b"", topic, seq, payload]` per buffered batch (or without the topic,
 like older vLLM) out, then the end marker `[b"", b"", ff*8, b""]`. `restart` stands for a new
-engine process on the same endpoints.
+engine process on the same endpoints. Run as a module, it serves in a process of its own
+(`main`), which a test can stop and resume.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -210,3 +213,29 @@ async def running(task_coro: Coroutine[Any, Any, None]) -> AsyncIterator[asyncio
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def _serve_in_this_process(first_block: int, count: int) -> None:
+    """`main`: a publisher with replay, its endpoints printed on one line; once a SUB has
+    subscribed, batches seq 0..count-1 storing blocks first_block, first_block + 1, ...;
+    then it serves replays until killed."""
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    print(publisher.endpoint, publisher.replay_endpoint, flush=True)
+    await publisher.wait_subscribed(timeout_s=60.0)
+    for seq in range(count):
+        event = {"type": "BlockStored", "block_hashes": [first_block + seq], "medium": "GPU"}
+        payload = msgpack.packb([float(seq), [event], None])
+        await publisher.publish([b"kv@test", seq.to_bytes(8, "big"), payload])
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    """A publisher in a process of its own, that a test can stop (SIGSTOP) and resume:
+    `python -m tests.indexer.fake_kv_publisher FIRST_BLOCK COUNT`."""
+    asyncio.run(_serve_in_this_process(int(sys.argv[1]), int(sys.argv[2])))
+
+
+if __name__ == "__main__":
+    main()

@@ -160,6 +160,7 @@ def test_valid_zmq_endpoints_load(fields: dict[str, object]) -> None:
         (_zmq(heartbeat_interval_s="5"), "sources.0.zmq.heartbeat_interval_s"),
         (_zmq(heartbeat_timeout_s=True), "sources.0.zmq.heartbeat_timeout_s"),
         (_zmq(receive_queue_bytes=1.5e8), "sources.0.zmq.receive_queue_bytes"),
+        (_zmq(replay_bytes="1GiB"), "sources.0.zmq.replay_bytes"),
         (_openengine(discover_zmq="no"), "sources.0.openengine.discover_zmq"),
         (_openengine(data_parallel_ranks=[True]), "sources.0.openengine.data_parallel_ranks.0"),
         ({"backend": "redis://h:1/0", "redis": {"buckets": "16"}}, "redis.buckets"),
@@ -186,7 +187,8 @@ def test_yamls_own_ints_bools_and_floats_load(tmp_path: Path) -> None:
         "redis: {buckets: 64, timeout_s: 2, connect_timeout_s: 0.25}\n"
         "sources:\n"
         "  - {kind: zmq, worker_id: w0, endpoint: 'tcp://*:5557', bind: true,\n"
-        "     replay_timeout_s: 3, block_size: 16, receive_queue_bytes: 1048576}\n"
+        "     replay_timeout_s: 3, block_size: 16, receive_queue_bytes: 1048576,\n"
+        "     replay_bytes: 4194304}\n"
         "  - {kind: openengine, target: '127.0.0.1:9000', discover_zmq: false,\n"
         "     data_parallel_ranks: [0, 1]}\n"
     )
@@ -196,7 +198,7 @@ def test_yamls_own_ints_bools_and_floats_load(tmp_path: Path) -> None:
     assert isinstance(zmq_source, ZmqSourceConfig)
     assert isinstance(openengine_source, OpenEngineSourceConfig)
     assert zmq_source.bind is True and zmq_source.replay_timeout_s == 3.0
-    assert zmq_source.receive_queue_bytes == 1048576
+    assert zmq_source.receive_queue_bytes == 1048576 and zmq_source.replay_bytes == 4194304
     assert openengine_source.discover_zmq is False
 
 

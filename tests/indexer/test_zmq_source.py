@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -27,11 +29,13 @@ from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import ServerConfig
 from kvplane.server import create_server
+from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
 from tests.indexer.backend_factories import FACTORIES
 from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
 from tests.polling import eventually
+from tests.processes import DEFAULT_SIGNALS
 from tests.redis_servers import restartable_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,6 +79,8 @@ def _source(
     rebuild_at_start: bool = False,
     backoff_s: tuple[float, float] = (0.05, 0.2),
     receive_queue_bytes: int | None = None,  # None: the default
+    replay_bytes: int | None = None,  # None: the default
+    heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
 ) -> ZmqSource:
     translator = WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000"))
     settings = ZmqSourceSettings(
@@ -87,9 +93,12 @@ def _source(
         backoff_max_s=backoff_s[1],
         # Most tests follow the first-message rules; the rebuild at start has its own.
         rebuild_at_start=rebuild_at_start,
+        heartbeat=heartbeat,
     )
     if receive_queue_bytes is not None:
         settings = dataclasses.replace(settings, receive_queue_bytes=receive_queue_bytes)
+    if replay_bytes is not None:
+        settings = dataclasses.replace(settings, replay_bytes=replay_bytes)
     return ZmqSource(settings, translator, sink, context=context)  # type: ignore[arg-type]
 
 
@@ -113,6 +122,7 @@ def _starting_source(
     context: zmq.asyncio.Context,
     index: PrefixIndex,
     replay_timeout_s: float = 5.0,
+    replay_bytes: int | None = None,
 ) -> ZmqSource:
     """A source on the publisher that rebuilds from its replay at start, into `index`."""
     return _source(
@@ -122,6 +132,7 @@ def _starting_source(
         replay=publisher.replay_endpoint,
         replay_timeout_s=replay_timeout_s,
         rebuild_at_start=True,
+        replay_bytes=replay_bytes,
     )
 
 
@@ -1240,3 +1251,97 @@ async def test_a_lagging_source_rebuilds_up_to_the_newest_batch_the_replay_broug
     assert publisher.replay_requests == [0]
     assert source.counters.num_duplicates == 3
     assert _keys(index) == {107, 108, 109}
+
+
+async def test_a_stopped_publisher_is_dialled_again_by_zmq_not_by_restarting_the_sub(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A publisher process stopped (SIGSTOP): the heartbeats end its connection, and the
+    kernel still accepts the SUB's next ones, whose ZMTP handshake never completes. libzmq
+    gives each up at the heartbeat timeout and dials again by itself; the source restarted
+    its SUB at each (a failure, counted in `restarts`, as for a peer of another socket type,
+    after which libzmq never dials again). Now the SUB is kept, its link down all along
+    (`kvplane_indexer_source_up` 0), and the resumed publisher is indexed again from one
+    replay."""
+    caplog.set_level(logging.INFO, logger="indexer.sources.zmq")
+    process = await asyncio.create_subprocess_exec(
+        *DEFAULT_SIGNALS,
+        sys.executable,
+        "-m",
+        "tests.indexer.fake_kv_publisher",
+        "10",
+        "3",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        endpoint, replay = (await asyncio.wait_for(process.stdout.readline(), WAIT_S)).split()
+        index = PrefixIndex()
+        source = _source(
+            endpoint.decode(),
+            context,
+            MemoryBackend(index),
+            replay=replay.decode(),
+            rebuild_at_start=True,
+            heartbeat=Heartbeat(interval_s=0.1, timeout_s=0.5),
+        )
+        async with running(source.run()):
+            await eventually(lambda: _keys(index) == {10, 11, 12}, WAIT_S, "the blocks indexed")
+            process.send_signal(signal.SIGSTOP)
+            await eventually(
+                lambda: (
+                    "did not complete its ZMTP handshake within 0.5 s" in caplog.text
+                    and "(2 times in a row)" in caplog.text
+                ),
+                WAIT_S,
+                "two handshakes in a row given up",
+            )
+            assert source.counters.num_restarts == 0
+            assert not source.link.up and "ZMQ dials again" in source.link.reason
+            assert _keys(index) == set()  # cleared when the heartbeats ended its connection
+            replays = source.counters.num_replays
+            process.send_signal(signal.SIGCONT)
+            await eventually(
+                lambda: source.link.up and _keys(index) == {10, 11, 12},
+                WAIT_S,
+                "the resumed publisher indexed again",
+            )
+            assert source.counters.num_replays == replays + 1
+            assert source.counters.num_restarts == 0
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.kill()
+        await process.wait()
+
+
+async def test_a_replay_holds_at_most_replay_bytes_of_replies(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replay of more large batches (some 100 KB each: a long prompt's blocks) than
+    `replay_bytes` holds. Its replies were all held until applied, whatever their size
+    (thousands of such batches: gigabytes); now the replay keeps the newest that fit and drops
+    the oldest, a hole before them as an unfilled one is (`gaps`, a warning): the worker is
+    rebuilt from the newest batches, blocks missing, never stale, and the stream goes on."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    padding = b"\x00" * 100_000  # a field this version does not know, ignored
+    for seq in range(50):
+        await publisher.publish(_message(seq, {**_stored(seq), "padding": padding}), live=False)
+    payload_bytes = len(publisher.buffer[0][2])
+    bound = 1024 * 1024  # some 10 batches
+    source = _starting_source(publisher, context, index, replay_bytes=bound)
+    held = bound // payload_bytes
+    try:
+        async with running(source.run()):
+            await eventually(lambda: source.last_seq == 49, WAIT_S, "the start's replay applied")
+            assert _keys(index) == set(range(50 - held, 50))
+            assert source.counters.num_gaps == 1
+            assert f"dropped its {50 - held} oldest replies" in caplog.text
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(50, _stored(50)))
+            await source.wait_until(lambda: source.last_seq == 50, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == set(range(50 - held, 51))
+    assert source.counters.num_resets == 1 and source.counters.num_bad_messages == 0
