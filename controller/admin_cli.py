@@ -804,6 +804,16 @@ def register_engine(
             "routed there).",
         ),
     ] = KvEventsMode.grpc,
+    owner: Annotated[
+        str,
+        typer.Option(
+            "--owner",
+            help="Who registers the engine (RegisterEngine owner; shown as `owner` in "
+            "--output json): a planner's Kubernetes actuator registers its engines as "
+            "kubernetes:NAMESPACE/DEPLOYMENT, and takes out those of that owner no pod of the "
+            "Deployment is at. Default: none.",
+        ),
+    ] = "",
     wait_s: Annotated[
         float,
         typer.Option(
@@ -825,7 +835,7 @@ def register_engine(
         parse_dial_target(address)
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
-    req = apb.RegisterEngineRequest(address=address, kv_events=kv_events.value)
+    req = apb.RegisterEngineRequest(address=address, kv_events=kv_events.value, owner=owner)
     reply = _admin_call(
         "register",
         server,

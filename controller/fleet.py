@@ -232,7 +232,8 @@ def _device_blocks(tiers: Sequence[TierPrefix]) -> int:
 
 class ThrottledWarning:
     """A warning logged (to `logger`) at most once per `interval_s`, saying how many were held
-    back."""
+    back. An `error` given (a bug that may repeat at every poll) has its traceback logged with
+    the first warning only: the later ones are its one line, counted."""
 
     def __init__(
         self, interval_s: float, clock: Callable[[], float], logger: logging.Logger = log
@@ -242,14 +243,17 @@ class ThrottledWarning:
         self._log = logger
         self._next_s = float("-inf")
         self._held = 0
+        self._traced = False
 
-    def warn(self, message: str) -> None:
+    def warn(self, message: str, error: BaseException | None = None) -> None:
         now = self._clock()
         if now < self._next_s:
             self._held += 1
             return
         held = f" ({self._held} more since the last warning)" if self._held else ""
-        self._log.warning("%s%s", message, held)
+        traced = error is not None and not self._traced
+        self._traced |= traced
+        self._log.warning("%s%s", message, held, exc_info=error if traced else None)
         self._next_s = now + self._interval_s
         self._held = 0
 
@@ -328,6 +332,9 @@ class _Engine:
         # A controller fronted as an engine whose fleet view moved, its identity not read
         # again (asked again at each load poll until it is): the same.
         self.view_unread = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
+        # Its LoRA task failed on a bug (tried again at each answered poll): the same, the
+        # first with its traceback.
+        self.lora_work_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Set by its KV-event source when a batch out of sequence cleared its worker: the
         # engine may have restarted under the same instance id between two polls, which
         # GetLoad cannot tell. The poll task wakes and reads its identity again.
@@ -1167,8 +1174,11 @@ class Fleet:
                     await self._reapply_unloads(engine)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a bug: logged, and still due: its next poll starts it again
-                log.exception("engine %s: its LoRA adapters not brought up to date", engine.address)
+            except Exception as exc:  # a bug: logged, and still due: its next poll starts it again
+                engine.lora_work_failed.warn(
+                    f"engine {engine.address}: its LoRA adapters not brought up to date: {exc!r}",
+                    exc,
+                )
                 engine.restore_due |= restore
                 engine.unloads_due |= unloads
                 return

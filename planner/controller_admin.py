@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -80,7 +80,9 @@ class Removals(NamedTuple):
     """What `remove_listed` did with the engines the controller listed."""
 
     removed: list[str]
-    kept: list[str]  # their RemoveEngine failed: the controller lists them still
+    # The controller lists them still: their RemoveEngine failed, or they were spared as
+    # routed to.
+    kept: list[str]
 
 
 def _admin_and_gateway(
@@ -291,19 +293,26 @@ class ControllerAdmin:
                 return False
         return True
 
-    async def remove_listed(self, addresses: Sequence[str]) -> Removals | None:
-        """RemoveEngine of each of `addresses` the controller lists: those it removed and
-        those it still lists (their RemoveEngine failed, said in a warning each), or None
-        (said in one warning) when it did not answer."""
+    async def remove_listed(
+        self, addresses: Sequence[str], unless_routed: Collection[str] = ()
+    ) -> Removals | None:
+        """RemoveEngine of each of `addresses` the controller lists, except those of
+        `unless_routed` it routes to: those it removed and those it still lists (spared, or
+        their RemoveEngine failed, said in a warning each), or None (said in one warning)
+        when it did not answer."""
         try:
-            listed = {worker.address for worker in (await self._list()).workers}
+            listed = {worker.address: worker for worker in (await self._list()).workers}
         except grpc.aio.AioRpcError as exc:
             log.warning("controller: %s", self.describe(exc))
             return None
         removals = Removals([], [])
         for address in addresses:
-            if address in listed:
-                (removals.removed if await self.remove(address) else removals.kept).append(address)
+            if address not in listed:
+                continue
+            if address in unless_routed and listed[address].routable:
+                removals.kept.append(address)
+                continue
+            (removals.removed if await self.remove(address) else removals.kept).append(address)
         return removals
 
     async def registered_by(self, owner: str) -> list[apb.WorkerInfo] | None:

@@ -30,7 +30,9 @@
   those an earlier planner left so (stopped, or no longer leading, before it took them out):
   each registration says the pool's Deployment (RegisterEngine `owner`), and the pool's
   engines the controller lists that no pod of it is at are found by the pool's first look
-  the controller answers, and every LEFT_REGISTERED_LOOK_S after (`_find_left_registered`).
+  the controller answers, and every LEFT_REGISTERED_LOOK_S after (`_find_left_registered`);
+  one the controller routes to still is taken out by the first look after it no longer
+  does (each look checks, for LEFT_REGISTERED_LOOK_S).
   A pod taken as an engine (adopted, or by a start) first has the drained
   deletion cost cleared, if a removal that did not finish left it; one a scale-down the
   ReplicaSet has yet to act on is to delete is left to go (`_cleared`).
@@ -183,8 +185,13 @@ class KubernetesDeployments:
         self._unscaled: dict[str, _Replica] = {}  # by uid: removals the API refused so far
         self._leaving: dict[str, _Replica] = {}  # by uid: pods scaled away, until gone
         # Engines stopped whose RemoveEngine failed (the controller did not answer), which it
-        # may list still: their pool by address, until a look takes them out (`_take_out`).
+        # may list still, and those an earlier planner left registered: their pool by
+        # address, until a look takes them out (`_take_out`).
         self._left_registered: dict[str, str] = {}
+        # Of those an earlier planner left, the ones the controller routed to when found
+        # (`_find_left_registered`): their pool and when, by address. Taken out once it no
+        # longer routes to them, watched at each look for LEFT_REGISTERED_LOOK_S.
+        self._routed_left: dict[str, tuple[str, float]] = {}
         # By uid of `_unscaled`: scale-downs that may have been made (`_scale_away`).
         self._unknown_scale_downs: dict[str, _UnknownScaleDown] = {}
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
@@ -286,6 +293,7 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 return adopted
             self._note_exits(pool, pods)
+            self._routed_left_now_pods(pool, pods)
             if registered is not None:
                 self._left_registered_looked[pool] = time.monotonic()
                 if self._find_left_registered(pool, registered, pods):
@@ -322,32 +330,55 @@ class KubernetesDeployments:
         (`registered`: its registrations say this pool's owner) that no pod of the pool is
         now, nor an engine of this planner: an earlier planner's, stopped (or no longer
         leading) after its RemoveEngine failed, whose memory of them went with it. A pod not
-        Ready yet, or restarting its engine, is not one of those; one still routed to is left
-        alone (an address reused by another Deployment's pod, which another pool or planner
-        adopted under the owner the controller kept). Whether any was found."""
-        present = {self._address(pod) for pod in pods if pod.ip and pod.active}
+        Ready yet, or restarting its engine, is not one of those. One still routed to (its
+        pod gone or terminating before the controller's health poll saw its engine go; or
+        an address reused by another Deployment's pod, which another pool or planner
+        adopted under the owner the controller kept) is taken out only once the controller
+        no longer routes to it: `_take_out` looks at it each look for LEFT_REGISTERED_LOOK_S,
+        then leaves it to these listings. Whether any was found."""
+        present = self._addresses_of_active(pods)
         found = False
+        routed: set[str] = set()
         for worker in registered:
             address = worker.address
-            if (
-                worker.routable
-                or address in present
-                or address in self._engines
-                or address in self._exited
-                or address in self._left_registered
-            ):
+            if address in present or address in self._engines or address in self._exited:
+                continue
+            if worker.routable:
+                routed.add(address)
+                if address in self._left_registered or address in self._routed_left:
+                    continue  # watched, or watched for long enough
+                self._routed_left[address] = (pool, time.monotonic())
+            elif address in self._left_registered:
                 continue
             log.warning(
                 "engine %s of pool %s is in the controller (%s) but no pod of Deployment %s: "
-                "left registered by an earlier planner, taken out",
+                "left registered by an earlier planner, taken out%s",
                 address,
                 pool,
                 worker.state,
                 self._deployments[pool],
+                " once it is no longer routed to" if worker.routable else "",
             )
             self._left_registered[address] = pool
             found = True
+        for address, (of, _) in list(self._routed_left.items()):
+            if of == pool and address not in routed:
+                del self._routed_left[address]
         return found
+
+    def _routed_left_now_pods(self, pool: str, pods: Sequence[Pod]) -> None:
+        """Forget the pool's engines found left registered while routed to that an active pod
+        of the pool is now at (its IP reused): the engine routed to there is that pod's, for
+        a look to adopt, not to take out."""
+        present = self._addresses_of_active(pods)
+        for address, (of, _) in list(self._routed_left.items()):
+            if of == pool and address in present:
+                del self._routed_left[address]
+                self._left_registered.pop(address, None)
+
+    def _addresses_of_active(self, pods: Sequence[Pod]) -> set[str]:
+        """Where the active pods of `pods` (Ready or not) serve."""
+        return {self._address(pod) for pod in pods if pod.ip and pod.active}
 
     def _owner(self, pool: str) -> str:
         """What the pool's registrations say of whom they are (RegisterEngine `owner`): its
@@ -624,14 +655,20 @@ class KubernetesDeployments:
         unreachable for good."""
         if not await self._admin.remove(address):
             self._left_registered[address] = pool
+            self._routed_left.pop(address, None)  # taken out routed to or not: it stopped
 
     async def _take_out(self, pool: str) -> None:
         """RemoveEngine of the pool's engines left registered (`_remove`; by an earlier
-        planner: `_find_left_registered`) that the controller lists still; each is forgotten
-        once it no longer lists it. One whose RemoveEngine fails again, or all when the
-        controller does not answer, wait for the next look (a warning says why)."""
+        planner: `_find_left_registered`) that the controller lists still, but those found
+        routed to while it routes to them; each is forgotten once it no longer lists it. One
+        whose RemoveEngine fails again, or all when the controller does not answer, wait for
+        the next look (a warning says why); so does one routed to, for LEFT_REGISTERED_LOOK_S
+        after it was found (then the pool's listings find it again once it is not)."""
         tried = sorted(a for a, of in self._left_registered.items() if of == pool)
-        if not tried or (removals := await self._admin.remove_listed(tried)) is None:
+        if not tried:
+            return
+        removals = await self._admin.remove_listed(tried, unless_routed=self._routed_left)
+        if removals is None:
             return
         for address in removals.removed:
             log.warning(
@@ -639,6 +676,12 @@ class KubernetesDeployments:
             )
         for address in set(tried) - set(removals.kept):
             self._left_registered.pop(address, None)
+            self._routed_left.pop(address, None)
+        now = time.monotonic()
+        for address in removals.kept:
+            _, found = self._routed_left.get(address, (pool, now))
+            if now - found >= LEFT_REGISTERED_LOOK_S:  # routed to all along: not watched on
+                self._left_registered.pop(address, None)
 
     async def kill(self, address: str) -> None:
         """An engine that stopped answering goes as a drained one does: its pod is scaled

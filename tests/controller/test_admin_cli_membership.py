@@ -63,6 +63,24 @@ async def test_an_engine_registered_by_hand_is_routed_to_until_removed(fleet: Fl
         await extra.close()
 
 
+async def test_an_engine_registered_by_hand_with_an_owner_is_listed_with_it(fleet: Fleet) -> None:
+    """`register --owner` says who registers the engine, as a planner's Kubernetes actuator
+    does for its pods (RegisterEngine `owner`): the controller lists the engine with it, and
+    an engine registered without one has none."""
+    t = ["--target", fleet.target]
+    extra = await start_sim_engine("e3")
+    address = fleet.address(extra)
+    owner = "kubernetes:serving/kvplane-engine"
+    try:
+        added = await cli_json("register", address, "--owner", owner, *t)
+        assert (added["address"], added["owner"]) == (address, owner)
+        listed = _workers(await cli_json("workers", *t))
+        assert listed[address]["owner"] == owner
+        assert listed[fleet.address(fleet.engines[0])]["owner"] == ""  # a config engine's
+    finally:
+        await extra.close()
+
+
 async def test_refusals_are_one_line(fleet: Fleet) -> None:
     t = ["--target", fleet.target]
     unknown = await cli("remove", "nobody", *t)

@@ -580,6 +580,35 @@ async def test_a_restore_that_fails_on_a_bug_is_tried_again_at_the_next_poll(
         await close_fleet(fleet)
 
 
+async def test_a_restore_that_keeps_failing_on_a_bug_logs_its_traceback_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """x is loaded on the fleet; e1 restarted, and every restore of it fails on the same
+    unexpected error (a bug, injected), tried again at each of its polls: the first failure
+    is logged with its traceback, the ones after it are not (a counted line at most every
+    10 s), so a persistent bug does not fill the log with a traceback a poll."""
+    fleet = await lora_fleet(2)
+    controller_fleet = fleet.app.controller.fleet
+    failed: list[str] = []
+
+    async def failing(engine: Any) -> None:
+        failed.append(engine.address)
+        raise RuntimeError("an injected bug")
+
+    try:
+        x = adapter(tmp_path, "x", 1)
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        monkeypatch.setattr(controller_fleet, "_restore_loras", failing)
+        e1 = fleet.address(fleet.engines[1])
+        await fleet.restart_engine(e1, "e1", lora=LORA)
+        await eventually(lambda: len(failed) >= 4, 15, "four restores of e1 to fail")
+    finally:
+        await close_fleet(fleet)
+    said = [r for r in caplog.records if "its LoRA adapters not brought up to date" in r.message]
+    assert [r.exc_info is not None for r in said] == [True] + [False] * (len(said) - 1)
+    assert "an injected bug" in said[0].getMessage()
+
+
 async def test_an_engine_removed_while_its_restore_waits_ends_it_without_an_error(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -577,6 +577,47 @@ async def test_a_new_planner_takes_out_the_engines_its_predecessor_left_register
     assert kube.deployments[DEPLOYMENT].replicas == 1
 
 
+@pytest.mark.timeout(120)
+async def test_an_engine_left_registered_and_routed_to_is_taken_out_once_it_is_not(
+    two_pods: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine the controller lists under the pool's owner, at an address no pod of the
+    Deployment is at, still routed to when the next planner first looks (a predecessor's,
+    its pod gone or terminating before the controller's health poll saw the engine go; here
+    another Deployment's pod): left alone while routed to, then taken out by the first look
+    after the controller stops routing to it, not by the next listing of the pool's engines
+    (LEFT_REGISTERED_LOOK_S later); its RemoveEngine lost on the way, by the look after."""
+    monkeypatch.setattr("planner.kubernetes.LEFT_REGISTERED_LOOK_S", 3600.0)
+    kube, fleet = two_pods.kube, two_pods.app.controller.fleet
+    kube.add_deployment("another-engine", 1, {"app": "another-engine"})
+    await two_pods.wait(lambda: len(kube.ready_pods("another-engine")) == 1)
+    (pod,) = kube.ready_pods("another-engine")
+    address = kube.address(pod)
+    owner = f"kubernetes:{kube.namespace}/{DEPLOYMENT}"
+    admin = ControllerAdmin(f"127.0.0.1:{two_pods.app.port}", owner_of=lambda _: owner)
+    try:
+        await admin.register(address)
+    finally:
+        await admin.close()
+    await fleet.wait_for(lambda: address in two_pods.routable(), 30)
+    partition = await TcpForwarder.start(f"127.0.0.1:{two_pods.app.port}")
+    actuator = two_pods.actuator(controller=partition.address)
+    try:
+        assert len(await actuator.adopt()) == 2  # the pool's pods; the engine routed to stays
+        await two_pods.wait_routable(3)
+        kube.kill_container(pod.name)
+        await fleet.wait_for(lambda: address not in two_pods.routable(), 30)
+        lost = partition.lose_next_request(address.encode())  # the look's RemoveEngine
+        assert await actuator.adopt() == []
+        assert lost.is_set() and address in two_pods.registered()
+        assert await actuator.adopt() == [] and actuator.exited() == []
+        assert address not in two_pods.registered()
+    finally:
+        await actuator.close()
+        await partition.cut()
+    assert two_pods.registered() == sorted(map(kube.address, kube.ready_pods(DEPLOYMENT)))
+
+
 def request_without_owner() -> type[Message]:
     """RegisterEngineRequest as a controller older than its `owner` has it."""
     older = descriptor_pb2.FileDescriptorProto(
