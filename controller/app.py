@@ -62,7 +62,16 @@ class ControllerApp:
     metrics_server: Any | None = None
     metrics_port: int | None = None
 
+    async def begin_shutdown(self) -> None:
+        """A shutdown's first step, before the server stops taking calls: the controller
+        stops accepting new requests, so that its health says so at once (OpenEngine Health
+        DRAINING, `vllm.Generate` NOT_SERVING, to Watch subscribers too) while the calls in
+        flight end within the grace."""
+        self.controller.stop_accepting()
+        await self.vllm.update_health()
+
     async def close(self, grace_s: float = 1.0) -> None:
+        await self.begin_shutdown()
         await self.server.stop(grace_s)
         await self.close_controller()
 
@@ -89,7 +98,11 @@ async def start_controller(
             GATEWAY_MUTATING,
             GATEWAY_STRICT,
         ),
-        Service(VLLM_SERVICE, lambda s: vpb_grpc.add_GenerateServicer_to_server(vllm, s)),
+        Service(
+            VLLM_SERVICE,
+            lambda s: vpb_grpc.add_GenerateServicer_to_server(vllm, s),
+            reports_own_health=True,
+        ),
         Service(
             ADMIN_SERVICE,
             lambda s: apb_grpc.add_AdminServicer_to_server(admin, s),
@@ -104,7 +117,7 @@ async def start_controller(
             controller.instance_id, [s.name for s in services if s.name != ADMIN_SERVICE]
         )
         health_servicer = health.aio.HealthServicer()
-        vllm.report_health(health_servicer)
+        await vllm.report_health(health_servicer)
         server, port = await create_server(
             config, services, handler_wrapper=loop_guard, health_servicer=health_servicer
         )
@@ -145,7 +158,7 @@ async def run_controller(config: ControllerConfig, *, port_file: Path | None = N
     _freeze_startup_heap()
     try:
         await publish_port(app.server, port_file, app.port)
-        await serve_until_signal(app.server, config.shutdown_grace_s)
+        await serve_until_signal(app.server, config.shutdown_grace_s, on_stop=app.begin_shutdown)
     finally:
         await app.close_controller()
     log.info("controller stopped")

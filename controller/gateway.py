@@ -423,6 +423,25 @@ class EngineOutcome(NamedTuple):
         return entry
 
 
+def fleet_health_state(
+    controller: Controller, records: list[EngineRecord]
+) -> pb.HealthState.ValueType:
+    """The state of the fleet `records` are of, as the gateway's Health answers it: DRAINING
+    from the moment the controller stops accepting new requests (a drain, a shutdown),
+    whatever its engines' state; else NOT_READY while no engine is routable (none
+    registered, or none that takes traffic), READY when every one is, DEGRADED when some
+    are. The vLLM front end's `grpc.health.v1` status follows it too
+    (`VllmGatewayServicer.report_health`)."""
+    if controller.draining:
+        return pb.HEALTH_STATE_DRAINING
+    routable = sum(r.routable for r in records)
+    if routable == 0:
+        return pb.HEALTH_STATE_NOT_READY
+    if routable < len(records):
+        return pb.HEALTH_STATE_DEGRADED
+    return pb.HEALTH_STATE_READY
+
+
 class GatewayServicer(pb_grpc.OpenEngineServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
@@ -1329,7 +1348,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         return self.controller.config.default_block_size
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
-        """One check per engine, the fleet's state (`_health_state`), and what the request
+        """One check per engine, the fleet's state (`fleet_health_state`), and what the request
         asks as an engine answers it: NOT_FOUND for a model no engine serves (while the fleet
         has no engine at all, which cannot tell, a NOT_READY `model` check instead: a
         readiness probe naming the model is told "not yet", not "never"), a `role` check
@@ -1357,7 +1376,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
             for r in records
         )
-        state = self._health_state(records)
+        state = fleet_health_state(self.controller, records)
         index = self._index_check()
         if index is not None:
             checks.append(index)
@@ -1433,18 +1452,6 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         else:
             state = pb.HEALTH_STATE_DEGRADED if passed else pb.HEALTH_STATE_NOT_READY
         return pb.HealthCheck(name="inference_probe", state=state, message="; ".join(results_text))
-
-    def _health_state(self, records: list[EngineRecord]) -> pb.HealthState.ValueType:
-        """DRAINING once the gateway drains (it refuses every new request, whatever its
-        engines' state); else READY when every engine is routable, DEGRADED when some are."""
-        if self.controller.draining:
-            return pb.HEALTH_STATE_DRAINING
-        routable = sum(r.routable for r in records)
-        if routable == 0:
-            return pb.HEALTH_STATE_NOT_READY
-        if routable < len(records):
-            return pb.HEALTH_STATE_DEGRADED
-        return pb.HEALTH_STATE_READY
 
     async def GetEngineInfo(
         self, request: pb.GetEngineInfoRequest, context: Context

@@ -542,6 +542,8 @@ class Registry:
         # change). So every such change goes through a method of this class, never a
         # record's field set from outside.
         self.version = 0
+        # Told of each such change (`on_change`), within it.
+        self._on_change: list[Callable[[], None]] = []
         # `routable` without a LoRA adapter or cordons, by (model, role, generating), as of
         # `_memo_version`: every request asks it, and at hundreds of engines testing each
         # engine again for each request cost as much as routing it.
@@ -564,6 +566,17 @@ class Registry:
         # put in routing (`_cap_hold_downs`), a request failure that would eject its engine
         # (`on_request_failed`). The metric `kvplane_controller_routed_by_cap_total`.
         self.routed_by_cap = dict.fromkeys(CAPPED_REASONS, 0)
+
+    def on_change(self, changed: Callable[[], None]) -> None:
+        """Call `changed` at each change that can take an engine into or out of `routable`
+        (each `version`). It is called within the change, which may not be complete yet: it
+        should schedule what reads the registry, not read it there."""
+        self._on_change.append(changed)
+
+    def _changed(self) -> None:
+        self.version += 1
+        for changed in self._on_change:
+            changed()
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -612,7 +625,7 @@ class Registry:
             _take_hold_down_record(record, left[1])
         self._by_address[address] = record
         self._in_order = None
-        self.version += 1
+        self._changed()
         return record
 
     def remove(self, key: str, now_s: float) -> EngineRecord:
@@ -621,7 +634,7 @@ class Registry:
         record = self.get(key)
         del self._by_address[record.address]
         self._in_order = None
-        self.version += 1
+        self._changed()
         self._drop_old_flaps(now_s)
         if record.flap_times or record.hold_downs:
             self._left_flapping[record.address] = (now_s, record)
@@ -886,7 +899,7 @@ class Registry:
         record.drain_requested = True
         if record.state in _READY_TO_ITS_POLLS:
             record.state = EngineState.DRAINING
-            self.version += 1
+            self._changed()
             self._cap_hold_downs()
         return record
 
@@ -900,7 +913,7 @@ class Registry:
     def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
         record = self.get(key)
         record.cordoned = cordoned
-        self.version += 1
+        self._changed()
         self._cap_hold_downs()
         return record
 
@@ -923,7 +936,7 @@ class Registry:
     def _take_identity(self, address: str, identity: EngineIdentity, restarted: bool) -> bool:
         """`on_identity`, but for the cap on hold-downs."""
         record = self._by_address[address]
-        self.version += 1  # whatever follows: a new identity, or the engine rejected
+        self._changed()  # whatever follows: a new identity, or the engine rejected
         # An engine whose connection was lost is a new process when it answers again, even
         # if it answered with errors on the way (restarting, failing, then healthy).
         came_back = record.state in POLL_FAILED_STATES and record.connection_lost
@@ -1023,7 +1036,7 @@ class Registry:
                 self._count_flap(record, EngineState.UNKNOWN, now_s)
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
-            self.version += 1
+            self._changed()
             self._cap_hold_downs()
 
     def on_loras(
@@ -1038,26 +1051,26 @@ class Registry:
         if record is not None:
             record.lora_adapters = adapters
             record.lora_conflicts = conflicts
-            self.version += 1
+            self._changed()
 
     def on_lora_loaded(self, address: str, lora_name: str) -> None:
         record = self._by_address.get(address)
         if record is not None:
             record.lora_adapters = (record.lora_adapters or frozenset()) | {lora_name}
-            self.version += 1
+            self._changed()
 
     def on_lora_unloaded(self, address: str, lora_name: str) -> None:
         record = self._by_address.get(address)
         if record is not None and record.lora_adapters is not None:
             record.lora_adapters = record.lora_adapters - {lora_name}
             record.lora_conflicts = record.lora_conflicts - {lora_name}
-            self.version += 1
+            self._changed()
 
     def mark_incompatible(self, address: str, error: str) -> None:
         record = self._by_address.get(address)
         if record is not None:
             _reject(record, error)
-            self.version += 1
+            self._changed()
             self._cap_hold_downs()
 
     def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
@@ -1092,7 +1105,7 @@ class Registry:
         else:
             record.last_error = "" if state in ROUTABLE_STATES else message
         if state is not record.state:
-            self.version += 1
+            self._changed()
         record.state = state
         record.num_failures = 0
         record.next_attempt_s = now_s
@@ -1183,7 +1196,7 @@ class Registry:
             if record.state is EngineState.HELD_DOWN and not kept_out:
                 self.routed_by_cap[CAPPED_HOLD_DOWN] += 1
             if state is not record.state:
-                self.version += 1
+                self._changed()
                 record.state = state
             record.last_error = self._held_for(record, self._now_s, routed=not kept_out)
 
@@ -1215,7 +1228,7 @@ class Registry:
         record.ejections += 1
         record.ejected_until_s = now_s + duration_s
         record.state = EngineState.EJECTED
-        self.version += 1
+        self._changed()
         record.last_error = record.ejected_for = (
             f"{record.request_failures} requests failed in a row (last: {error}); "
             f"out of routing for {duration_s:g} s"
@@ -1274,7 +1287,7 @@ class Registry:
                 record.unreachable_since_s = None
             self._count_flap(record, failure.state, now_s)
             if failure.state is not record.state:
-                self.version += 1
+                self._changed()
             record.state = failure.state
         if failure is PollFailure.ERROR_ANSWER:
             record.unreachable_since_s = None

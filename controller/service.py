@@ -127,9 +127,9 @@ class Controller:
         # An index that cannot answer is asked every 5 s and at every ListWorkers (the live
         # status of `kvplane up` lists them every second): one warning at most per interval.
         self._stats_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock, log)
-        # Set by the gateway's Drain (`stop_accepting`) and never cleared: a drained
-        # controller refuses new requests (and admin Route explains none) until it restarts,
-        # as a drained engine does.
+        # Set by the gateway's Drain and at the start of a shutdown (`stop_accepting`), and
+        # never cleared: a drained controller refuses new requests (and admin Route explains
+        # none) until it restarts, as a drained engine does.
         self.draining = False
         self._on_draining: list[Callable[[], None]] = []
         self.replica_sync: ReplicaSync | None = None

@@ -20,9 +20,11 @@ What this API changes on the way:
 - A request aborted before any engine accepted it (while planned, say) ends as the bundled
   engine ends one aborted before its prefill, `finish_info` ABORTED with status OK, the first
   sequence's end carrying `prompt_info` in the same response (`aborted`).
-- This proto has no health of its own: `grpc.health.v1` says NOT_SERVING for
-  `vllm.Generate` once the gateway drains (it refuses every new request), as an engine's
-  service does (`report_health`).
+- This proto has no health of its own: `grpc.health.v1` answers for `vllm.Generate` what the
+  gateway's OpenEngine Health judges of the fleet (`fleet_health_state`): SERVING while some
+  engine is routable, NOT_SERVING while none is (none registered, or none taking traffic)
+  and from the moment the controller stops accepting new requests, by a drain or at its
+  shutdown (`report_health`).
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from controller.gateway import fleet_health_state
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
+from openengine.v1 import openengine_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Generate"].full_name
+# The fleet's OpenEngine health states in which a vllm.Generate can be routed.
+SERVING_STATES = frozenset({pb.HEALTH_STATE_READY, pb.HEALTH_STATE_DEGRADED})
 
 
 class _UnaryCall:
@@ -129,19 +135,42 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         self.relay = relay
         self._unary = _VllmGenerate(self._stub, unary=True)
         self._stream = _VllmGenerate(self._stub, unary=False)
-        self._health_updates: set[asyncio.Future[None]] = set()
+        self._health_servicer: health.aio.HealthServicer | None = None
+        self._health_update_due = False
+        self._health_updates: set[asyncio.Task[None]] = set()
 
-    def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
-        """Say NOT_SERVING for `vllm.Generate` once the controller drains, for good (a drain
-        is never undone). The empty name stays SERVING while the process runs."""
+    async def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
+        """Keep `grpc.health.v1`'s status for `vllm.Generate` on `health_servicer` to what
+        the fleet's OpenEngine Health says (`fleet_health_state`): SERVING while it is READY
+        or DEGRADED, NOT_SERVING while no engine is routable and once the controller stops
+        accepting new requests (a drain or a shutdown: for good). Set now, before the server
+        starts (a probe never sees SERVING with no engine), then again after each change of
+        the fleet's routing or the drain, for Check and Watch alike. The empty name stays
+        SERVING while the process runs."""
+        self._health_servicer = health_servicer
+        self.controller.fleet.registry.on_change(self._health_changed)
+        self.controller.on_draining(self._health_changed)
+        await self.update_health()
 
-        def drained() -> None:
+    def _health_changed(self) -> None:
+        """After the change (a registry change may be under way), once for a burst of them."""
+        if self._health_update_due:
+            return
+        self._health_update_due = True
+        update = asyncio.create_task(self.update_health())
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
+
+    async def update_health(self) -> None:
+        """Set `vllm.Generate`'s status to the fleet's state now."""
+        self._health_update_due = False
+        assert self._health_servicer is not None  # set by report_health
+        records = self.controller.fleet.registry.records()
+        serving = fleet_health_state(self.controller, records) in SERVING_STATES
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
             status = health_pb2.HealthCheckResponse.NOT_SERVING
-            update = asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
-            self._health_updates.add(update)
-            update.add_done_callback(self._health_updates.discard)
-
-        self.controller.on_draining(drained)
+        await self._health_servicer.set(SERVICE_NAME, status)
 
     def _stub(self, address: str) -> vpb_grpc.GenerateAsyncStub:
         """Over the fleet's channel to the engine: an engine that left the fleet is a

@@ -52,12 +52,15 @@ class Service:
     those that change state (and a check that a caller may call them), and which refuse a
     request carrying fields outside their schema, INVALID_ARGUMENT before the servicer runs
     (`kvplane.request_decoding`): those for which an option of a newer proto, dropped
-    unseen, would change what the call does."""
+    unseen, would change what the call does. `reports_own_health`: its `grpc.health.v1`
+    status is its servicer's to set, on the health servicer given to `create_server`
+    before the server starts (else SERVING once it starts)."""
 
     name: str
     add_to_server: Callable[[grpc.aio.Server], None]
     guarded_methods: frozenset[str] = field(default_factory=frozenset)
     strict_methods: frozenset[str] = field(default_factory=frozenset)
+    reports_own_health: bool = False
 
     def method_path(self, method: str) -> str:
         return f"/{self.name}/{method}"
@@ -123,7 +126,8 @@ async def create_server(
     `TolerantRegistration`: calls pay no interceptor).
 
     Health reports SERVING for the empty service name and every registered service once the
-    server starts; pass `health_servicer` to change a service's status later.
+    server starts (but those that report their own, `Service.reports_own_health`); pass
+    `health_servicer` to change a service's status later.
     """
     services = list(services)
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -173,7 +177,7 @@ async def create_server(
         raise ConfigError(f"cannot listen on {config.listen}")
     await server.start()
     serving = health_pb2.HealthCheckResponse.SERVING
-    for name in ["", *names]:
+    for name in ["", *(s.name for s in services if not s.reports_own_health)]:
         await health_servicer.set(name, serving)
     log.info("serving %s on %s:%d", ", ".join(names) or "health", host, bound)
     return server, bound
