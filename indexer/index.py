@@ -679,7 +679,8 @@ class PrefixIndex:
     ) -> tuple[dict[int, int], int]:
         """The legacy rule for every worker in `alive` (HBM-slot bits) at once: returns
         ({HBM slot: prefix blocks} for prefixes > 0, blocks read). Workers failed closed by a
-        non-zero component mask are left out.
+        non-zero component mask on any block of the window (past their first gap too) are
+        left out.
 
         Fast path at C speed: the blocks' placement bits are read (`map`) and grouped into runs
         of equal values (`groupby`) in C; along a chain there are few runs (the holders change
@@ -737,13 +738,13 @@ class PrefixIndex:
         blocks_read = min(limit, max(ended.values()) + 1)
         component_masks = self._component_masks
         if component_masks:
-            window = hashes[:limit]
-            for key in component_masks.keys() & set(window):
-                position = window.index(key)
+            # Component data on any block of the window fails the worker closed, past its
+            # first gap too (SGLang's indexer scans a legacy worker to the end of the window).
+            for key in component_masks.keys() & set(islice(hashes, limit)):
                 for slot, mask in component_masks[key].items():
                     hbm_slot = slot - slot % _SLOTS_PER_WORKER
-                    if mask and ended.get(hbm_slot, 0) > position:
-                        ended[hbm_slot] = 0  # scanned a block with component data: fail closed
+                    if mask and hbm_slot in ended:
+                        ended[hbm_slot] = 0
             ended = {slot: n for slot, n in ended.items() if n}
         return ended, blocks_read
 
@@ -988,7 +989,7 @@ class PrefixIndex:
             for key in keys:
                 parent = stated[key]
                 if chain and (parent != chain[-1] or len(chain) >= MAX_HASHES_PER_REQUEST):
-                    actions.append(self._report_action(tier, slot, chain, stated[chain[0]]))
+                    actions.extend(self._chain_reports(tier, slot, chain, stated[chain[0]]))
                     chain = []
                 chain.append(key)
                 count = self._copies.get(key, {}).get(slot, 1)
@@ -997,9 +998,24 @@ class PrefixIndex:
                     copy = Action(ActionType.REPORT, tier, (key,), (mask,), copies=True)
                     extra_copies.extend([copy] * (count - 1))
             if chain:
-                actions.append(self._report_action(tier, slot, chain, stated[chain[0]]))
+                actions.extend(self._chain_reports(tier, slot, chain, stated[chain[0]]))
         actions.extend(extra_copies)
         yield from _chunk_batch(worker.wid, worker.address, worker.spec, actions)
+
+    def _chain_reports(
+        self, tier: Tier, slot: int, chain: list[BlockKey], parent: BlockKey | None
+    ) -> list[Action]:
+        """REPORTs stating `chain` (its head the child of `parent`). Where the parent lies
+        further down the chain (a cycle that REPORTs of several batches closed; one REPORT
+        alone cannot, see validate_batch), two REPORTs, split at the parent, so that neither
+        is refused and every parent is stated as it is held."""
+        at = chain.index(parent) if parent in chain else 0
+        if not at:
+            return [self._report_action(tier, slot, chain, parent)]
+        return [
+            self._report_action(tier, slot, chain[:at], parent),
+            self._report_action(tier, slot, chain[at:], chain[at - 1]),
+        ]
 
     def _report_action(
         self, tier: Tier, slot: int, chain: list[BlockKey], parent: BlockKey | None

@@ -1301,7 +1301,10 @@ class RedisBackend:
         )
         end = reply.index(b"")
         blocks = reply[:end]
-        rows = reply[end + 1 :]
+        # Then the worker rows, the legacy workers failed closed past their run, their count.
+        num_past = int(reply[-1])
+        rows = reply[end + 1 : len(reply) - 1 - num_past]
+        failed_past_run = {int(wid) for wid in reply[len(reply) - 1 - num_past : -1]}
         names, addresses, order = _worker_rows(rows)
         specs = _worker_specs(rows)
         cum_tokens = [0]
@@ -1319,9 +1322,10 @@ class RedisBackend:
             # A worker reuses no more than MatchExternalKvPrefix's rule gives it: the component
             # rule with a cache spec, the legacy rule (which fails closed) without one.
             spec = specs[wid]
-            most = (
-                _legacy_prefix(held, wid) if spec is None else _spec_prefix(spec, held, sizes, wid)
-            )
+            if spec is not None:
+                most = _spec_prefix(spec, held, sizes, wid)
+            else:
+                most = 0 if wid in failed_past_run else _legacy_prefix(held, wid)
             runs = {tier: min(_run(held, wid, {tier}), most) for tier in Tier}
             matched = min(_run(held, wid, set(_SERVABLE)), most)
             per_tier = tuple(TierPrefix(t, n, cum_tokens[n]) for t, n in runs.items() if n)
@@ -1549,7 +1553,8 @@ def _run(held: list[dict[int, dict[int, int]]], wid: int, wanted: set[int]) -> i
 
 def _legacy_prefix(held: list[dict[int, dict[int, int]]], wid: int) -> int:
     """Worker `wid`'s prefix by the legacy rule, over the scanned blocks: its run on any tier,
-    or 0 (fail closed) when one of them carries component data for it."""
+    or 0 (fail closed) when one of them carries component data for it (kvp_scan reports the
+    blocks past its run)."""
     n = _run(held, wid, set(Tier))
     if any(mask for per_block in held[:n] for mask in per_block[wid].values()):
         return 0

@@ -1,12 +1,14 @@
-#!lua name=kvplane_v5
+#!lua name=kvplane_v6
 --[[
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
 with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
-with its ABI version (`_v5`): a change of any function's arguments, replies or flags, of
+with its ABI version (`_v6`): a change of any function's arguments, replies or flags, of
 what it records for its callers to read back, or a function added, takes the next one (v4:
 kvp_release, kvp_renew, kvp_probe, allow-oom, and a write whose mark is not above the stored
 one refused, KVP_STALE, see check_boot; v5: the outcome of a call that refused a batch, or
-claimed a lost call's mark, recorded for its process, see record_outcome), so that
+claimed a lost call's mark, recorded for its process, see record_outcome; v6: a worker's
+`c` flag, which kvp_prefix and kvp_scan read to fail a legacy worker closed on component
+detail past its run, and kvp_scan's reply ends with those workers), so that
 processes of two kvplane versions sharing a Redis in a rolling upgrade each call
 their own library (a library's REPLACE would otherwise swap the other version's functions
 under it); the key layout below is shared by every version. docs/redis.md describes the layout; in short, for
@@ -21,7 +23,10 @@ one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:
   <base>:ws         SET   ids of registered workers
   <base>:wf         LIST  ids of removed workers, free for new names (oldest first)
   <base>:w:<id>     HASH  n name, a address, s packed spec ("" = legacy), e<t> epoch and
-                          n<t> live placement count per tier t (a free id keeps only e<t>)
+                          n<t> live placement count per tier t (a free id keeps only e<t>),
+                          c "1" once it reported a non-zero component mask (never cleared
+                          while it is registered: it only tells a prefix scan where a legacy
+                          worker may hold component data past its run)
   <base>:b:<bucket> HASH  8-byte block key -> block record (below)
   <base>:h:<bucket> HASH  8-byte block key -> hit count
   <base>:l:<engine> STRING the writer lease of an engine's workers: the id of the one
@@ -403,6 +408,7 @@ local function apply_one(ctx, args, i)
       clear_tier(ctx, wid, tier)
     elseif kind == 1 then
       local masks, sizes, parent = args[a + 3], args[a + 4], args[a + 5]
+      if string.find(masks, '[^%z]') then redis.call('HSET', wkey, 'c', '1') end
       local head = p16(wid) .. string.char(tier) .. p32(epoch_of(ctx, wid, tier))
       for j = 1, #hashes / 8 do
         local k = string.sub(hashes, j * 8 - 7, j * 8)
@@ -583,11 +589,13 @@ local function candidates(ctx, v)
   for pos = header_len(v) + 1, #v, REC do
     local wid = u16(v, pos)
     if by[wid] == nil and is_live(ctx, v, pos) then
-      local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's', 'e1', 'e2', 'e3')
+      local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's', 'e1', 'e2', 'e3',
+        'c')
       if row[2] and row[2] ~= '' then
         local st = { wid = wid, name = row[1] or '', addr = row[2], spec = spec_of(row[3]),
           ep = { tonumber(row[4]) or 0, tonumber(row[5]) or 0, tonumber(row[6]) or 0 },
-          best = 0, run = 0, broken = false, poisoned = false, seen = 0, f = 0, s = 0, m = 0 }
+          best = 0, run = 0, broken = false, poisoned = false, seen = 0, f = 0, s = 0, m = 0,
+          c = row[7] == '1', watch = false }
         st.on = st.spec == nil or spec_valid(st.spec)
         by[wid] = st
         states[#states + 1] = st
@@ -601,14 +609,22 @@ end
 
 -- Notes what block `i` holds for each scanning candidate: present (seen), component detail
 -- on a legacy worker (poisoned), FULL/SWA/MAMBA on a tier its spec serves them from.
--- Legacy candidates advance here (best = i); returns how many distinct candidates it saw.
+-- Legacy candidates advance here (best = i). A watched legacy candidate (past its run) is
+-- only checked for component detail. Returns how many distinct scanning candidates it saw
+-- and how many watched ones it poisoned.
 local function observe(by, v, i)
   local byte = string.byte
-  local seen = 0
+  local seen, poisoned = 0, 0
   for pos = header_len(v) + 1, #v, REC do
     local a, b, t, e1, e2, e3, e4, m1, m2, m3, m4 = byte(v, pos, pos + 10)
     local st = by[a * 256 + b]
-    if st and st.on and st.ep[t] == ((e1 * 256 + e2) * 256 + e3) * 256 + e4 then
+    if st and st.watch and st.ep[t] == ((e1 * 256 + e2) * 256 + e3) * 256 + e4 then
+      if m1 + m2 + m3 + m4 ~= 0 then
+        st.poisoned = true
+        st.watch = false
+        poisoned = poisoned + 1
+      end
+    elseif st and st.on and st.ep[t] == ((e1 * 256 + e2) * 256 + e3) * 256 + e4 then
       if st.seen ~= i then
         st.seen = i
         seen = seen + 1
@@ -626,7 +642,7 @@ local function observe(by, v, i)
       end
     end
   end
-  return seen
+  return seen, poisoned
 end
 
 -- Advances a spec'd candidate over block `i` (WIRE.md section 2's rules); false ends its
@@ -649,11 +665,24 @@ local function step_spec(st, sp, i, tokens)
   return true
 end
 
+-- Ends a legacy candidate's run: it is watched on (to the end of the window) if it ever
+-- reported component detail, which fails it closed on any later block too. Returns 1 if so.
+local function watch(st)
+  st.on = false
+  if st.spec == nil and st.c and not st.poisoned then
+    st.watch = true
+    return 1
+  end
+  return 0
+end
+
 -- MatchExternalKvPrefix. ARGV: nb, hashes, limit. Candidates: workers with an address that
 -- hold the first block. Returns blocks_read, then per worker with a non-zero prefix (in
 -- first-block record order; the caller sorts): id, name, address, matched_prefix_blocks.
--- A legacy worker with component detail on a scanned block fails closed (prefix 0) but is
--- scanned on, as the memory backend does (so blocks_read agrees).
+-- A legacy worker with component detail on any block of the window fails closed (prefix 0):
+-- it is scanned on past its run as SGLang's indexer does, the blocks past every run only for
+-- such workers (the `c` flag) and not counted in blocks_read (so it agrees with the memory
+-- backend's).
 local function kvp_prefix(keys, args)
   local ctx = new_ctx(keys, args)
   local hashes = args[2]
@@ -661,42 +690,59 @@ local function kvp_prefix(keys, args)
   local by, states
   local active = {}
   local num_spec = 0 -- spec'd candidates still scanning
+  local num_watch = 0 -- legacy candidates past their run, still to check for component detail
+  local scanning = true
   local blocks_read = 0
   for i = 1, limit do
     local k = string.sub(hashes, i * 8 - 7, i * 8)
     local v = redis.call('HGET', ctx.b .. bucket_of(ctx, k), k)
-    blocks_read = i
-    if not v then break end
-    if i == 1 then
-      by, states = candidates(ctx, v)
-      for _, st in ipairs(states) do
-        if st.on then
-          active[#active + 1] = st
-          if st.spec then num_spec = num_spec + 1 end
-        end
+    if not scanning then
+      if v then
+        local _, poisoned = observe(by, v, i)
+        num_watch = num_watch - poisoned
       end
-      if #active == 0 then break end
-    end
-    -- Everyone still on and all legacy: nothing to decide beyond what observe did.
-    if observe(by, v, i) < #active or num_spec > 0 then
-      local tokens = u32(v, 2)
-      local kept = 0
-      for j = 1, #active do
-        local st = active[j]
-        local sp = st.spec
-        local on = st.seen == i
-        if on and sp then on = step_spec(st, sp, i, tokens) end
-        if on then
-          kept = kept + 1
-          active[kept] = st
-        else
-          st.on = false
-          if sp then num_spec = num_spec - 1 end
+    elseif not v then
+      blocks_read = i
+      scanning = false
+      for _, st in ipairs(active) do num_watch = num_watch + watch(st) end
+    else
+      blocks_read = i
+      if i == 1 then
+        by, states = candidates(ctx, v)
+        for _, st in ipairs(states) do
+          if st.on then
+            active[#active + 1] = st
+            if st.spec then num_spec = num_spec + 1 end
+          end
         end
+        if #active == 0 then break end
       end
-      for j = #active, kept + 1, -1 do active[j] = nil end
-      if kept == 0 then break end
+      local seen, poisoned = observe(by, v, i)
+      num_watch = num_watch - poisoned
+      -- Everyone still on and all legacy: nothing to decide beyond what observe did.
+      if seen < #active or num_spec > 0 then
+        local tokens = u32(v, 2)
+        local kept = 0
+        for j = 1, #active do
+          local st = active[j]
+          local sp = st.spec
+          local on = st.seen == i
+          if on and sp then on = step_spec(st, sp, i, tokens) end
+          if on then
+            kept = kept + 1
+            active[kept] = st
+          elseif sp then
+            st.on = false
+            num_spec = num_spec - 1
+          else
+            num_watch = num_watch + watch(st)
+          end
+        end
+        for j = #active, kept + 1, -1 do active[j] = nil end
+        if kept == 0 then scanning = false end
+      end
     end
+    if not scanning and num_watch == 0 then break end
   end
   local out = { blocks_read }
   for _, st in ipairs(states or {}) do
@@ -710,10 +756,38 @@ local function kvp_prefix(keys, args)
   return out
 end
 
+-- Watches worker `wid` past its run if it is legacy and ever reported component detail (the
+-- `c` flag): kvp_scan then reports it when a later block carries some. Returns 1 if so.
+local function watch_wid(ctx, wid, watched)
+  local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 's', 'c')
+  if (row[1] or '') == '' and row[2] == '1' then
+    watched[wid] = true
+    return 1
+  end
+  return 0
+end
+
+-- Moves the watched workers with a live non-zero mask in `v` to `poisoned`; returns how many.
+local function poison_watched(ctx, v, watched, poisoned)
+  local n = 0
+  for pos = header_len(v) + 1, #v, REC do
+    local wid = u16(v, pos)
+    if watched[wid] and u32(v, pos + 7) ~= 0
+        and u32(v, pos + 3) == epoch_of(ctx, wid, string.byte(v, pos + 2)) then
+      watched[wid] = nil
+      poisoned[#poisoned + 1] = wid
+      n = n + 1
+    end
+  end
+  return n
+end
+
 -- Raw prefix scan: ARGV nb, hashes, limit. Returns per leading block, while some worker that
 -- holds the first block still holds every block so far, its token count and those workers'
 -- live placements (u32 .. 7-byte records: id u16, tier u8, mask u32); then "" and the
--- worker rows of the first block's holders.
+-- worker rows of the first block's holders; then the ids of the legacy ones among them with
+-- component detail on a block of the window past their run (the legacy rule fails them
+-- closed, as SGLang's indexer does), and last how many such ids there are.
 local function kvp_scan(keys, args)
   local ctx = new_ctx(keys, args)
   local hashes = args[2]
@@ -721,32 +795,51 @@ local function kvp_scan(keys, args)
   local out = {}
   local active = nil
   local seen = {}
+  local watched, poisoned = {}, {}
+  local num_watch = 0
+  local scanning = true
   for i = 1, limit do
     local k = string.sub(hashes, i * 8 - 7, i * 8)
     local v = redis.call('HGET', ctx.b .. bucket_of(ctx, k), k)
-    if not v then break end
-    local by, order = placements_by_worker(ctx, v)
-    if active == nil then
-      active = order
-      seen = order
-    end
-    local still = {}
-    local parts = {}
-    for _, wid in ipairs(active) do
-      local placed = by[wid]
-      if placed then
-        still[#still + 1] = wid
-        for _, p in ipairs(placed) do
-          parts[#parts + 1] = p16(wid) .. string.char(p[1]) .. p32(p[2])
+    if not scanning then
+      if v then num_watch = num_watch - poison_watched(ctx, v, watched, poisoned) end
+    elseif not v then
+      scanning = false
+      for _, wid in ipairs(active or {}) do num_watch = num_watch + watch_wid(ctx, wid, watched) end
+    else
+      local by, order = placements_by_worker(ctx, v)
+      if active == nil then
+        active = order
+        seen = order
+      end
+      if num_watch > 0 then num_watch = num_watch - poison_watched(ctx, v, watched, poisoned) end
+      local still = {}
+      local parts = {}
+      for _, wid in ipairs(active) do
+        local placed = by[wid]
+        if placed then
+          still[#still + 1] = wid
+          for _, p in ipairs(placed) do
+            parts[#parts + 1] = p16(wid) .. string.char(p[1]) .. p32(p[2])
+          end
+        else
+          num_watch = num_watch + watch_wid(ctx, wid, watched)
         end
       end
+      active = still
+      if #active == 0 then
+        scanning = false
+      else
+        out[#out + 1] = string.sub(v, 2, 5) .. table.concat(parts)
+      end
     end
-    active = still
-    if #active == 0 then break end
-    out[#out + 1] = string.sub(v, 2, 5) .. table.concat(parts)
+    if not scanning and num_watch == 0 then break end
   end
   out[#out + 1] = ''
-  return worker_rows(ctx, seen, out)
+  worker_rows(ctx, seen, out)
+  for _, wid in ipairs(poisoned) do out[#out + 1] = wid end
+  out[#out + 1] = #poisoned
+  return out
 end
 
 -- Registered workers: id, name, address, spec, live placements at tiers 1..3.
@@ -790,7 +883,7 @@ local function kvp_remove(keys, args)
       redis.call('HINCRBY', ctx.base .. ':m', 'gcg', 1)
     end
   end
-  redis.call('HDEL', wkey, 'n', 'a', 's', 'n1', 'n2', 'n3')
+  redis.call('HDEL', wkey, 'n', 'a', 's', 'c', 'n1', 'n2', 'n3')
   return removed
 end
 
@@ -972,7 +1065,7 @@ local function kvp_lease(keys, args) return lease(keys, args, false) end
 local function kvp_renew(keys, args) return lease(keys, args, true) end
 
 -- Every name ends with the ABI version, as the library's own (first line).
-local ABI = '_v5'
+local ABI = '_v6'
 redis.register_function('kvp_apply' .. ABI, kvp_apply)
 redis.register_function('kvp_lease' .. ABI, kvp_lease)
 redis.register_function('kvp_match' .. ABI, kvp_match)

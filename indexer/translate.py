@@ -34,7 +34,9 @@ What it decides:
   its medium's tier when it names one); `reset()` clears every tier and all state (engine
   restart, unrecoverable gap).
 - **Shape.** Adjacent REPORTs to one tier merge when they chain (each later block's parent is
-  the one before it, so a merge never loses a parent link); adjacent REVOKEs to one tier merge.
+  the one before it, so a merge never loses a parent link), except a store of the merged
+  chain's own parent (one REPORT may not close a parent cycle, as in SGLang's indexer);
+  adjacent REVOKEs to one tier merge.
   Batches are split at 256 actions / 16,384 hashes (the seed's limits), all with the same seq.
 """
 
@@ -503,6 +505,7 @@ def _append_report(
         and last.hashes[-1] == parent
         and bool(last.block_sizes) == (block_size > 0)
         and bool(last.component_masks) == (mask is not None)
+        and key != last.parent  # would close a loop (a block of the run is live: no REPORT)
     ):
         last.hashes.append(key)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import NoReturn
 
 from indexer.batch import ActionType, Batch, BlockKey, CacheSpec, Tier
@@ -79,7 +80,8 @@ def worker_name_problem(field: str, value: str) -> str | None:
 def validate_batch(batch: Batch) -> None:
     """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2),
     plus kvplane's own on the worker's names (`worker_name_problem`). In SGLang's order: the
-    worker id, the batch's size (actions, then hashes), then each action's own rules.
+    worker id, the batch's size (actions, then hashes), then each action's own rules, then
+    the parents each REPORT states (no block its own parent, no chain that loops).
 
     On every apply's path: the hash total, then one pass, each action unpacked once; the error
     message (and the action's position in it) is worked out only for a batch that fails."""
@@ -107,6 +109,7 @@ def validate_batch(batch: Batch) -> None:
             ValidationKind.RESOURCE_EXHAUSTED,
             f"{num_hashes} hashes in one batch; at most {MAX_HASHES_PER_REQUEST}",
         )
+    looping = None  # the first REPORT whose chain loops
     for action in actions:
         kind, tier, hashes, masks, sizes, _parent, _copies = action
         if kind not in _ACTION_VALUES:
@@ -137,6 +140,14 @@ def validate_batch(batch: Batch) -> None:
             sizes and (min(sizes) < 0 or max(sizes) > MAX_UINT32)
         ):
             _range_error(actions.index(action), "component_masks and block_sizes must be uint32")
+        if (
+            looping is None
+            and kind == _REPORT
+            and ((_parent is not None and _parent in hashes) or (n > 1 and len(set(hashes)) != n))
+        ):
+            looping = action
+    if looping is not None:  # after every action's shape, as SGLang's backend checks parents
+        _chain_error(actions.index(looping), looping[2], looping[5])
 
 
 def _shape_error(i: int, n: int, num_masks: int, num_sizes: int) -> NoReturn:
@@ -145,6 +156,16 @@ def _shape_error(i: int, n: int, num_masks: int, num_sizes: int) -> NoReturn:
     if num_masks and num_masks != n:
         raise _invalid(f"action {i}: {num_masks} component_masks for {n} hashes")
     raise _invalid(f"action {i}: {num_sizes} block_sizes for {n} hashes")
+
+
+def _chain_error(i: int, hashes: Sequence[BlockKey], parent: BlockKey | None) -> NoReturn:
+    """A REPORT whose own chain loops (SGLang's indexer refuses both, with these words): a
+    block stated as its own parent (the parent is hashes[0], or a hash repeats the one before
+    it), or one stated as the child of a block that descends from it (the parent, or a
+    repeated hash, further down the chain)."""
+    if parent == hashes[0] or any(a == b for a, b in pairwise(hashes)):
+        raise _invalid(f"action {i}: block hash cannot be its own parent")
+    raise _invalid(f"action {i}: report would create a parent cycle")
 
 
 def _range_error(i: int, rule: str) -> NoReturn:

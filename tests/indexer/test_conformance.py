@@ -280,8 +280,14 @@ async def test_legacy_worker_with_component_data_fails_closed(backend: IndexBack
     await apply(backend, "w", report(HBM, [1, 2, 3], masks=[0, 1, 0]))
     await apply(backend, "v", report(HBM, [1, 2, 3]))
     assert prefix_pairs(await backend.match_prefix([1, 2, 3], 0)) == [("v", 3)]
-    # Only blocks scanned count: a mask past the worker's first gap does not poison it.
-    await apply(backend, "x", report(HBM, [1]), report(HBM, [3], masks=[1]))
+    # A mask past the worker's first gap poisons it too (SGLang's indexer scans the whole
+    # window), whichever tier holds it and however far the other workers' runs go.
+    await apply(backend, "x", report(HBM, [1]), report(DRAM, [3], masks=[1]))
+    assert await prefix_of(backend, "x", [1, 2, 3]) == 0
+    await apply(backend, "u", report(HBM, [1, 2, 3]), report(HBM, [9], masks=[1]))
+    assert await prefix_of(backend, "u", [1, 2, 3, 4, 9]) == 0
+    # One whose component data was revoked is legacy again, the index's answer its run.
+    await apply(backend, "x", revoke(DRAM, [3]))
     assert await prefix_of(backend, "x", [1, 2, 3]) == 1
     # Any non-zero mask is component detail, bits this revision does not define included.
     await apply(backend, "z", report(HBM, [1, 2], masks=[0, 1 << 8]))
@@ -551,9 +557,10 @@ async def test_prefix_by_tier_token_view_fails_closed_as_the_legacy_rule_does(
 ) -> None:
     """A worker without a cache spec that reports component data on a block of its prefix
     gets 0 from MatchExternalKvPrefix (the seed's legacy rule fails closed); the token view
-    (MatchTokens, the controller's routing) gives it no more, on any tier. A mask beyond the
-    scanned prefix (past the worker's first gap, or past max_blocks) poisons nothing, as in
-    the seed's rule; one on a block held only on SSD does, as the seed's scan reads SSD."""
+    (MatchTokens, the controller's routing) gives it no more, on any tier. A mask past the
+    worker's first gap poisons it too, as SGLang's indexer scans the whole window; one past
+    max_blocks poisons nothing; one on a block held only on SSD does, as the seed's scan reads
+    SSD."""
     await apply(backend, "masked", report(HBM, [1, 2, 3], masks=[0, FULL, 0]))
     await apply(backend, "plain", report(HBM, [1, 2, 3]))
     await apply(backend, "past_gap", report(HBM, [1]), report(HBM, [3], masks=[FULL]))
@@ -561,14 +568,11 @@ async def test_prefix_by_tier_token_view_fails_closed_as_the_legacy_rule_does(
     view = await backend.match_prefix_by_tier([1, 2, 3], 0)
     assert [(m.worker_id, m.matched_blocks, [t.tier for t in m.tiers]) for m in view] == [
         ("plain", 3, [HBM]),
-        ("past_gap", 1, [HBM]),
         ("masked", 0, []),
         ("on_ssd", 0, []),
+        ("past_gap", 0, []),
     ]
-    assert prefix_pairs(await backend.match_prefix([1, 2, 3], 0)) == [
-        ("plain", 3),
-        ("past_gap", 1),
-    ]
+    assert prefix_pairs(await backend.match_prefix([1, 2, 3], 0)) == [("plain", 3)]
     capped = await backend.match_prefix_by_tier([1, 2, 3], 2)
     assert [(m.worker_id, m.matched_blocks) for m in capped] == [
         ("on_ssd", 2),

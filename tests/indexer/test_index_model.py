@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
-from indexer.index import PrefixIndex
+from indexer.index import IndexRequestError, PrefixIndex
 
 TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 SERVABLE = (1 << Tier.HBM) | (1 << Tier.DRAM)
@@ -130,14 +131,16 @@ class Model:
     def prefix(self, wid: str, hashes: list[BlockKey]) -> int:
         spec = self.info[wid][1]
         if spec is None:
-            n = 0
+            # Leading blocks held on any tier; 0 with component data on any block of the
+            # window, past the first gap too.
+            n, gap = 0, False
             for key in hashes:
                 held = self.tiers_of(wid, key)
-                if not held:
-                    break
                 if any(held.values()):
                     return 0
-                n += 1
+                gap = gap or not held
+                if not gap:
+                    n += 1
             return n
         if spec.components == 0 or spec.version > 1:
             return 0
@@ -260,7 +263,12 @@ class IndexMachine(RuleBasedStateMachine):
             parent,
             copies,
         )
-        self._apply(Batch(wid, (action,), self._address(wid), 0, self._spec(wid)))
+        batch = Batch(wid, (action,), self._address(wid), 0, self._spec(wid))
+        if parent in chain:  # the chain would loop: refused, nothing changes
+            with pytest.raises(IndexRequestError, match="parent"):
+                self.index.apply(batch)
+            return
+        self._apply(batch)
 
     @rule(
         wid=workers, tier=tiers, hashes=st.lists(keys, min_size=1, max_size=4), copies=st.booleans()

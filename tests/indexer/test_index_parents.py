@@ -99,3 +99,17 @@ def test_chains_stored_a_block_at_a_time_compact_into_one_log_entry_each() -> No
     list(index.snapshot())  # compacts the log
     assert len(index._workers["w"].log) == 8
     assert [index.parent(keys[-1]) for keys in chains] == [keys[-2] for keys in chains]
+
+
+def test_a_cycle_closed_across_batches_survives_a_snapshot_round_trip() -> None:
+    """One REPORT cannot close a parent cycle (validate_batch refuses it, as SGLang's indexer
+    does); REPORTs of two batches can, and the snapshot states it in two REPORTs, split at the
+    parent, so a rebuild takes it and holds every parent as stated."""
+    index = PrefixIndex()
+    report(index, "w", [1, 2, 3])
+    report(index, "w", [1], parent=3)  # 1 -> 3 -> 2 -> 1
+    rebuilt = PrefixIndex()
+    for batch in index.snapshot():
+        rebuilt.apply(batch)
+    assert [rebuilt.parent(k) for k in (1, 2, 3)] == [index.parent(k) for k in (1, 2, 3)]
+    assert [index.parent(k) for k in (1, 2, 3)] == [3, 1, 2]

@@ -65,6 +65,7 @@ def actions(draw: st.DrawFn) -> Action:
     copies = draw(st.booleans())
     if kind == ActionType.REVOKE:
         return Action(kind, tier, hashes, copies=copies)
+    hashes = tuple(dict.fromkeys(hashes))  # a REPORT's chain may not loop (validate_batch)
     n = len(hashes)
     masks = draw(
         st.one_of(st.just(()), st.lists(st.sampled_from([0, 1, 3, 7]), min_size=n, max_size=n))
@@ -73,6 +74,8 @@ def actions(draw: st.DrawFn) -> Action:
         st.one_of(st.just(()), st.lists(st.sampled_from([0, 16, 32]), min_size=n, max_size=n))
     )
     parent = draw(st.one_of(st.none(), keys))
+    if parent in hashes:
+        parent = None
     return Action(kind, tier, hashes, tuple(masks), tuple(sizes), parent, copies)
 
 

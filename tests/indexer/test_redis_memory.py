@@ -346,6 +346,8 @@ def _random_batch(rng: random.Random, worker: str) -> Batch:
             masks = tuple(rng.randint(0, 3) for _ in keys) if rng.random() < 0.3 else ()
             sizes = (16,) * len(keys) if rng.random() < 0.5 else ()
             parent = rng.choice((None, rng.randint(1, 30)))
+            if parent in keys:  # a REPORT's chain may not loop (validate_batch refuses it)
+                parent = None
             copies = rng.random() < 0.3
             actions.append(Action(ActionType.REPORT, tier, keys, masks, sizes, parent, copies))
         elif roll < 0.93:

@@ -142,6 +142,46 @@ async def test_apply_validation_status_codes_and_nothing_changes(
 
 
 @pytest.mark.parametrize(
+    ("actions", "details"),
+    [
+        ([_report(HBM, [7], parent_block_hash=7)], "action 1: block hash cannot be its own parent"),
+        ([_report(HBM, [5, 6, 6])], "action 1: block hash cannot be its own parent"),
+        (
+            [_report(HBM, [5, 6], parent_block_hash=6)],
+            "action 1: report would create a parent cycle",
+        ),
+        ([_report(HBM, [5, 6, 8, 5])], "action 1: report would create a parent cycle"),
+        # Parents are checked after every action's shape, as SGLang's indexer orders them.
+        (
+            [_report(HBM, [7], parent_block_hash=7), _report(HBM, [1, 2], component_masks=[1])],
+            "action 2: 1 component_masks for 2 hashes",
+        ),
+    ],
+    ids=[
+        "parent-is-head",
+        "hash-repeats-its-parent",
+        "parent-down-the-chain",
+        "chain-loops",
+        "order",
+    ],
+)
+async def test_a_report_whose_chain_loops_is_refused_and_nothing_changes(
+    served_backend: ServedBackend, actions: list[kv.ExternalKvAction], details: str
+) -> None:
+    """SGLang's indexer refuses a block stated as its own parent or a REPORT that closes a
+    parent cycle (INVALID_ARGUMENT); the whole batch, a valid action before it included."""
+    request_ = _batch(_report(HBM, [424242]), *actions)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served_backend.stub.ApplyExternalKvBatch(request_)
+    assert (info.value.code(), info.value.details()) == (INVALID, details)
+    assert (await served_backend.stats()).num_placements == 0
+    # A REVOKE's hashes may repeat: it states no parent.
+    await served_backend.stub.ApplyExternalKvBatch(
+        _batch(kv.ExternalKvAction(type=REVOKE, tier=HBM, hashes=[5, 5]))
+    )
+
+
+@pytest.mark.parametrize(
     ("request_", "details"),
     [
         (
