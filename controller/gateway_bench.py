@@ -10,6 +10,7 @@ controller's fleet) is timed in the same rounds: the floor of any Python gRPC ho
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import tempfile
 import time
@@ -19,6 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from controller.gateway_timing import time_gateway_pairs, wait_routable
+from kvplane.child_signals import signal_child
 from kvplane.cli_common import OutputFormat, OutputOption, emit
 from kvplane.errors import KvplaneError
 
@@ -65,7 +67,7 @@ async def _start_relay(target: str, workdir: Path) -> tuple[asyncio.subprocess.P
     deadline = time.monotonic() + RELAY_START_TIMEOUT_S
     while not (port_file.exists() and (port := port_file.read_text().strip())):
         if proc.returncode is not None or time.monotonic() > deadline:
-            proc.kill()
+            signal_child(proc, signal.SIGKILL)
             raise KvplaneError(f"the bare relay did not start (see {log_path})")
         await asyncio.sleep(0.05)
     return proc, f"127.0.0.1:{port}"
@@ -103,7 +105,7 @@ async def _gateway_overhead(
             )
         finally:
             if relay_proc is not None and relay_proc.returncode is None:
-                relay_proc.terminate()
+                signal_child(relay_proc, signal.SIGTERM)
                 async with asyncio.timeout(30):
                     await relay_proc.wait()
             await fleet.stop()

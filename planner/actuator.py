@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Protocol
 import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
+from kvplane.child_signals import signal_child
 from kvplane.errors import KvplaneError
 from kvplane.process_exit import exit_how, log_tail
 from kvplane.up.member import member_environment
@@ -264,8 +266,7 @@ class LocalProcesses:
         (`close` waits for every stop under way)."""
         process = await self._forget(address)
         if process is not None:
-            if process.returncode is None:
-                process.terminate()
+            signal_child(process, signal.SIGTERM)
             task = asyncio.create_task(_exited(process))
             self._stopping.add(task)
             task.add_done_callback(self._stopping.discard)
@@ -274,8 +275,7 @@ class LocalProcesses:
         # SIGKILL: a hung process may never handle SIGTERM (a SIGSTOPped one holds it pending).
         process = await self._forget(address)
         if process is not None:
-            if process.returncode is None:
-                process.kill()
+            signal_child(process, signal.SIGKILL)
             await process.wait()
 
     async def _forget(self, address: str) -> asyncio.subprocess.Process | None:
@@ -338,8 +338,7 @@ def _read_port(path: Path) -> int | None:
 
 
 async def _terminate(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.terminate()
+    signal_child(process, signal.SIGTERM)
     await _exited(process)
 
 
@@ -349,5 +348,5 @@ async def _exited(process: asyncio.subprocess.Process) -> None:
         async with asyncio.timeout(_STOP_GRACE_S):
             await process.wait()
     except TimeoutError:
-        process.kill()
+        signal_child(process, signal.SIGKILL)
         await process.wait()

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from kvplane.child_signals import signal_child
 from tests.processes import DEFAULT_SIGNALS
 
 
@@ -35,11 +36,11 @@ async def interrupted(
     )
     try:
         await ready(process)
-        process.send_signal(signal.SIGINT)
+        signal_child(process, signal.SIGINT)
         stdout, stderr = await process.communicate()
     finally:
         if process.returncode is None:
-            process.kill()
+            signal_child(process, signal.SIGKILL)
             await process.wait()
     assert process.returncode is not None
     return Interrupted(process.returncode, stdout.decode(), stderr.decode())

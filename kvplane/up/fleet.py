@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.registry import EngineState
 from kvplane.channels import ClientChannels
+from kvplane.child_signals import signal_child
 from kvplane.config import parse_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.process_exit import exit_how, log_tail
@@ -392,8 +393,7 @@ class Fleet:
         process = member.process
         if process is None or process.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
+        signal_child(process, signal.SIGTERM)
         kill_at = min(deadline, asyncio.get_running_loop().time() + self.config.stop_timeout_s)
         try:
             async with asyncio.timeout_at(kill_at):
