@@ -148,7 +148,7 @@ class AdminServicer(apb_grpc.AdminServicer):
     ) -> AsyncIterator[pb.DrainResponse]:
         fleet = self.controller.fleet
         try:
-            record = fleet.registry.get(request.engine)
+            record = await self.controller.membership.find(request.engine)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         # Out of routing now, not at the next health poll.

@@ -459,6 +459,10 @@ class Fleet:
         # an engine never ends up holding an adapter the fleet just unloaded.
         self.lora_intent = LoraIntent()
         self.lora_changes = asyncio.Lock()
+        # The last listing of every engine's adapters for a request naming one none was known
+        # to hold (`relist_loras`), shared by the requests that come while it runs.
+        self._relisting: asyncio.Task[None] | None = None
+        self._relisted_s = float("-inf")
         self._mixed_block_sizes = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
@@ -704,6 +708,8 @@ class Fleet:
         return source.counters if source is not None else None
 
     async def close(self) -> None:
+        if self._relisting is not None:
+            self._relisting.cancel()
         for task in self._removals:
             task.cancel()
         if self._removals:
@@ -791,6 +797,11 @@ class Fleet:
         records = self.registry.routable(
             model or None, role, lora_name, cordoned=cordoned, generating=True
         )
+        if lora_name and not records:
+            await self.relist_loras()
+            records = self.registry.routable(
+                model or None, role, lora_name, cordoned=cordoned, generating=True
+            )
         if lora_name and not records:
             # Only engines holding the adapter may take the request: say why there is none.
             self.registry.check_lora(lora_name, model or None)
@@ -1358,6 +1369,31 @@ class Fleet:
             log.info("engine %s: LoRA adapters not read again: %s", address, exc.code().name)
             return
         self.learn_loras(address, _names(adapters), listed_at, self._lora_conflicts(adapters))
+
+    async def relist_loras(self) -> None:
+        """Read every routable engine's adapters again (ListLoras, as `refresh_loras`): a
+        request names an adapter that no engine taking it is known to hold. It may have been
+        loaded since this controller last listed them, through another controller replica
+        behind the same load balancer (whose LoadLora reaches the engines, not this replica)
+        or on an engine directly; without a listing the request would be refused NOT_FOUND
+        here while another replica routes it. At most one listing per
+        `health.poll_interval_s`, shared by the requests that come while it runs, so that
+        requests naming an adapter no engine holds do not each list the whole fleet."""
+        if self._relisting is None:
+            if self._clock() - self._relisted_s < self.config.health.poll_interval_s:
+                return
+            self._relisted_s = self._clock()
+            addresses = [r.address for r in self.registry.routable() if r.lora_adapters is not None]
+            self._relisting = asyncio.create_task(self._relist(addresses), name="LoRA relisting")
+            self._relisting.add_done_callback(self._relisted)
+        await asyncio.shield(self._relisting)
+
+    async def _relist(self, addresses: list[str]) -> None:
+        await asyncio.gather(*(self.refresh_loras(a) for a in addresses))
+
+    def _relisted(self, task: asyncio.Task[None]) -> None:
+        self._relisting = None
+        self._relisted_s = self._clock()
 
     async def _list_loras(
         self, engine: _Engine, identity: EngineIdentity

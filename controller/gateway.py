@@ -597,6 +597,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         registry = c.fleet.registry
         model = task_context.model
         capable = self._capable(task, task_context)
+        if not capable and task_context.lora_name:
+            # (Loaded through another controller replica since this one listed the engines'
+            # adapters, perhaps: `Fleet.relist_loras`.)
+            await c.fleet.relist_loras()
+            capable = self._capable(task, task_context)
         if capable:
             if c.sheds_load:
                 try:

@@ -7,8 +7,9 @@ others sending the engine traffic. With `index.backend` on Redis every change is
 the partition's membership hash (`<key_prefix>:{<model>:0}:fm`, docs/redis.md) before the
 replica applies it, and every replica reads the hash when it starts and at every
 `health.poll_interval_s`, applying what changed: a change made through any replica reaches
-the others within a poll interval. A call whose change Redis does not take is refused
-(UNAVAILABLE) and changes nothing, so the hash never misses what a replica applied.
+the others within a poll interval. A change reads the hash first (`_catch_up`): the call
+before it may have landed on another replica. A call whose change Redis does not take is
+refused (UNAVAILABLE) and changes nothing, so the hash never misses what a replica applied.
 
 The hash's fields: `a:<address>` an engine registered through the admin API (its `kv_events`
 mode; RegisterEngine takes no `array_tail`: every replica chooses the engine's from its
@@ -42,7 +43,7 @@ from redis.exceptions import RedisError
 
 from controller.config import ControllerConfig
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, ThrottledWarning
-from controller.registry import DuplicateEngineError, EngineRecord
+from controller.registry import DuplicateEngineError, EngineRecord, UnknownEngineError
 from indexer.redis_client import Client, RedisOptions, connect, stop_if_cancelled
 from kvplane.errors import KvplaneError
 
@@ -101,6 +102,9 @@ class Membership:
 
     async def register(self, address: str, kv_events: str, owner: str = "") -> EngineRecord:
         async with self._lock:
+            removals = await self._catch_up()
+            if address in removals:  # removed through another replica since the last read
+                await asyncio.shield(removals[address])
             record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
             fields = {_REGISTERED + address: kv_events}
             deleted = [_REMOVED + address]
@@ -117,6 +121,7 @@ class Membership:
 
     async def remove(self, key: str) -> EngineRecord:
         async with self._lock:
+            await self._catch_up()
             record = self.fleet.registry.get(key)
             address = record.address
             # An engine of the config, even one registered again since its last removal (its
@@ -134,6 +139,7 @@ class Membership:
 
     async def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
         async with self._lock:
+            await self._catch_up()
             record = self.fleet.registry.get(key)
             field = _CORDONED + record.address
             if cordoned:
@@ -141,6 +147,36 @@ class Membership:
             else:
                 await self._write({}, [field])
             return self.fleet.registry.set_cordoned(record.address, cordoned)
+
+    async def find(self, key: str) -> EngineRecord:
+        """The engine `key` names (address or instance id), read from the shared membership
+        first when this replica does not know it: registered through another replica since
+        this one's last read, it is one the caller may drain already."""
+        try:
+            return self.fleet.registry.get(key)
+        except UnknownEngineError:
+            if self._client is None:
+                raise
+        with contextlib.suppress(MembershipUnavailableError):  # (then unknown as it was)
+            async with self._lock:
+                await self._catch_up()
+        return self.fleet.registry.get(key)
+
+    async def _catch_up(self) -> dict[str, asyncio.Task[None]]:
+        """Before a change (under the lock): take what the shared membership says now, so
+        that the change is made to the fleet every replica has, not to this replica's view
+        of up to a poll interval ago. Without it a call landing on another replica than the
+        one before it (each CLI call is a connection of its own behind a load balancer) acted
+        on a stale view: `register` then `cordon` X got NOT_FOUND; `remove` then `register` X
+        got ALREADY_EXISTS, and X then left every replica at the next read; a cordon of an
+        engine removed meanwhile stayed in the hash, cordoning X registered again later.
+        Returns the removals it began, by address."""
+        if self._client is None:
+            return {}
+        try:
+            return await self._update()
+        except (RedisError, OSError) as exc:
+            raise _unavailable(exc) from exc
 
     def _in_config(self, address: str) -> bool:
         return any(e.address == address for e in self._config.engines)
@@ -160,10 +196,7 @@ class Membership:
                     pipe.hdel(self._key, *deleted)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise MembershipUnavailableError(
-                f"the fleet's membership, shared by the controller replicas, is kept in Redis, "
-                f"which did not take the change (nothing changed; retry): {exc}"
-            ) from exc
+            raise _unavailable(exc) from exc
 
     # ---- the other replicas' changes ----
 
@@ -184,25 +217,29 @@ class Membership:
 
     async def refresh(self) -> None:
         """Read the shared membership and apply what differs here."""
-        assert self._client is not None
         async with self._lock:
+            await self._update()
+
+    async def _update(self) -> dict[str, asyncio.Task[None]]:
+        """`refresh` under the lock; returns the removals it began, by address."""
+        assert self._client is not None
+        fields = await self._read()
+        generation = fields.get(_MARKER)
+        if generation is None or (self._generation is not None and generation != self._generation):
+            await self._write_back()
             fields = await self._read()
-            generation = fields.get(_MARKER)
-            if generation is None or (
-                self._generation is not None and generation != self._generation
-            ):
-                await self._write_back()
-                fields = await self._read()
-            self._generation = fields.get(_MARKER)
-            await self._apply(fields)
+        self._generation = fields.get(_MARKER)
+        return await self._apply(fields)
 
     async def _read(self) -> dict[str, str]:
         assert self._client is not None
         raw = await self._client.hgetall(self._key)
         return {_text(k): _text(v) for k, v in raw.items()}
 
-    async def _apply(self, fields: dict[str, str]) -> None:
+    async def _apply(self, fields: dict[str, str]) -> dict[str, asyncio.Task[None]]:
+        """Take the hash's `fields` here; returns the removals begun, by address."""
         registry = self.fleet.registry
+        removals: dict[str, asyncio.Task[None]] = {}
         registered = {
             f.removeprefix(_REGISTERED): mode for f, mode in fields.items() if f[:2] == _REGISTERED
         }
@@ -214,7 +251,7 @@ class Membership:
             )
             if gone:
                 log.info("engine %s removed through another controller replica", record.address)
-                self.fleet.begin_removal(record.address)
+                removals[record.address] = self.fleet.begin_removal(record.address)[1]
         for address, mode in registered.items():
             owner = fields.get(_OWNER + address, "")
             known = registry.by_engine_id(address)
@@ -231,6 +268,7 @@ class Membership:
             cordoned = _CORDONED + record.address in fields
             if record.cordoned != cordoned:
                 registry.set_cordoned(record.address, cordoned)
+        return removals
 
     async def _write_back(self) -> None:
         """Redis lost the hash (or another replica wrote it back since this one's last read):
@@ -247,6 +285,13 @@ class Membership:
             {_REMOVED + e.address: "1" for e in self._config.engines if e.address not in present}
         )
         await self._write(fields, [])
+
+
+def _unavailable(exc: Exception) -> MembershipUnavailableError:
+    return MembershipUnavailableError(
+        f"the fleet's membership, shared by the controller replicas, is kept in Redis, which "
+        f"did not take the change (nothing changed; retry): {exc}"
+    )
 
 
 def _text(value: bytes | str) -> str:

@@ -32,9 +32,11 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import ForwardingLora, FrontedEngine, start_fronted_engine
+from tests.controller.test_controller_replicas import close_replica, shared_index
 from tests.controller.test_gateway_scripted import outcomes
 from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
+from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -666,3 +668,31 @@ async def test_a_refresh_does_not_undo_an_unload_the_fleet_service_re_applied_me
         e1.servicer.released.set()
         e1.servicer.listing_released.set()
         await close_fleet(fleet)
+
+
+async def test_an_adapter_loaded_through_one_controller_replica_is_routed_by_the_other(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """Two replicas behind one load balancer: a LoadLora lands on a, which loads x on every
+    engine; b, which listed the engines' adapters before, routes a request naming x (before,
+    b refused it NOT_FOUND "no engine has LoRA adapter 'x' loaded", for good: nothing made
+    b list the adapters again), and still refuses a name no engine holds."""
+    engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(2)]
+    a = await make_fleet(engines=engines, index=shared_index(redis))
+    b = await make_fleet(engines=engines, index=shared_index(redis))
+    try:
+        await eventually(lambda: listed(a), 15, "a to list the engines' adapters")
+        await eventually(lambda: listed(b), 15, "b to list the engines' adapters")
+        await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, "x", 1)))
+        assert await generate(a, "through-a", "x") == "finished"
+        assert await generate(b, "through-b", "x") == "finished"
+        assert (await generate(b, "unknown", "y")).startswith("NOT_FOUND")
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+
+
+async def listed(fleet: Fleet) -> bool:
+    """Whether the replica has listed every engine's adapters (it knows they hold none)."""
+    records = fleet.app.controller.fleet.registry.records()
+    return all(r.lora_adapters is not None for r in records)

@@ -286,3 +286,43 @@ async def test_a_change_redis_does_not_take_is_refused_and_changes_nothing(
     finally:
         await close_fleet(a)
         await engine.close()
+
+
+async def test_admin_calls_landing_on_a_replica_that_has_not_read_the_change_before_them_act_on_it(
+    redis: RedisServer,
+) -> None:
+    """Each `kvplane admin` call is a connection of its own, which the load balancer may send
+    to another replica than the call before: one that has not read the membership since
+    (here: never unless told; live, up to `health.poll_interval_s`). Registered through a,
+    the engine is cordoned, drained and removed through b; removed through a, it is
+    registered again through b, and stays registered on both. Before, b answered NOT_FOUND
+    to the cordon and the drain, and ALREADY_EXISTS to the registration, after which both
+    replicas dropped the engine at their next read."""
+    a: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
+    b: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        assert (await b.admin.Cordon(apb.EngineRef(engine=address))).cordoned
+        await a.app.controller.membership.refresh()
+        assert (await workers(a))[address].cordoned
+
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await b.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        for replica in a, b:
+            await replica.app.controller.membership.refresh()
+            assert not (await workers(replica))[address].cordoned
+
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await eventually(lambda: routes_to(a, address), 20, "a to route to the engine")
+        drained = b.admin.DrainEngine(apb.DrainEngineRequest(engine=address))
+        assert [r.state async for r in drained][-1] == pb.DRAIN_STATE_COMPLETE
+        await b.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await a.app.controller.membership.refresh()
+        assert await workers(a) == {}
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+        await engine.close()
