@@ -1,4 +1,5 @@
-"""The controller's router settings reach the router that decides."""
+"""The controller's router settings reach the router that decides; a value of the wrong type
+in any controller setting is an error naming its key."""
 
 from __future__ import annotations
 
