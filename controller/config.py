@@ -28,7 +28,15 @@ from indexer.config import (
     WriterLeaseSeconds,
 )
 from indexer.zmq_decode import ArrayTail
-from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_dial_target
+from kvplane.config import (
+    ClientTlsConfig,
+    ServerConfig,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictModel,
+    parse_dial_target,
+)
 
 _DEFAULT_WEIGHTS = KvplaneWeights()
 _DEFAULT_BUSY = BusyThresholds()
@@ -126,62 +134,64 @@ class IndexConfig(StrictModel):
 class RouterConfig(StrictModel):
     policy: str = "kvplane"
     # The `kvplane` cost (controller.router.policies.KvplaneWeights).
-    overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.overlap_weight, ge=0)
-    idle_overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.idle_overlap_weight, ge=0)
+    overlap_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.overlap_weight, ge=0)
+    idle_overlap_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.idle_overlap_weight, ge=0)
     # 0 disables the knee (the queue costs its length).
-    queue_knee: float = Field(default=_DEFAULT_WEIGHTS.queue_knee, ge=0)
+    queue_knee: StrictFloat = Field(default=_DEFAULT_WEIGHTS.queue_knee, ge=0)
     # 0 = a flat decode_weight per active request.
-    pass_tokens: float = Field(default=_DEFAULT_WEIGHTS.pass_tokens, ge=0)
-    pass_decodes: int = Field(default=_DEFAULT_WEIGHTS.pass_decodes, ge=0)
-    host_weight: float = Field(default=_DEFAULT_WEIGHTS.host_weight, ge=0)
-    decode_weight: float = Field(default=_DEFAULT_WEIGHTS.decode_weight, ge=0)
-    tie_tokens: float = Field(default=_DEFAULT_WEIGHTS.tie_tokens, ge=0)
-    tie_ratio: float = Field(default=_DEFAULT_WEIGHTS.tie_ratio, ge=0)
-    temperature: float = Field(default=_DEFAULT_WEIGHTS.temperature, ge=0)
+    pass_tokens: StrictFloat = Field(default=_DEFAULT_WEIGHTS.pass_tokens, ge=0)
+    pass_decodes: StrictInt = Field(default=_DEFAULT_WEIGHTS.pass_decodes, ge=0)
+    host_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.host_weight, ge=0)
+    decode_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.decode_weight, ge=0)
+    tie_tokens: StrictFloat = Field(default=_DEFAULT_WEIGHTS.tie_tokens, ge=0)
+    tie_ratio: StrictFloat = Field(default=_DEFAULT_WEIGHTS.tie_ratio, ge=0)
+    temperature: StrictFloat = Field(default=_DEFAULT_WEIGHTS.temperature, ge=0)
     # A backlogged fleet (every queue at least backlog_tokens prefill tokens) keeps prefixes
     # at backlog_overlap_weight; 0 turns it off.
-    backlog_tokens: float = Field(default=_DEFAULT_WEIGHTS.backlog_tokens, ge=0)
-    backlog_overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.backlog_overlap_weight, ge=0)
+    backlog_tokens: StrictFloat = Field(default=_DEFAULT_WEIGHTS.backlog_tokens, ge=0)
+    backlog_overlap_weight: StrictFloat = Field(
+        default=_DEFAULT_WEIGHTS.backlog_overlap_weight, ge=0
+    )
     # An engine whose prefill wait is more than this many tokens longer than the quickest
     # engine's is not chosen, whatever it holds; 0 turns it off.
-    patience_tokens: float = Field(default=_DEFAULT_WEIGHTS.patience_tokens, ge=0)
+    patience_tokens: StrictFloat = Field(default=_DEFAULT_WEIGHTS.patience_tokens, ge=0)
     # What each token of KV an engine cannot hold for the request costs; 0 turns it off.
-    memory_weight: float = Field(default=_DEFAULT_WEIGHTS.memory_weight, ge=0)
+    memory_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.memory_weight, ge=0)
     # `kvplane` skips busy engines (controller.router.router.BusyThresholds): KV usage or
     # queued requests at these thresholds, while at most busy_max_fraction of them are busy.
-    busy_kv_usage: float | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
-    busy_queued_requests: int | None = Field(default=_DEFAULT_BUSY.queued_requests, gt=0)
-    busy_max_fraction: float = Field(default=_DEFAULT_BUSY.max_busy_fraction, ge=0, le=1)
+    busy_kv_usage: StrictFloat | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
+    busy_queued_requests: StrictInt | None = Field(default=_DEFAULT_BUSY.queued_requests, gt=0)
+    busy_max_fraction: StrictFloat = Field(default=_DEFAULT_BUSY.max_busy_fraction, ge=0, le=1)
     # Load shedding, for every policy: a new request whose every candidate engine is busy by
     # the thresholds above (busy_max_fraction aside) is refused with RESOURCE_EXHAUSTED, for
     # the client to retry later, rather than queued on the least loaded of them. Off: queued.
-    reject_when_all_busy: bool = False
+    reject_when_all_busy: StrictBool = False
     # Requests whose metadata has this key stick to the engine that served the same value.
     session_metadata_key: str | None = None
     # How long blocks just routed count as held before the engine's events arrive (and in any
     # case until the request's first token).
-    pending_ttl_s: float = Field(default=10.0, ge=0)
+    pending_ttl_s: StrictFloat = Field(default=10.0, ge=0)
     # Engines with `kv_events: approximate` (no KV events): each prompt routed to one counts
     # as cached there this long after the last request routed through its blocks, its least
     # recently routed blocks dropped first past the engine's KV capacity
     # (controller.router.router.PendingPrefixes, APPROXIMATE_TTL_S).
-    approximate_ttl_s: float = Field(default=APPROXIMATE_TTL_S, gt=0)
+    approximate_ttl_s: StrictFloat = Field(default=APPROXIMATE_TTL_S, gt=0)
     # Disaggregated fleets: a decode engine that already holds this fraction of a prompt
     # prefills it itself, skipping the prefill hop. None (default): always hop, since the
     # seed's DECODE engines take requests that carry a KV session; set it (e.g. 0.9) for decode
     # engines that also prefill locally.
-    skip_prefill_ratio: float | None = Field(default=None, gt=0, le=1)
+    skip_prefill_ratio: StrictFloat | None = Field(default=None, gt=0, le=1)
     # Seed of the router's randomness (ties, power of two); None = from the OS.
-    seed: int | None = None
+    seed: StrictInt | None = None
     # Controller replicas behind one load balancer, sharing an index on Redis: each tells the
     # others what it routes (on a pub/sub channel of that Redis), so each routes knowing the
     # whole fleet's requests in flight and sticks a session to one engine through any of them
     # (controller.replica_sync). Needs index.backend redis.
-    replica_sync: bool = False
+    replica_sync: StrictBool = False
     # A replica publishes at least this often (a beat when it routes nothing); one not heard
     # from for replica_timeout_s has its requests released.
-    replica_heartbeat_s: float = Field(default=1.0, gt=0)
-    replica_timeout_s: float = Field(default=5.0, gt=0)
+    replica_heartbeat_s: StrictFloat = Field(default=1.0, gt=0)
+    replica_timeout_s: StrictFloat = Field(default=5.0, gt=0)
 
     @field_validator("policy")
     @classmethod
@@ -226,12 +236,12 @@ class RouterConfig(StrictModel):
 
 
 class HealthConfig(StrictModel):
-    poll_interval_s: float = Field(default=1.0, gt=0)
-    load_poll_interval_s: float = Field(default=0.5, gt=0)
-    rpc_timeout_s: float = Field(default=2.0, gt=0)
+    poll_interval_s: StrictFloat = Field(default=1.0, gt=0)
+    load_poll_interval_s: StrictFloat = Field(default=0.5, gt=0)
+    rpc_timeout_s: StrictFloat = Field(default=2.0, gt=0)
     # Unreachable engines are retried after backoff_initial_s, doubling up to backoff_max_s.
-    backoff_initial_s: float = Field(default=0.5, gt=0)
-    backoff_max_s: float = Field(default=30.0, gt=0)
+    backoff_initial_s: StrictFloat = Field(default=0.5, gt=0)
+    backoff_max_s: StrictFloat = Field(default=30.0, gt=0)
     # An engine unreachable this long (its polls unanswered: a stopped or wedged process, a
     # host gone without a TCP reset; a poll it answers, with an error even, restarts the
     # count) has the gateway's calls to it ended, as if it had left
@@ -239,14 +249,14 @@ class HealthConfig(StrictModel):
     # gateway's error for a lost engine. Long enough to ride out a blip (a GC pause, a
     # congested link); well below clients' deadlines, which would otherwise be what ends
     # them. 0 or null: never (streams wait for the engine or the client's deadline).
-    abandon_streams_after_s: float | None = Field(default=30.0, ge=0)
+    abandon_streams_after_s: StrictFloat | None = Field(default=30.0, ge=0)
     # Outlier ejection (controller/registry.py): an engine whose requests fail this many times
     # in a row (INTERNAL, UNKNOWN, DATA_LOSS) while its health says ready leaves
     # routing for eject_for_s, doubling with each ejection in a row up to eject_max_s; at
     # most half of the fleet at once. 0: never.
-    eject_after_failures: int = Field(default=5, ge=0)
-    eject_for_s: float = Field(default=10.0, gt=0)
-    eject_max_s: float = Field(default=120.0, gt=0)
+    eject_after_failures: StrictInt = Field(default=5, ge=0)
+    eject_for_s: StrictFloat = Field(default=10.0, gt=0)
+    eject_max_s: StrictFloat = Field(default=120.0, gt=0)
     # Hold-down (controller/registry.py): an engine whose health leaves ready (NOT_READY,
     # STARTING, a failed poll) this many times within flap_window_s is held out of routing
     # once it says READY again, until it has said so for hold_down_s (doubling with each
@@ -254,11 +264,11 @@ class HealthConfig(StrictModel):
     # One leave (a restart) comes back at its first READY, as ever. 0: never held down;
     # 1 is refused (every restart would be held down). Never more than half of the fleet
     # is held out (held down or ejected) at once: the rest is routed all the same.
-    hold_down_after_flaps: int = Field(default=3, ge=0)
-    flap_window_s: float = Field(default=60.0, gt=0)
-    hold_down_s: float = Field(default=10.0, gt=0)
-    hold_down_max_s: float = Field(default=300.0, gt=0)
-    hold_down_ready_polls: int = Field(default=3, ge=1)
+    hold_down_after_flaps: StrictInt = Field(default=3, ge=0)
+    flap_window_s: StrictFloat = Field(default=60.0, gt=0)
+    hold_down_s: StrictFloat = Field(default=10.0, gt=0)
+    hold_down_max_s: StrictFloat = Field(default=300.0, gt=0)
+    hold_down_ready_polls: StrictInt = Field(default=3, ge=1)
 
     @model_validator(mode="after")
     def _check_hold_down(self) -> HealthConfig:
@@ -294,7 +304,7 @@ class ControllerConfig(ServerConfig):
     # gateway's LoRA calls run one at a time, so a wedged engine holds the others up this
     # long at most (the wait for its LoRA change in progress included: the wait and the
     # call share it); a restore, off the engine's polls, holds up only the changes to it.
-    lora_timeout_s: float = Field(default=30.0, gt=0)
+    lora_timeout_s: StrictFloat = Field(default=30.0, gt=0)
     # tokenizer.json of each model (by the model name requests carry), used to tokenise its
     # text prompts for routing (controller/tokenizers.py).
     tokenizers: dict[str, Path] = Field(default_factory=dict)
@@ -304,9 +314,9 @@ class ControllerConfig(ServerConfig):
     # Text prompts longer than this many characters are routed by load without tokenising
     # them (the engine still gets the whole prompt): tokenising megabytes takes seconds of
     # CPU, and a prefix that long is rarely what decides where a request is cached.
-    tokenize_max_chars: int = Field(default=1 << 20, ge=0)
+    tokenize_max_chars: StrictInt = Field(default=1 << 20, ge=0)
     # Tokens per block when engines do not report it (GetModelInfo.kv_block_size).
-    default_block_size: int = Field(default=16, gt=0)
+    default_block_size: StrictInt = Field(default=16, gt=0)
 
     @field_validator("index", mode="before")
     @classmethod

@@ -29,7 +29,15 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvplane.config import BIND_WILDCARD_HOSTS, ClientTlsConfig, ServerConfig, StrictModel
+from kvplane.config import (
+    BIND_WILDCARD_HOSTS,
+    ClientTlsConfig,
+    ServerConfig,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictModel,
+)
 from kvplane.errors import ConfigError
 from kvplane.zmq_ip import is_ipv4_wildcard
 
@@ -66,34 +74,34 @@ class SimTimingConfig(StrictModel):
     The coefficients default to the sim runner's own (Dynamo's mocker, in ms).
     """
 
-    time_scale: float = Field(default=1.0, ge=0.0)
-    prefill_ms_coeffs: tuple[float, float, float] | None = None
-    decode_ms_coeffs: tuple[float, float, float] | None = None
-    min_decode_ms: float | None = Field(default=None, ge=0.0)
-    vocab_size: int = Field(default=32000, gt=8)
+    time_scale: StrictFloat = Field(default=1.0, ge=0.0)
+    prefill_ms_coeffs: tuple[StrictFloat, StrictFloat, StrictFloat] | None = None
+    decode_ms_coeffs: tuple[StrictFloat, StrictFloat, StrictFloat] | None = None
+    min_decode_ms: StrictFloat | None = Field(default=None, ge=0.0)
+    vocab_size: StrictInt = Field(default=32000, gt=8)
     # Output token number N (1-based) is the EOS; None: never (dummy tokens avoid EOS).
-    eos_after: int | None = Field(default=None, gt=0)
+    eos_after: StrictInt | None = Field(default=None, gt=0)
 
 
 class KvEventsConfig(StrictModel):
     """Where KV events go besides `SubscribeKvEvents` (always on)."""
 
     # Batches kept for replay (gRPC `start_sequence_number` and the ZMQ replay socket).
-    buffer_steps: int = Field(default=10_000, gt=0)
+    buffer_steps: StrictInt = Field(default=10_000, gt=0)
     # The vLLM-compatible ZMQ PUB (+ replay ROUTER). Off by default.
-    zmq_enabled: bool = False
+    zmq_enabled: StrictBool = False
     # Bind addresses; port `*` picks a free port (the bound one is advertised). Data-parallel
     # rank r binds port + r (an ipc/inproc name + `_dp<r>`), as vLLM does.
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = "tcp://*:5558"
     # None -> `kv@<advertised host:port>@<served model name>`, vLLM fleets' convention.
     topic: str | None = None
-    hwm: int = Field(default=100_000, gt=0)
+    hwm: StrictInt = Field(default=100_000, gt=0)
     # Host put in GetKvEventSources (and in the KV session endpoints of PREFILL/DECODE engines)
     # when the bind host is a wildcard (`*`, 0.0.0.0, ::). None -> the gRPC listen host if it is
     # specific, else this machine's address.
     advertised_host: str | None = None
-    data_parallel_rank: int = Field(default=0, ge=0)
+    data_parallel_rank: StrictInt = Field(default=0, ge=0)
 
     @field_validator("advertised_host")
     @classmethod
@@ -132,9 +140,9 @@ class KvTransferConfig(StrictModel):
 
     # A PREFILL engine releases a session that no decode engine released (nor Abort) this long
     # after its PrefillReady at the latest (10 s after a pull that sent every block).
-    session_ttl_s: float = Field(default=60.0, gt=0.0)
+    session_ttl_s: StrictFloat = Field(default=60.0, gt=0.0)
     # A DECODE engine gives up a pull after this long (UNAVAILABLE).
-    pull_timeout_s: float = Field(default=30.0, gt=0.0)
+    pull_timeout_s: StrictFloat = Field(default=30.0, gt=0.0)
     # The bearer token a DECODE engine presents to prefill engines that have `auth:` (their
     # token); None: none.
     peer_token_file: Path | None = None
@@ -155,13 +163,13 @@ class LoraConfig(StrictModel):
 
     # Off: every LoRA call and a Generate naming an adapter is FAILED_PRECONDITION and
     # ModelInfo says supports_lora false (vLLM serves LoRA only with --enable-lora too).
-    enabled: bool = False
+    enabled: StrictBool = False
     # Adapters loaded at once (LoadLora beyond: RESOURCE_EXHAUSTED). Unlike vLLM's max_loras
     # (adapters per batch, default 1, the rest cached on the CPU), every loaded adapter is
     # resident and any mix of them runs in one step.
-    max_loras: int = Field(default=8, gt=0)
+    max_loras: StrictInt = Field(default=8, gt=0)
     # Highest adapter rank accepted (vLLM's default, 16); above: FAILED_PRECONDITION.
-    max_lora_rank: int = Field(default=16, gt=0)
+    max_lora_rank: StrictInt = Field(default=16, gt=0)
 
 
 class EngineConfig(ServerConfig):
@@ -182,26 +190,26 @@ class EngineConfig(ServerConfig):
     # None -> a fresh id per process (`engine-<hex>`).
     instance_id: str | None = None
 
-    block_size: int = Field(default=16, gt=0)
+    block_size: StrictInt = Field(default=16, gt=0)
     # Exactly one of these may be set; neither -> 1024 blocks.
-    num_kv_blocks: int | None = Field(default=None, gt=0)
-    kv_cache_bytes: int | None = Field(default=None, gt=0)
-    max_num_seqs: int = Field(default=64, gt=0)
-    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    num_kv_blocks: StrictInt | None = Field(default=None, gt=0)
+    kv_cache_bytes: StrictInt | None = Field(default=None, gt=0)
+    max_num_seqs: StrictInt = Field(default=64, gt=0)
+    max_num_batched_tokens: StrictInt = Field(default=2048, gt=0)
     # Admission control: a Generate, Embed, Classify or Score arriving while this many
     # requests are queued (GetLoad's queued_requests: accepted, not yet running; and pooling
     # tasks accepted whose first batch has not begun on the engine thread) is refused at once
     # with RESOURCE_EXHAUSTED, so that a client or router goes elsewhere instead of waiting.
     # None: unbounded, as vLLM (a lone engine's clients would rather wait than fail).
-    max_queued_requests: int | None = Field(default=None, gt=0)
+    max_queued_requests: StrictInt | None = Field(default=None, gt=0)
     # None -> the model's own limit (config.json) or 4096 for sim.
-    max_model_len: int | None = Field(default=None, gt=0)
+    max_model_len: StrictInt | None = Field(default=None, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     # torch intra-op threads for the torch runner; None keeps torch's default. On small
     # machines shared with other processes, 1 is often several times faster for small steps.
-    num_threads: int | None = Field(default=None, ge=1)
-    seed: int = 0
+    num_threads: StrictInt | None = Field(default=None, ge=1)
+    seed: StrictInt = 0
 
     sim: SimTimingConfig = Field(default_factory=SimTimingConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)

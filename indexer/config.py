@@ -16,9 +16,9 @@ sources:
     target: 127.0.0.1:9000
 ```
 
-Booleans and numbers are strict: `bind: "yes"` or `block_size: true` is an error, not a
-coercion (YAML's own `true` and `16` are what these fields take). Numbers that reach C (gRPC's
-channel arguments, uint32 wire fields) are bounded here, so that a config that loads also runs.
+Booleans and numbers are strict, as in every kvplane config (`kvplane.config.StrictBool`...).
+Numbers that reach C (gRPC's channel arguments, uint32 wire fields) are bounded here, so that a
+config that loads also runs.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import (
     AfterValidator,
     Field,
-    StrictBool,
-    StrictInt,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -47,7 +45,9 @@ from indexer.zmq_decode import ArrayTail
 from kvplane.config import (
     ClientTlsConfig,
     ServerConfig,
+    StrictBool,
     StrictFloat,
+    StrictInt,
     StrictModel,
     parse_host_port,
 )
@@ -61,7 +61,7 @@ BlockSize = Annotated[StrictInt, Field(gt=0, le=MAX_UINT32)]
 # The term of a writer lease (`indexer.writer_lease`), the controller's `index.writer_lease_s`
 # and the indexer's `writer_lease_s`.
 DEFAULT_WRITER_LEASE_S = 10.0
-WriterLeaseSeconds = Annotated[float, Field(strict=True, gt=0)]
+WriterLeaseSeconds = Annotated[StrictFloat, Field(gt=0)]
 
 
 def _check_replica_name(value: str) -> str:

@@ -17,7 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
+    Strict,
     ValidationError,
     field_validator,
     model_validator,
@@ -26,14 +26,19 @@ from pydantic_core import ErrorDetails
 
 from kvplane.errors import CommandLineError, ConfigError
 
-# A float setting: an int is fine (YAML's `5`), a bool or a string is a mistake (`true` is
-# not 1.0 s, nor "5" five).
-StrictFloat = Annotated[float, Field(strict=True)]
+# Every config's booleans and numbers are strict, the one definition of each here: a boolean
+# is YAML's true/false ("yes" is a mistake, not true), a number is a YAML number, never a
+# string ("5" is not five) nor a boolean (`true` is not 1 s); a whole number is a float too
+# (YAML's `5` for 5.0 s). Enums and paths are read from strings as ever.
+StrictBool = Annotated[bool, Strict()]
+StrictInt = Annotated[int, Strict()]
+StrictFloat = Annotated[float, Strict()]
 
 
 class StrictModel(BaseModel):
     """Base of every config model: unknown keys are errors, numbers are finite (YAML's .inf
-    and .nan are refused), instances are immutable."""
+    and .nan are refused), instances are immutable. Its booleans and numbers are
+    StrictBool, StrictInt and StrictFloat (tests/foundation/test_config.py checks)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -113,7 +118,7 @@ class AuthConfig(StrictModel):
     # A file holding the bearer token (surrounding whitespace ignored).
     token_file: Path
     # Also require the token on read-only RPCs.
-    protect_reads: StrictBool = False  # YAML's true/false; "yes" is a mistake
+    protect_reads: StrictBool = False
 
 
 def read_token_file(path: Path, setting: str) -> str:

@@ -30,22 +30,29 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, model_validator
 
-from kvplane.config import ClientTlsConfig, StrictModel, parse_dial_target, parse_host_port
+from kvplane.config import (
+    ClientTlsConfig,
+    StrictFloat,
+    StrictInt,
+    StrictModel,
+    parse_dial_target,
+    parse_host_port,
+)
 from planner import start_backoff
 from planner.core.observations import EngineRole
 
 
 class SlaTargets(StrictModel):
-    ttft_ms: float = Field(default=1000.0, gt=0)
-    itl_ms: float = Field(default=40.0, gt=0)
+    ttft_ms: StrictFloat = Field(default=1000.0, gt=0)
+    itl_ms: StrictFloat = Field(default=40.0, gt=0)
 
 
 class PoolConfig(StrictModel):
     name: str = Field(default="default", min_length=1)
     # At least one engine: with none, requests would have nowhere to wait (the controller does
     # not buffer them), so scale-to-zero is not offered.
-    min_engines: int = Field(default=1, ge=1)
-    max_engines: int = Field(default=16, ge=1)
+    min_engines: StrictInt = Field(default=1, ge=1)
+    max_engines: StrictInt = Field(default=16, ge=1)
     # `kvplane engine serve` arguments this pool's local engines get after `live.engine_args`
     # (e.g. `["--role", "prefill"]`: a disaggregated fleet's prefill and decode pools).
     engine_args: tuple[str, ...] = ()
@@ -68,55 +75,55 @@ class PoolConfig(StrictModel):
 class ScalingConfig(StrictModel):
     """The decision rules' timing and hysteresis (planner.core)."""
 
-    tick_s: float = Field(default=5.0, gt=0)  # decide() every tick_s
+    tick_s: StrictFloat = Field(default=5.0, gt=0)  # decide() every tick_s
     # Cooldowns (seconds): after a scale-up before another one (on top of: never while
     # engines are starting); after any scaling decision before a scale-down.
-    scale_up_cooldown_s: float = Field(default=15.0, ge=0)  # after a scale-up
-    scale_down_cooldown_s: float = Field(default=60.0, ge=0)  # after any decision
+    scale_up_cooldown_s: StrictFloat = Field(default=15.0, ge=0)  # after a scale-up
+    scale_down_cooldown_s: StrictFloat = Field(default=60.0, ge=0)  # after any decision
     # Hysteresis: scale up when the need exceeds the engines there are; scale down only to
     # the largest size asked for over the stabilisation window (HPA's rule), computed with
     # `scale_down_headroom` extra room.
-    scale_down_stabilisation_s: float = Field(default=300.0, ge=0)  # the window
-    scale_down_headroom: float = Field(default=0.2, ge=0)  # 0.2: 20% more than the need
+    scale_down_stabilisation_s: StrictFloat = Field(default=300.0, ge=0)  # the window
+    scale_down_headroom: StrictFloat = Field(default=0.2, ge=0)  # 0.2: 20% more than the need
     # A draining engine gets this long to finish its requests before they may be aborted
     # (at most what Drain's deadline_ms, a uint32 of milliseconds, holds: 49.7 days).
-    drain_deadline_s: float = Field(default=300.0, gt=0, le=(2**32 - 1) / 1000)
+    drain_deadline_s: StrictFloat = Field(default=300.0, gt=0, le=(2**32 - 1) / 1000)
 
 
 class CapacityConfig(StrictModel):
     """The load forecast and the learned cost model (planner/core: capacity, forecast)."""
 
     # How far ahead the load is forecast: capacity asked for now serves after start-up.
-    forecast_horizon_s: float = Field(default=30.0, ge=0)
+    forecast_horizon_s: StrictFloat = Field(default=30.0, ge=0)
     # Holt's smoothing of the prompt-token arrival rate: level and trend weights per tick.
-    level_alpha: float = Field(default=0.2, gt=0, le=1)
-    trend_beta: float = Field(default=0.02, ge=0, le=1)
+    level_alpha: StrictFloat = Field(default=0.2, gt=0, le=1)
+    trend_beta: StrictFloat = Field(default=0.02, ge=0, le=1)
     # Size so that a forward pass fits this share of the ITL target, and a request's prefill
     # this share of the TTFT target (the rest is room for bursts and the model's error).
-    itl_margin: float = Field(default=0.8, gt=0, le=1)
-    ttft_margin: float = Field(default=0.5, gt=0, le=1)
+    itl_margin: StrictFloat = Field(default=0.8, gt=0, le=1)
+    ttft_margin: StrictFloat = Field(default=0.5, gt=0, le=1)
     # Engines' KV caches are sized to be at most this full on average: room for requests'
     # growth, bursts and uneven spread over engines (calibrated in docs/planner.md).
-    max_kv_usage: float = Field(default=0.6, gt=0, le=1)
+    max_kv_usage: StrictFloat = Field(default=0.6, gt=0, le=1)
     # Engines compute prompts at most this share of their time while requests decode for
     # `short_output_passes` passes or fewer: a short output decodes for a few passes, and if
     # its engine computes a prompt meanwhile, those passes carry a prefill chunk (a
     # 2,048-token one is over the ITL target on its own), whatever the mean pass time. A
     # request decoding k passes averages over more of them: the share allowed grows as
     # sqrt(k / short_output_passes) (calibrated in docs/planner.md).
-    max_prefill_share: float = Field(default=0.15, gt=0, le=1)
-    short_output_passes: float = Field(default=16.0, gt=0)
+    max_prefill_share: StrictFloat = Field(default=0.15, gt=0, le=1)
+    short_output_passes: StrictFloat = Field(default=16.0, gt=0)
     # Size for the forecast prompt-token rate plus this many of its mean absolute errors: a
     # bursty load (large errors) keeps room for its next burst, a smooth one hardly any.
-    forecast_error_headroom: float = Field(default=1.0, ge=0)
+    forecast_error_headroom: StrictFloat = Field(default=1.0, ge=0)
     # The cost model forgets old passes with this half-life.
-    half_life_s: float = Field(default=300.0, gt=0)
+    half_life_s: StrictFloat = Field(default=300.0, gt=0)
     # Priors of the cost model (pass ms = fixed + per prefill token + per KV usage), worth
     # `prior_weight` passes: the model starts there and learns the fleet's real costs.
-    prior_pass_ms: float = Field(default=15.0, ge=0)
-    prior_prefill_ms_per_token: float = Field(default=0.02, ge=0)
-    prior_kv_ms: float = Field(default=40.0, ge=0)  # per pass, at a full KV cache
-    prior_weight: float = Field(default=20.0, gt=0)
+    prior_pass_ms: StrictFloat = Field(default=15.0, ge=0)
+    prior_prefill_ms_per_token: StrictFloat = Field(default=0.02, ge=0)
+    prior_kv_ms: StrictFloat = Field(default=40.0, ge=0)  # per pass, at a full KV cache
+    prior_weight: StrictFloat = Field(default=20.0, gt=0)
 
 
 def _dial_target(value: str) -> str:
@@ -147,12 +154,12 @@ class LeaderElectionConfig(StrictModel):
     lease_name: str = Field(default="kvplane-planner", max_length=253, pattern=_DNS_SUBDOMAIN)
     namespace: str | None = Field(default=None, pattern=_DNS_LABEL)
     # A standby takes over a Lease not renewed for this long (a leader killed or cut off).
-    lease_duration_s: int = Field(default=15, ge=1)
+    lease_duration_s: StrictInt = Field(default=15, ge=1)
     # A leader that has not renewed within this of its last renewal stops acting: before a
     # standby could take over (lease_duration_s), the difference covering calls under way.
-    renew_deadline_s: float = Field(default=10.0, gt=0)
+    renew_deadline_s: StrictFloat = Field(default=10.0, gt=0)
     # How often the leader renews and a standby tries to take over (jittered: up to 2.2 times).
-    retry_period_s: float = Field(default=2.0, gt=0)
+    retry_period_s: StrictFloat = Field(default=2.0, gt=0)
 
     @model_validator(mode="after")
     def _check_timing(self) -> LeaderElectionConfig:
@@ -182,16 +189,16 @@ class KubernetesConfig(StrictModel):
     token_file: Path | None = Path(f"{_SERVICE_ACCOUNT}/token")
     ca_file: Path | None = Path(f"{_SERVICE_ACCOUNT}/ca.crt")
     # The port the engine containers serve on: an engine's address is podIP:engine_port.
-    engine_port: int = Field(default=9000, ge=1, le=65535)
+    engine_port: StrictInt = Field(default=9000, ge=1, le=65535)
     # The Deployment of each pool (every pool needs one; two pools cannot share one).
     deployments: dict[str, Annotated[str, Field(max_length=253, pattern=_DNS_SUBDOMAIN)]] = Field(
         min_length=1
     )
     # How often a start looks for its Ready pod.
-    poll_s: float = Field(default=1.0, gt=0)
+    poll_s: StrictFloat = Field(default=1.0, gt=0)
     # Each API call ends within this (its Retry-After waits included), however slowly the
     # server answers. The ticks do not wait for the calls; a start or removal does.
-    api_timeout_s: float = Field(default=API_TIMEOUT_S, gt=0)
+    api_timeout_s: StrictFloat = Field(default=API_TIMEOUT_S, gt=0)
     # Planners sharing these Deployments elect one leader, which alone acts; null: no
     # election (one planner only, e.g. a Deployment of `replicas: 1`, `strategy: Recreate`).
     leader_election: LeaderElectionConfig | None = Field(default_factory=LeaderElectionConfig)
@@ -231,20 +238,20 @@ class LiveConfig(StrictModel):
     workdir: Path | None = None
     # Set: scale Deployments instead of starting local processes.
     kubernetes: KubernetesConfig | None = None
-    start_timeout_s: float = Field(default=120.0, gt=0)
-    load_timeout_s: float = Field(default=2.0, gt=0)
+    start_timeout_s: StrictFloat = Field(default=120.0, gt=0)
+    load_timeout_s: StrictFloat = Field(default=2.0, gt=0)
     # An engine whose GetLoad failed or timed out this many ticks in a row (alive but hung)
     # is lost: taken out of the controller and killed, and the core replaces it.
-    lost_after_failed_polls: int = Field(default=3, ge=1)
+    lost_after_failed_polls: StrictInt = Field(default=3, ge=1)
     # A pool whose engines fail (a start that fails; one that exits or is lost less than
     # start_backoff_crash_s after it began serving, a crash: one lost later is replaced at
     # once) retries the first failure at once, then waits start_backoff_s, doubled with each
     # failure in a row up to start_backoff_max_s; the count starts over once an engine of the
     # pool started after the last failure has served start_backoff_crash_s
     # (planner/start_backoff.py).
-    start_backoff_s: float = Field(default=start_backoff.FIRST_S, gt=0)
-    start_backoff_max_s: float = Field(default=start_backoff.MAX_S, gt=0)
-    start_backoff_crash_s: float = Field(default=start_backoff.CRASH_WITHIN_S, ge=0)
+    start_backoff_s: StrictFloat = Field(default=start_backoff.FIRST_S, gt=0)
+    start_backoff_max_s: StrictFloat = Field(default=start_backoff.MAX_S, gt=0)
+    start_backoff_crash_s: StrictFloat = Field(default=start_backoff.CRASH_WITHIN_S, ge=0)
     # Prometheus /metrics on a side port (HOST:PORT); None disables it.
     metrics_listen: Annotated[str, AfterValidator(_host_port)] | None = None
 

@@ -24,6 +24,8 @@ from indexer.config import IndexerConfig
 from kvplane.config import (
     ClientTlsConfig,
     ServerConfig,
+    StrictFloat,
+    StrictInt,
     StrictModel,
     load_config,
     parse_host_port,
@@ -57,7 +59,7 @@ class MemberConfig(StrictModel):
     config: dict[str, Any] = Field(default_factory=dict)
     # The CPUs the member's process may run on (Linux CPU affinity), e.g. one core per
     # engine; unset: every CPU this process may use.
-    cpus: list[int] | None = Field(default=None, min_length=1)
+    cpus: list[StrictInt] | None = Field(default=None, min_length=1)
 
     @field_validator("name")
     @classmethod
@@ -150,12 +152,12 @@ def _substitute(value: Any, addresses: dict[str, str]) -> Any:
 class FleetConfig(StrictModel):
     members: list[MemberConfig] = Field(min_length=1)
     # Seconds each member gets to become healthy.
-    start_timeout_s: float = Field(default=120.0, gt=0)
+    start_timeout_s: StrictFloat = Field(default=120.0, gt=0)
     # Seconds a member gets to stop after SIGTERM, then it is killed; at the latest this long
     # past the drain's deadline (`Fleet.stop`).
-    stop_timeout_s: float = Field(default=15.0, gt=0)
+    stop_timeout_s: StrictFloat = Field(default=15.0, gt=0)
     # On Ctrl-C engines finish what they run for this long; what is left is then aborted.
-    drain_deadline_s: float = Field(default=3.0, ge=0)
+    drain_deadline_s: StrictFloat = Field(default=3.0, ge=0)
     # How up dials its members (readiness, status, drain, --check): members serving `tls:`
     # need it; unset: insecure.
     client_tls: ClientTlsConfig | None = None

@@ -1,4 +1,5 @@
-"""The controller's router settings reach the router that decides."""
+"""The controller's router settings reach the router that decides; a value of the wrong type
+in any controller setting is an error naming its key."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from controller.config import ControllerConfig, RouterConfig
 from controller.router import BusyThresholds, KvplaneWeights
 from controller.router.policies import KvplanePolicy
 from controller.service import Controller
-from kvplane.config import load_config
+from kvplane.config import load_config, validate_config
 from kvplane.errors import ConfigError
 
 
@@ -98,3 +99,55 @@ def test_rejecting_when_all_busy_is_off_by_default_and_needs_a_busy_threshold(
     path.write_text("router: {reject_when_all_busy: maybe}\n")
     with pytest.raises(ConfigError, match="reject_when_all_busy"):
         load_config(ControllerConfig, path)
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        # Lax pydantic took these: "yes" as true, `true` as 1 s, "5" as 5.
+        (
+            {"router": {"reject_when_all_busy": "yes"}},
+            "router.reject_when_all_busy: Input should be a valid boolean",
+        ),
+        ({"router": {"replica_sync": 1}}, "router.replica_sync: Input should be a valid boolean"),
+        (
+            {"health": {"poll_interval_s": True}},
+            "health.poll_interval_s: Input should be a valid number",
+        ),
+        ({"router": {"pass_decodes": "5"}}, "router.pass_decodes: Input should be a valid integer"),
+        ({"router": {"seed": True}}, "router.seed: Input should be a valid integer"),
+        (
+            {"router": {"overlap_weight": "1.5"}},
+            "router.overlap_weight: Input should be a valid number",
+        ),
+        (
+            {"health": {"eject_after_failures": 5.0}},
+            "health.eject_after_failures: Input should be a valid integer",
+        ),
+        ({"lora_timeout_s": "30"}, "lora_timeout_s: Input should be a valid number"),
+        ({"tokenize_max_chars": True}, "tokenize_max_chars: Input should be a valid integer"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_an_error_not_a_coercion(
+    data: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        validate_config(ControllerConfig, data, "controller.yaml")
+    assert f"invalid config in controller.yaml: {problem}" in str(caught.value)
+
+
+def test_yamls_own_booleans_and_numbers_load(tmp_path: Path) -> None:
+    """A whole number is a float setting's too; enums and paths are read from strings."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "router: {reject_when_all_busy: true, busy_queued_requests: 4, overlap_weight: 2}\n"
+        "health: {poll_interval_s: 2, eject_after_failures: 3}\n"
+        "engines: [{address: '127.0.0.1:9000', kv_events: zmq}]\n"
+        "tokenizer: /models/tokenizer.json\n"
+    )
+    config = load_config(ControllerConfig, path)
+    assert config.router.reject_when_all_busy is True
+    assert (config.router.overlap_weight, config.health.poll_interval_s) == (2.0, 2.0)
+    assert config.health.eject_after_failures == 3
+    assert config.engines[0].kv_events == "zmq"
+    assert config.tokenizer == Path("/models/tokenizer.json")

@@ -114,3 +114,52 @@ def test_a_bracketed_ipv6_advertised_host_is_the_address_itself() -> None:
         EngineConfig, {"kv_events": {"advertised_host": "[fd00::1]"}}, "e.yaml"
     )
     assert config.kv_events.advertised_host == "fd00::1"
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        # Lax pydantic took these: "yes" as true, `true` as 1, "16" as 16.
+        ({"lora": {"enabled": "yes"}}, "lora.enabled: Input should be a valid boolean"),
+        (
+            {"kv_events": {"zmq_enabled": 1}},
+            "kv_events.zmq_enabled: Input should be a valid boolean",
+        ),
+        ({"block_size": True}, "block_size: Input should be a valid integer"),
+        ({"max_num_seqs": "64"}, "max_num_seqs: Input should be a valid integer"),
+        ({"num_kv_blocks": 1024.0}, "num_kv_blocks: Input should be a valid integer"),
+        ({"sim": {"time_scale": "0"}}, "sim.time_scale: Input should be a valid number"),
+        (
+            {"sim": {"prefill_ms_coeffs": [1, True, 0]}},
+            "sim.prefill_ms_coeffs.1: Input should be a valid number",
+        ),
+        (
+            {"role": "prefill", "kv_transfer": {"session_ttl_s": True}},
+            "kv_transfer.session_ttl_s: Input should be a valid number",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_an_error_not_a_coercion(
+    data: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_config(EngineConfig, data, "engine.yaml")
+    assert f"invalid config in engine.yaml: {problem}" in str(err.value)
+
+
+def test_yamls_own_booleans_and_numbers_load() -> None:
+    """A whole number is a float setting's too; enums are read from strings."""
+    config = validate_config(
+        EngineConfig,
+        {
+            "role": "prefill",
+            "block_size": 32,
+            "lora": {"enabled": True},
+            "sim": {"time_scale": 0, "prefill_ms_coeffs": [1, 0.5, 0]},
+            "kv_transfer": {"session_ttl_s": 5},
+        },
+        "engine.yaml",
+    )
+    assert (config.role, config.block_size, config.lora.enabled) == ("prefill", 32, True)
+    assert config.sim.prefill_ms_coeffs == (1.0, 0.5, 0.0)
+    assert config.kv_transfer.session_ttl_s == 5.0

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvplane.config import ServerConfig, load_config, parse_dial_target, parse_host_port
+from kvplane.config import (
+    CONFIG_KINDS,
+    ServerConfig,
+    load_config,
+    parse_dial_target,
+    parse_host_port,
+)
 from kvplane.errors import CommandLineError, ConfigError
 
 
@@ -196,3 +205,32 @@ def test_a_dial_target_names_a_port() -> None:
     assert parse_dial_target("[::1]:5") == ("::1", 5)
     with pytest.raises(ValueError, match="port 0"):
         parse_dial_target("127.0.0.1:0")
+
+
+def _lax_scalars(schema: Any, path: str = "") -> Iterator[str]:
+    """The fields (dotted) where a pydantic core schema takes a bool, int or float in lax
+    mode."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _lax_scalars(item, path)
+        return
+    if not isinstance(schema, dict):
+        return
+    if schema.get("type") in ("bool", "int", "float") and not schema.get("strict"):
+        yield path
+    for key, value in schema.items():
+        if key == "fields" and schema.get("type") == "model-fields":
+            for name, field in value.items():
+                yield from _lax_scalars(field, f"{path}.{name}".lstrip("."))
+        else:
+            yield from _lax_scalars(value, path)
+
+
+@pytest.mark.parametrize("spec", sorted(CONFIG_KINDS))
+def test_every_boolean_and_number_of_every_config_is_strict(spec: str) -> None:
+    """docs/architecture.md: a YAML boolean or number, never a string ("yes", "5") nor a
+    boolean for a number; a setting added as a plain `bool`, `int` or `float` (lax) fails
+    here: use kvplane.config's StrictBool, StrictInt, StrictFloat."""
+    module, _, name = spec.partition(":")
+    model = getattr(importlib.import_module(module), name)
+    assert sorted(set(_lax_scalars(model.__pydantic_core_schema__))) == []

@@ -632,6 +632,16 @@ def test_up_refuses_an_unreadable_client_tls_file_before_starting_members(
         ("members: []", "members: List should have at least 1 item"),
         ("start_timeout_s: -1\nmembers: [{name: e, kind: engine}]", "start_timeout_s"),
         ("stop_timeout_s: 0\nmembers: [{name: e, kind: engine}]", "stop_timeout_s"),
+        # Numbers are YAML numbers: lax pydantic took "120" as 120 s, `true` as 1 s.
+        (
+            "start_timeout_s: '120'\nmembers: [{name: e, kind: engine}]",
+            "start_timeout_s: Input should be a valid number",
+        ),
+        (
+            "drain_deadline_s: true\nmembers: [{name: e, kind: engine}]",
+            "drain_deadline_s: Input should be a valid number",
+        ),
+        ("members: [{name: e, kind: engine, cpus: ['0']}]", "members.0.cpus.0: Input should be"),
     ],
 )
 def test_fleet_file_refuses(tmp_path: Path, text: str, message: str) -> None:
@@ -645,6 +655,13 @@ def test_fleet_file_refuses(tmp_path: Path, text: str, message: str) -> None:
     ("kind", "config", "problem"),
     [
         ("engine", "{num_threads: 0}", "num_threads: Input should be greater than or equal to 1"),
+        ("engine", "{lora: {enabled: 'yes'}}", "lora.enabled: Input should be a valid boolean"),
+        ("engine", "{num_threads: '2'}", "num_threads: Input should be a valid integer"),
+        (
+            "controller",
+            "{health: {poll_interval_s: true}}",
+            "health.poll_interval_s: Input should be a valid number",
+        ),
         ("engine", "{nosuch: 1}", "nosuch: Extra inputs are not permitted"),
         ("engine", "{model: /no/such/model}", "model '/no/such/model' is not 'sim', 'builtin'"),
         ("indexer", "{listen: nonsense}", "listen: expected HOST:PORT"),

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from kvplane.cli import app
+from kvplane.config import validate_config
 from kvplane.errors import ConfigError
 from planner.config import LiveConfig, PlannerConfig, PoolConfig, ScalingConfig
 
@@ -108,3 +109,68 @@ def test_a_metrics_address_in_use_is_one_line_before_any_engine_starts(tmp_path:
     assert isinstance(result.exception, ConfigError)
     assert str(result.exception) == f"cannot serve metrics on {metrics}: Address already in use"
     assert not work.exists()  # refused before the engines' folder (port files, logs) is made
+
+
+_LIVE = {"controller": "127.0.0.1:8100"}
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        # Lax pydantic took these: `true` as 1 s, "5" as 5.
+        ({"scaling": {"tick_s": True}}, "scaling.tick_s: Input should be a valid number"),
+        ({"scaling": {"tick_s": "5"}}, "scaling.tick_s: Input should be a valid number"),
+        ({"sla": {"ttft_ms": "1000"}}, "sla.ttft_ms: Input should be a valid number"),
+        (
+            {"pools": [{"min_engines": True}]},
+            "pools.0.min_engines: Input should be a valid integer",
+        ),
+        ({"pools": [{"max_engines": "4"}]}, "pools.0.max_engines: Input should be a valid integer"),
+        (
+            {"capacity": {"max_kv_usage": True}},
+            "capacity.max_kv_usage: Input should be a valid number",
+        ),
+        (
+            {"live": {**_LIVE, "start_timeout_s": "120"}},
+            "live.start_timeout_s: Input should be a valid number",
+        ),
+        (
+            {"live": {**_LIVE, "lost_after_failed_polls": 3.0}},
+            "live.lost_after_failed_polls: Input should be a valid integer",
+        ),
+        (
+            {
+                "live": {
+                    **_LIVE,
+                    "kubernetes": {
+                        "deployments": {"default": "engines"},
+                        "leader_election": {"lease_duration_s": "15"},
+                    },
+                }
+            },
+            "live.kubernetes.leader_election.lease_duration_s: Input should be a valid integer",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_an_error_not_a_coercion(
+    data: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        validate_config(PlannerConfig, data, "planner.yaml")
+    assert f"invalid config in planner.yaml: {problem}" in str(caught.value)
+
+
+def test_yamls_own_numbers_load() -> None:
+    """A whole number is a float setting's too; an engine role is read from a string."""
+    config = validate_config(
+        PlannerConfig,
+        {
+            "scaling": {"tick_s": 2},
+            "pools": [{"name": "p", "role": "decode", "min_engines": 2}],
+            "live": {**_LIVE, "start_timeout_s": 60},
+        },
+        "planner.yaml",
+    )
+    assert (config.scaling.tick_s, config.pools[0].min_engines) == (2.0, 2)
+    assert config.pools[0].role is not None and config.pools[0].role.value == "decode"
+    assert config.live is not None and config.live.start_timeout_s == 60.0
