@@ -424,16 +424,21 @@ class EngineOutcome(NamedTuple):
 
 
 def fleet_health_state(
-    controller: Controller, records: list[EngineRecord]
+    controller: Controller, records: list[EngineRecord], *, generating: bool = False
 ) -> pb.HealthState.ValueType:
     """The state of the fleet `records` are of, as the gateway's Health answers it: DRAINING
     from the moment the controller stops accepting new requests (a drain, a shutdown),
     whatever its engines' state; else NOT_READY while no engine is routable (none
     registered, or none that takes traffic), READY when every one is, DEGRADED when some
-    are. The vLLM front end's `grpc.health.v1` status follows it too
-    (`VllmGatewayServicer.report_health`)."""
+    are. With `generating`, of the engines that may take a Generate only, as routing takes
+    them (`Registry.routable(generating=True)`): a pooling-only engine, none of whose models
+    generates, is left out (one whose models are not known yet may generate). The vLLM
+    front end's `grpc.health.v1` status follows that (`VllmGatewayServicer.report_health`),
+    Health itself the whole fleet (it serves Embed, Classify and Score too)."""
     if controller.draining:
         return pb.HEALTH_STATE_DRAINING
+    if generating:
+        records = [r for r in records if r.identity is None or r.identity.generates]
     routable = sum(r.routable for r in records)
     if routable == 0:
         return pb.HEALTH_STATE_NOT_READY

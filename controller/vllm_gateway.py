@@ -21,10 +21,11 @@ What this API changes on the way:
   engine ends one aborted before its prefill, `finish_info` ABORTED with status OK, the first
   sequence's end carrying `prompt_info` in the same response (`aborted`).
 - This proto has no health of its own: `grpc.health.v1` answers for `vllm.Generate` what the
-  gateway's OpenEngine Health judges of the fleet (`fleet_health_state`): SERVING while some
-  engine is routable, NOT_SERVING while none is (none registered, or none taking traffic)
-  and from the moment the controller stops accepting new requests, by a drain or at its
-  shutdown (`report_health`).
+  gateway's OpenEngine Health judges of the fleet's engines that generate
+  (`fleet_health_state(generating=True)`): SERVING while one of them is routable,
+  NOT_SERVING while none is (none registered, none taking traffic, or only pooling-only
+  engines, which cannot Generate) and from the moment the controller stops accepting new
+  requests, by a drain or at its shutdown (`report_health`).
 """
 
 from __future__ import annotations
@@ -141,9 +142,11 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
 
     async def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
         """Keep `grpc.health.v1`'s status for `vllm.Generate` on `health_servicer` to what
-        the fleet's OpenEngine Health says (`fleet_health_state`): SERVING while it is READY
-        or DEGRADED, NOT_SERVING while no engine is routable and once the controller stops
-        accepting new requests (a drain or a shutdown: for good). Set now, before the server
+        the fleet's OpenEngine Health says of its engines that generate
+        (`fleet_health_state(generating=True)`): SERVING while READY or DEGRADED,
+        NOT_SERVING while no engine that generates is routable (pooling-only engines cannot
+        take a Generate) and once the controller stops accepting new requests (a drain or a
+        shutdown: for good). Set now, before the server
         starts (a probe never sees SERVING with no engine), then again after each change of
         the fleet's routing or the drain, for Check and Watch alike. The empty name stays
         SERVING while the process runs."""
@@ -162,11 +165,12 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         update.add_done_callback(self._health_updates.discard)
 
     async def update_health(self) -> None:
-        """Set `vllm.Generate`'s status to the fleet's state now."""
+        """Set `vllm.Generate`'s status to the state of the fleet's engines that generate now."""
         self._health_update_due = False
         assert self._health_servicer is not None  # set by report_health
         records = self.controller.fleet.registry.records()
-        serving = fleet_health_state(self.controller, records) in SERVING_STATES
+        state = fleet_health_state(self.controller, records, generating=True)
+        serving = state in SERVING_STATES
         status = health_pb2.HealthCheckResponse.SERVING
         if not serving:
             status = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -430,6 +430,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
     )
     services_to_serve = [openengine.service(), vllm.service(), kv_transfer.service()]
     health_servicer = health.aio.HealthServicer()
+    await vllm.report_health(health_servicer)  # NOT_SERVING until the engine thread runs
     server, port = await create_server(config, services_to_serve, health_servicer=health_servicer)
     publisher: ZmqKvPublisher | None = None
     metrics_server: Any | None = None
@@ -479,7 +480,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         await server.stop(0)
         raise
     engine_loop.start()
-    vllm.report_health(health_servicer)
+    await vllm.update_health()
     log.info(
         "engine %s serving %s (%s, role %s, runner %s) on port %d",
         instance_id,

@@ -285,30 +285,42 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
     def __init__(self, service: EngineService, ctx: EngineContext) -> None:
         self._service = service
         self._ctx = ctx
+        self._health_servicer: health.aio.HealthServicer | None = None
         self._health_updates: set[asyncio.Task[None]] = set()
 
-    def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
-        """`grpc.health.v1` says NOT_SERVING for `vllm.Generate` once the engine takes no new
-        requests (a drain, a shutdown, its engine thread ended), as vLLM's server turns its
+    async def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
+        """Keep `grpc.health.v1`'s status for `vllm.Generate` on `health_servicer` to whether
+        the engine takes new requests (`EngineService.serving`), as vLLM's server turns its
         service NOT_SERVING when its engine fails or shuts down: this proto has no health of
-        its own for a client to read. (The empty name stays SERVING while the process runs.)"""
+        its own for a client to read. Set now, before the server starts
+        (`Service.reports_own_health`): NOT_SERVING until the engine thread runs
+        (`update_health` once it does), so a probe never reads SERVING while OpenEngine
+        Health is not READY yet; then NOT_SERVING, for good, once it takes no new requests (a
+        drain, a shutdown, its engine thread ended). The empty name stays SERVING while the
+        process runs."""
+        self._health_servicer = health_servicer
+        self._service.on_serving_changed(self._health_changed)
+        await self.update_health()
 
-        def changed() -> None:
-            status = health_pb2.HealthCheckResponse.SERVING
-            if not self._service.serving:
-                status = health_pb2.HealthCheckResponse.NOT_SERVING
-            update = asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
-            self._health_updates.add(update)
-            update.add_done_callback(self._health_updates.discard)
+    def _health_changed(self) -> None:
+        update = asyncio.create_task(self.update_health())
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
 
-        self._service.on_serving_changed(changed)
-        changed()
+    async def update_health(self) -> None:
+        """Set `vllm.Generate`'s status to whether the engine takes new requests now."""
+        assert self._health_servicer is not None  # set by report_health
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not self._service.serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health_servicer.set(SERVICE_NAME, status)
 
     def service(self) -> Service:
         return Service(
             SERVICE_NAME,
             lambda server: pb_grpc.add_GenerateServicer_to_server(self, server),
             strict_methods=frozenset({"Generate", "GenerateStream"}),
+            reports_own_health=True,
         )
 
     async def _run(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.server.service import start_engine
@@ -29,25 +30,27 @@ pytestmark = pytest.mark.timeout(120)
 MODEL = "builtin"
 
 
+def engine_config(model: Path, instance_id: str) -> EngineConfig:
+    """An engine of `model` (the builtin decoder generates, the headless classifier pools
+    only: `write_headless_classifier` writes both) serving it as MODEL."""
+    return EngineConfig(
+        model=str(model),
+        instance_id=instance_id,
+        served_model_name=MODEL,
+        listen="127.0.0.1:0",
+        num_kv_blocks=64,  # the pooling engine ignores it (one block)
+        max_num_batched_tokens=128,
+        num_threads=1,
+        shutdown_grace_s=0.5,
+    )
+
+
 @pytest.fixture
 async def mixed_fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
     headless = write_headless_classifier(tmp_path)
-
-    def config(model: str, instance_id: str) -> EngineConfig:
-        return EngineConfig(
-            model=model,
-            instance_id=instance_id,
-            served_model_name=MODEL,
-            listen="127.0.0.1:0",
-            num_kv_blocks=64,  # the pooling engine ignores it (one block)
-            max_num_batched_tokens=128,
-            num_threads=1,
-            shutdown_grace_s=0.5,
-        )
-
     engines = [
-        await start_engine(config(str(tmp_path / "builtin"), "gen")),
-        await start_engine(config(str(headless), "pool")),
+        await start_engine(engine_config(tmp_path / "builtin", "gen")),
+        await start_engine(engine_config(headless, "pool")),
     ]
     fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
     try:
@@ -216,3 +219,34 @@ async def test_the_fleets_model_info_advertises_every_task_the_gateway_serves(
     assert info.tasks.classify == pooling.tasks.classify
     assert info.generation == generating.generation
     assert info.tasks.embed == generating.tasks.embed  # the answering engine's own
+
+
+async def test_vllm_generate_is_not_serving_while_only_pooling_engines_are_routable(
+    tmp_path: Path,
+) -> None:
+    """`grpc.health.v1` for the controller's `vllm.Generate` (what a load balancer in front
+    of the vLLM front end reads) judges the engines that can take a Generate: a fleet whose
+    only routable engine is pooling-only is NOT_SERVING there, every vllm.Generate would be
+    refused, while OpenEngine Health stays READY (that engine serves Embed, Classify and
+    Score); a generating engine registered turns it SERVING."""
+    headless = write_headless_classifier(tmp_path)
+    fleet = await make_fleet(engines=[await start_engine(engine_config(headless, "pool"))])
+    try:
+        health = await fleet.gateway.Health(pb.HealthRequest())
+        assert health.state == pb.HEALTH_STATE_READY
+        watch = health_pb2_grpc.HealthStub(fleet.channel).Watch(
+            health_pb2.HealthCheckRequest(service="vllm.Generate")
+        )
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        generating = await start_engine(engine_config(tmp_path / "builtin", "gen"))
+        fleet.engines.append(generating)  # closed with the fleet
+        await fleet.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=fleet.address(generating))
+        )
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        health = await fleet.gateway.Health(pb.HealthRequest())
+        assert health.state == pb.HEALTH_STATE_READY
+    finally:
+        await close_fleet(fleet)

@@ -9,10 +9,17 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import SimTimingConfig
+from engine.core.engine_loop import EngineLoop
+from engine.server.engine_service import EngineService
+from engine.server.openengine_convert import EngineContext
+from engine.server.openengine_servicer import OpenEngineServicer
+from engine.server.vllm_servicer import VllmGenerateServicer
+from kvplane.server import create_server
 from openengine.v1 import openengine_pb2 as oe
+from openengine.v1 import openengine_pb2_grpc as oe_grpc
 from tests.engine.engine_server_harness import (
     Engine,
     collect,
@@ -631,6 +638,61 @@ async def test_grpc_health_of_vllm_generate_turns_not_serving_once_no_request_is
             health_pb2.HealthCheckRequest()
         )
         assert whole.status == serving
+
+
+async def test_grpc_health_of_vllm_generate_is_not_serving_before_the_engine_thread_runs() -> None:
+    """A probe must never read SERVING for `vllm.Generate` before OpenEngine Health says
+    READY: the status is set before the server starts (`Service.reports_own_health`), NOT_SERVING
+    while the engine thread has not started, and turns SERVING once it runs. As `start_engine`
+    builds an engine, but with the servers up before the engine thread starts, which in a real
+    process is too short a moment to probe: an engine service over a second engine loop on a
+    running engine's core, started only once the first loop stopped."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    async with running_engine() as engine:
+        app = engine.app
+        service = EngineService(
+            EngineLoop(app.service.engine_loop.core),
+            app.service.model,
+            app.service.kv_log,
+            app.service.runtime_events,
+            None,
+        )
+        ctx = EngineContext(
+            model=app.service.model,
+            role=oe.ENGINE_ROLE_AGGREGATED,
+            data_parallel_rank=0,
+            encode=None,
+        )
+        openengine = OpenEngineServicer(service, ctx, instance_id="idle", token_text=str)
+        vllm = VllmGenerateServicer(service, ctx)
+        health_servicer = health.aio.HealthServicer()
+        await vllm.report_health(health_servicer)
+        server, port = await create_server(
+            sim_config(),
+            [openengine.service(), vllm.service()],
+            health_servicer=health_servicer,
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                probe = health_pb2_grpc.HealthStub(channel)
+                watch = probe.Watch(health_pb2.HealthCheckRequest(service="vllm.Generate"))
+                assert (await watch.read()).status == not_serving
+                health_reply = await oe_grpc.OpenEngineStub(channel).Health(oe.HealthRequest())
+                assert health_reply.state == oe.HEALTH_STATE_NOT_READY
+
+                await asyncio.to_thread(app.service.engine_loop.stop, 10.0)
+                service.engine_loop.start()  # as start_engine does, the servers up
+                await vllm.update_health()
+                assert (await watch.read()).status == serving
+                health_reply = await oe_grpc.OpenEngineStub(channel).Health(oe.HealthRequest())
+                assert health_reply.state == oe.HEALTH_STATE_READY
+                watch.cancel()
+                whole = await probe.Check(health_pb2.HealthCheckRequest())
+                assert whole.status == serving
+        finally:
+            await service.close(0)
+            await server.stop(0)
 
 
 async def test_a_minimum_the_context_cannot_hold_is_refused_not_cut_short() -> None:
