@@ -308,12 +308,16 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
         update.add_done_callback(self._health_updates.discard)
 
     async def update_health(self) -> None:
-        """Set `vllm.Generate`'s status to whether the engine takes new requests now."""
+        """Set `vllm.Generate`'s status to whether the engine takes new Generate requests now
+        (a pooling-only or disaggregated engine never does: `engine_request_from_vllm`)."""
         assert self._health_servicer is not None  # set by report_health
         status = health_pb2.HealthCheckResponse.SERVING
-        if not self._service.serving:
+        if not self._service.serving or not self._takes_generate():
             status = health_pb2.HealthCheckResponse.NOT_SERVING
         await self._health_servicer.set(SERVICE_NAME, status)
+
+    def _takes_generate(self) -> bool:
+        return self._ctx.model.generates and self._ctx.role == oe.ENGINE_ROLE_AGGREGATED
 
     def service(self) -> Service:
         return Service(

@@ -160,6 +160,9 @@ async def test_generate_is_failed_precondition_and_changes_nothing(headless_dir:
             )[1],
         ]
         load = await stub.GetLoad(pb.GetLoadRequest())
+        vllm_health = await health_pb2_grpc.HealthStub(engine.channel).Check(
+            health_pb2.HealthCheckRequest(service="vllm.Generate")
+        )
         # The refused id was never taken: a task may use it.
         after = await stub.Classify(pb.ClassifyRequest(context=context("g"), inputs=items))
     for error in refused:
@@ -167,6 +170,8 @@ async def test_generate_is_failed_precondition_and_changes_nothing(headless_dir:
         assert "Embed, Classify and Score only" in (error.details() or "")
     assert (load.running_requests, load.queued_requests, load.used_kv_blocks) == (0, 0, 0)
     assert list(after.outputs[0].scores.values) == list(before.outputs[0].scores.values)
+    # vllm.Generate refuses every request here: a probe must not send it any.
+    assert vllm_health.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def test_runner_pooling_on_a_causal_lm_embeds_and_never_generates(tmp_path: Path) -> None:

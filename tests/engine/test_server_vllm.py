@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.config import SimTimingConfig
+from engine.config import EngineRoleName, SimTimingConfig
 from engine.core.engine_loop import EngineLoop
 from engine.server.engine_service import EngineService
 from engine.server.openengine_convert import EngineContext
@@ -638,6 +638,26 @@ async def test_grpc_health_of_vllm_generate_turns_not_serving_once_no_request_is
             health_pb2.HealthCheckRequest()
         )
         assert whole.status == serving
+
+
+@pytest.mark.parametrize("role", [EngineRoleName.prefill, EngineRoleName.decode])
+async def test_grpc_health_of_vllm_generate_is_not_serving_on_a_disaggregated_engine(
+    role: EngineRoleName,
+) -> None:
+    """`vllm.Generate` runs on an AGGREGATED engine only: a PREFILL or DECODE engine refuses
+    every request it gets, so its `vllm.Generate` health says NOT_SERVING (a probe pointed at
+    it must not send it traffic) while its process, and OpenEngine Health, are up."""
+    async with running_engine(sim_config(role=role)) as engine:
+        assert await _vllm_health(engine) == health_pb2.HealthCheckResponse.NOT_SERVING
+        refused = await rpc_error(engine.vllm.Generate(_request()))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused
+        assert "AGGREGATED engine only" in (refused.details() or "")
+        health_reply = await engine.stub.Health(oe.HealthRequest())
+        assert health_reply.state == oe.HEALTH_STATE_READY
+        whole = await health_pb2_grpc.HealthStub(engine.channel).Check(
+            health_pb2.HealthCheckRequest()
+        )
+        assert whole.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_grpc_health_of_vllm_generate_is_not_serving_before_the_engine_thread_runs() -> None:
