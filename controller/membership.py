@@ -18,8 +18,13 @@ it said; a replica applies it to an engine it already has too, one removed and r
 between two reads; a replica older than the field ignores it), `c:<address>` a cordoned engine,
 `x:<address>` an engine of the replicas' config removed (config engines are in every replica's
 config; removing one through any replica removes it from all, a replica started later included,
-until it is registered again), and `v`, the hash's generation: set (to a fresh token) by
-whoever writes a hash Redis does not hold, kept by every change after. A hash without it was
+until it is registered again), `d:<address>` the engine process last drained through a
+replica (a token of the drain and the process's instance id: another replica whose polls see
+the engine leave ready without having seen it say DRAINING reads it then, and takes that
+leave for the drain, not a flap, once per drain; cleared when the engine is removed or
+registered; a drain Redis does not take goes on unshared), and `v`, the hash's generation:
+set (to a fresh token) by whoever writes a hash Redis does not hold, kept by every change
+after. A hash without it was
 lost by Redis (or never written): the replica writes its own membership back instead of
 dropping what it does not find. A replica that finds another generation than it read last finds
 a hash written back since by another replica, which knew only its own membership: it writes its
@@ -49,7 +54,7 @@ from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
 
-_REGISTERED, _OWNER, _CORDONED, _REMOVED, _MARKER = "a:", "o:", "c:", "x:", "v"
+_REGISTERED, _OWNER, _CORDONED, _REMOVED, _DRAINED, _MARKER = "a:", "o:", "c:", "x:", "d:", "v"
 
 
 class MembershipUnavailableError(KvplaneError):
@@ -85,6 +90,7 @@ class Membership:
         options = RedisOptions(**index.backend_options())
         self._client, _ = connect(index.backend, options)
         self._key = options.partition_key("fm")
+        self.fleet.shared_drains = self._drained
         await self._refresh_or_warn()
         self._task = asyncio.create_task(self._follow(), name="shared membership")
 
@@ -107,7 +113,7 @@ class Membership:
                 await asyncio.shield(removals[address])
             record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
             fields = {_REGISTERED + address: kv_events}
-            deleted = [_REMOVED + address]
+            deleted = [_REMOVED + address, _DRAINED + address]
             if owner:
                 fields[_OWNER + address] = owner
             else:
@@ -129,7 +135,8 @@ class Membership:
             # route to it again.
             removed = {_REMOVED + address: "1"} if self._in_config(address) else {}
             await self._write(
-                removed, [_REGISTERED + address, _OWNER + address, _CORDONED + address]
+                removed,
+                [_REGISTERED + address, _OWNER + address, _CORDONED + address, _DRAINED + address],
             )
             # Out of the registry now; what it left is dropped out of the lock (a registration
             # of the address meanwhile is refused as "being removed", not held up).
@@ -147,6 +154,42 @@ class Membership:
             else:
                 await self._write({}, [field])
             return self.fleet.registry.set_cordoned(record.address, cordoned)
+
+    async def record_drain(self, record: EngineRecord) -> None:
+        """DrainEngine through this replica: the drained process (its instance id, and a
+        token of this drain) goes into the shared hash, for the other replicas to read when
+        the engine leaves ready (`_drained`), which their polls may see without its DRAINING
+        (drained and stopped within a poll interval): a drain, not a flap. The drain goes
+        on when Redis does not take it (the engine's own, not the membership's): the others
+        may then count its leave as a flap, as before."""
+        if self._client is None:
+            return
+        drain = f"{uuid.uuid4().hex}:{record.engine_id}"
+        async with self._lock:
+            try:
+                await self._write({_DRAINED + record.address: drain}, [])
+            except MembershipUnavailableError as exc:
+                log.warning("the drain of engine %s is not shared with the other controller "
+                            "replicas (their polls count its leave as a flap): %s",
+                            record.address, exc)  # fmt: skip
+
+    async def _drained(self, address: str) -> tuple[str, str] | None:
+        """The last drain recorded for the engine at `address` (`record_drain`): its token
+        and the instance id of the process drained; None when none is, or Redis does not
+        answer (a leave is then judged as without the shared membership)."""
+        assert self._client is not None
+        try:
+            value = await self._client.hget(self._key, _DRAINED + address)
+        except (RedisError, OSError) as exc:
+            self._read_failed.warn(
+                f"the drains made through other controller replicas could not be read from "
+                f"Redis (a drained engine's leave counts as a flap): {exc}"
+            )
+            return None
+        if value is None:
+            return None
+        token, _, instance_id = _text(value).partition(":")
+        return token, instance_id
 
     async def find(self, key: str) -> EngineRecord:
         """The engine `key` names (address or instance id), read from the shared membership
