@@ -33,7 +33,9 @@ for it or for their clients' deadlines; `why_calls_ended` tells the gateway whic
 On a shared Redis index, several controller replicas may follow one fleet: each polls every
 engine, but an engine's KV events are followed into the index (and its entries dropped on a
 restart or a removal) only by the replica holding its writer lease (`indexer.writer_lease`,
-`index.writer_lease_s`); the others read what it writes.
+`index.writer_lease_s`); the others read what it writes. An engine leaving ready after a drain
+through another replica, which this one's polls did not see, is no flap: the shared
+membership is asked at that moment (`shared_drains`, `_excuse_shared_drain`).
 
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
 request or an engine: prompts are routed by load (a warning at most every

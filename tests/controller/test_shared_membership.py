@@ -1,7 +1,8 @@
 """Controller replicas on one Redis index share the fleet's run-time membership: an engine
 registered, cordoned, uncordoned or removed through one replica (behind a load balancer, the
 one the call lands on) is routed to, or not, by every replica, a replica started later
-included; and a change Redis does not take is refused, changing nothing."""
+included; a change Redis does not take is refused, changing nothing; and an engine drained
+through one replica leaves the others' routing as a drain, not a flap."""
 
 from __future__ import annotations
 
