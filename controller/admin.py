@@ -151,8 +151,9 @@ class AdminServicer(apb_grpc.AdminServicer):
             record = await self.controller.membership.find(request.engine)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
-        # Out of routing now, not at the next health poll.
+        # Out of routing now, not at the next health poll; the other replicas told.
         await fleet.request_drain(record.address)
+        await self.controller.membership.record_drain(record)
         drain = pb.DrainRequest(
             stop_accepting_new_requests=True, abort_after_deadline=request.abort_after_deadline
         )

@@ -33,7 +33,9 @@ for it or for their clients' deadlines; `why_calls_ended` tells the gateway whic
 On a shared Redis index, several controller replicas may follow one fleet: each polls every
 engine, but an engine's KV events are followed into the index (and its entries dropped on a
 restart or a removal) only by the replica holding its writer lease (`indexer.writer_lease`,
-`index.writer_lease_s`); the others read what it writes.
+`index.writer_lease_s`); the others read what it writes. An engine leaving ready after a drain
+through another replica, which this one's polls did not see, is no flap: the shared
+membership is asked at that moment (`shared_drains`, `_excuse_shared_drain`).
 
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
 request or an engine: prompts are routed by load (a warning at most every
@@ -50,7 +52,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -107,6 +109,11 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+# The drain of an engine recorded through another controller replica
+# (`controller.membership`): the address -> (the drain's token, the drained process's
+# instance id), None when none is (or it cannot be read).
+SharedDrains = Callable[[str], Awaitable[tuple[str, str] | None]]
 
 _HEALTH = {
     pb.HEALTH_STATE_UNSPECIFIED: EngineState.NOT_READY,
@@ -290,6 +297,9 @@ class _Engine:
         self.calls_ended_because: str | None = None
         self.abandoned_outage_s: float | None = None
         self.poll_task: asyncio.Task[None] | None = None
+        # The token of the last drain through another replica whose leave was excused here
+        # (`Fleet._excuse_shared_drain`): one leave per drain, whatever the instance id.
+        self.excused_drain: str | None = None
         # Its LoRA task (`Fleet._lora_work`): at most one, started when a restore or a
         # re-applied unload is due and none runs; one due meanwhile is done when it ends.
         self.lora_task: asyncio.Task[None] | None = None
@@ -459,6 +469,9 @@ class Fleet:
         # an engine never ends up holding an adapter the fleet just unloaded.
         self.lora_intent = LoraIntent()
         self.lora_changes = asyncio.Lock()
+        # The drains made through other controller replicas, read when an engine leaves
+        # ready (set by `controller.membership` on a shared Redis; None: this replica's only).
+        self.shared_drains: SharedDrains | None = None
         # The last listing of every engine's adapters for a request naming one none was known
         # to hold (`relist_loras`), shared by the requests that come while it runs.
         self._relisting: asyncio.Task[None] | None = None
@@ -930,6 +943,7 @@ class Fleet:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
                     # Out of routing until the new process's identity is read and the old
                     # one's blocks are dropped: they would attract traffic meanwhile.
+                    await self._excuse_shared_drain(engine, EngineState.UNKNOWN)
                     self.registry.on_new_instance(address, now)
                     await self._notify()
                     need_identity = restarted = True
@@ -941,6 +955,7 @@ class Fleet:
                 # at every retry, and take requests there.
                 if reply is not None:
                     state, message = health_of(reply)
+                    await self._excuse_shared_drain(engine, state)
                     self.registry.on_health(address, state, now, message)
                 self.registry.on_load(address, load_from_proto(load))
                 view = load.attributes.get(FLEET_VIEW_KEY)
@@ -978,6 +993,7 @@ class Fleet:
                 details = self.engine_failure_details(exc.code(), exc.details() or "")
                 error = f"{exc.code().name}: {details}"
                 failure = poll_failure(exc.code().name)
+                await self._excuse_shared_drain(engine, failure.state)
                 delay = self.registry.on_poll_failed(address, now, error, failure)
                 said = failure.state.value
                 log.warning("engine %s %s (%s); retry in %.1fs", address, said, error, delay)
@@ -997,6 +1013,23 @@ class Fleet:
                 )
                 need_identity = True
             await engine.wait_poll_interval(delay)
+
+    async def _excuse_shared_drain(self, engine: _Engine, state: EngineState) -> None:
+        """Before the engine takes `state`: a leave from ready that would count as a flap may
+        be a drain made through another controller replica, which this one's polls did not
+        see (the engine drained and stopped within a poll interval). The shared membership
+        is asked then, at that moment (one read): a drain of this very process, not excused
+        here before, is no flap (`Registry.drained_elsewhere`)."""
+        if self.shared_drains is None or not self.registry.would_flap(engine.address, state):
+            return
+        drain = await self.shared_drains(engine.address)
+        if drain is None or drain[0] == engine.excused_drain:
+            return
+        token, instance_id = drain
+        if self.registry.drained_elsewhere(engine.address, instance_id):
+            log.info("engine %s leaves ready after a drain through another controller replica "
+                     "(instance %s): no flap", engine.address, instance_id)  # fmt: skip
+            engine.excused_drain = token
 
     async def _wait_unreachable(self, engine: _Engine, delay_s: float) -> None:
         """Wait `delay_s` for the next poll of an unreachable engine, abandoning the calls it
@@ -1095,6 +1128,8 @@ class Fleet:
                          engine.address, sign)  # fmt: skip
             # As a new process GetLoad names: out of routing until the old one is forgotten;
             # a flap only if another instance id says that the process changed.
+            if not same_instance:
+                await self._excuse_shared_drain(engine, EngineState.UNKNOWN)
             self.registry.on_new_instance(engine.address, self._clock(), same_instance)
             restarted = True
         is_new = self.registry.on_identity(engine.address, identity, restarted)

@@ -999,6 +999,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         named_model = await self._lora_model(context, on_one)
         # One change at a time: two loads racing for one name would each win on some engines.
         async with fleet.lora_changes:
+            await self.controller.membership.catch_up()  # the other replicas' LoRA changes
             model = named_model
             if on_one is None and named_model is None:
                 try:
@@ -1034,16 +1035,19 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 fleet.registry.on_lora_loaded(address, reply.adapter.lora_name)
                 fleet.lora_intent.loaded(spec, on_one, model)
 
-            replies = await self._lora_fan_out(
-                context,
-                lambda s, timeout_s: s.LoadLora(
-                    request, timeout=timeout_s, metadata=lora_model_metadata(named_model)
-                ),
-                lambda r: (r.adapter.lora_name,),
-                loaded,
-                model=named_model,
-                changes=True,
-            )
+            try:
+                replies = await self._lora_fan_out(
+                    context,
+                    lambda s, timeout_s: s.LoadLora(
+                        request, timeout=timeout_s, metadata=lora_model_metadata(named_model)
+                    ),
+                    lambda r: (r.adapter.lora_name,),
+                    loaded,
+                    model=named_model,
+                    changes=True,
+                )
+            finally:  # (whatever some engines answered: the intent as it now stands)
+                await self.controller.membership.share_lora(spec.lora_name)
         return pb.LoadLoraResponse(
             adapter=replies[0].adapter, already_loaded=all(r.already_loaded for r in replies)
         )
@@ -1062,17 +1066,21 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             # that keeps it for now is reported, and the fleet service unloads it there
             # once it answers its polls again: Fleet._reapply_unloads).
             on_one = await self._named_engine_address(context)
+            await self.controller.membership.catch_up()  # the other replicas' LoRA changes
             addresses = [r.address for r in fleet.registry.records()]
             fleet.lora_intent.unloaded(request.lora_name, on_one, addresses)
-            replies = await self._lora_fan_out(
-                context,
-                lambda s, timeout_s: s.UnloadLora(request, timeout=timeout_s),
-                lambda r: None,
-                unloaded,
-                on_absent=unloaded,
-                unloading=request.lora_name,
-                changes=True,
-            )
+            try:
+                replies = await self._lora_fan_out(
+                    context,
+                    lambda s, timeout_s: s.UnloadLora(request, timeout=timeout_s),
+                    lambda r: None,
+                    unloaded,
+                    on_absent=unloaded,
+                    unloading=request.lora_name,
+                    changes=True,
+                )
+            finally:
+                await self.controller.membership.share_lora(request.lora_name)
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
 
     def _lora_timeout_s(self, context: Context, *, listing: bool = False) -> float:

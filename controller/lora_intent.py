@@ -22,7 +22,10 @@ it was found on: it is the fleet's, for that model, once every engine of that mo
 controller knew holds it (engines of other models, not given it, do not count).
 
 The intent lives in the controller's memory, and the controller keeps no state of its own
-(ARCHITECTURE.md): a restarted controller rebuilds it from the engines. Each engine process
+(ARCHITECTURE.md): a restarted controller rebuilds it from the engines. Controller replicas
+on a Redis index share what their LoRA calls leave in it for each adapter name (`shared`,
+`adopt`; controller.membership carries it), so that an adapter unloaded through one is not
+restored by another. Each engine process
 it meets (first contact, registration, a return, a restart) tells what it holds (`found_on`,
 from ListLoras): an adapter held by every engine the controller knew when it first found
 it is the fleet's (so an engine registered or scaled up later gets it too), one some of them
@@ -65,6 +68,18 @@ class LoraSpec:
 
     def __str__(self) -> str:
         return f"{self.lora_name!r} (id {self.lora_id}, {self.source_path})"
+
+
+@dataclass(frozen=True, slots=True)
+class SharedLora:
+    """What an intent holds for one adapter name, as the controller replicas share it
+    (`LoraIntent.shared`, `LoraIntent.adopt`): the adapter, where it is loaded (an engine's
+    address; None: the fleet) with the model each load is for (None: not named), in the
+    order they were loaded, and the engines a fleet-wide load is kept off (unloaded there)."""
+
+    spec: LoraSpec
+    on: dict[str | None, str | None]
+    off: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -136,6 +151,41 @@ class LoraIntent:
             self.unloaded_from.get(name, set()).discard(address)
             self.unconfirmed.get(name, set()).discard(address)
             self._retire(name)
+
+    def shared(self, lora_name: str) -> SharedLora | None:
+        """What the intent holds for `lora_name`, for the other controller replicas; None when
+        it is loaded nowhere."""
+        spec = self._known(lora_name)
+        if spec is None:
+            return None
+        on = {
+            address: self.models.get(name)
+            if address is None
+            else self.engine_models.get((name, address))
+            for name, address in self.loads
+            if name == lora_name
+        }
+        off = self.unloaded_from.get(lora_name, set()) if None in on else set()
+        return SharedLora(spec, on, frozenset(a for a in off if a is not None))
+
+    def adopt(self, lora_name: str, shared: SharedLora | None) -> None:
+        """Another controller replica loaded or unloaded `lora_name`: the intent holds for it
+        what that replica's holds (`shared`; None: loaded nowhere). The unloads made through
+        this controller that engines have not answered yet stay due (`unconfirmed`), but for
+        the engines a load in `shared` is for."""
+        self._decided(lora_name)
+        on = shared.on if shared is not None else {}
+        for key in [k for k in self.loads if k[0] == lora_name and k[1] not in on]:
+            del self.loads[key]
+        self._forget_engine_models(lambda name, address: name == lora_name and address not in on)
+        if None not in on:
+            self.models.pop(lora_name, None)
+        if shared is None:
+            return
+        for address, model in on.items():
+            self.loaded(shared.spec, address, model)
+        if shared.off:
+            self.unloaded_from.setdefault(lora_name, set()).update(shared.off)
 
     def model_of(self, lora_name: str, address: str) -> str | None:
         """The model to name when `lora_name` is loaded again on the engine at `address`:

@@ -18,8 +18,18 @@ it said; a replica applies it to an engine it already has too, one removed and r
 between two reads; a replica older than the field ignores it), `c:<address>` a cordoned engine,
 `x:<address>` an engine of the replicas' config removed (config engines are in every replica's
 config; removing one through any replica removes it from all, a replica started later included,
-until it is registered again), and `v`, the hash's generation: set (to a fresh token) by
-whoever writes a hash Redis does not hold, kept by every change after. A hash without it was
+until it is registered again), `d:<address>` the engine process last drained through a
+replica (a token of the drain and the process's instance id: another replica whose polls see
+the engine leave ready without having seen it say DRAINING reads it then, and takes that
+leave for the drain, not a flap, once per drain; cleared when the engine is removed or
+registered; a drain Redis does not take goes on unshared), `l:<name>` the fleet's LoRA intent
+for an adapter (controller.lora_intent: what is restored on an engine's new process), as the
+replica a LoadLora or UnloadLora went through holds it after the call (JSON: its id, path,
+loads and the engines a fleet-wide load is kept off; no field: loaded nowhere); each replica
+reads the hash before a LoRA call, writes the field after it, and takes a field that changed
+since its last read into its own intent (one gone: unloaded), and `v`, the hash's generation:
+set (to a fresh token) by whoever writes a hash Redis does not hold, kept by every change
+after. A hash without it was
 lost by Redis (or never written): the replica writes its own membership back instead of
 dropping what it does not find. A replica that finds another generation than it read last finds
 a hash written back since by another replica, which knew only its own membership: it writes its
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -43,13 +54,15 @@ from redis.exceptions import RedisError
 
 from controller.config import ControllerConfig
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, ThrottledWarning
+from controller.lora_intent import LoraSpec, SharedLora
 from controller.registry import DuplicateEngineError, EngineRecord, UnknownEngineError
 from indexer.redis_client import Client, RedisOptions, connect, stop_if_cancelled
 from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
 
-_REGISTERED, _OWNER, _CORDONED, _REMOVED, _MARKER = "a:", "o:", "c:", "x:", "v"
+_REGISTERED, _OWNER, _CORDONED, _REMOVED, _DRAINED = "a:", "o:", "c:", "x:", "d:"
+_LORA, _MARKER = "l:", "v"
 
 
 class MembershipUnavailableError(KvplaneError):
@@ -71,6 +84,9 @@ class Membership:
         self._lock = asyncio.Lock()
         # The hash's generation (`v`) at this replica's last read; None before the first.
         self._generation: str | None = None
+        # The `l:<name>` fields (the fleet's LoRA intent) as this replica last read or wrote
+        # them: one that changed is taken into its intent, one gone is an unload.
+        self._loras: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self._read_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, time.monotonic, log)
 
@@ -85,6 +101,7 @@ class Membership:
         options = RedisOptions(**index.backend_options())
         self._client, _ = connect(index.backend, options)
         self._key = options.partition_key("fm")
+        self.fleet.shared_drains = self._drained
         await self._refresh_or_warn()
         self._task = asyncio.create_task(self._follow(), name="shared membership")
 
@@ -107,7 +124,7 @@ class Membership:
                 await asyncio.shield(removals[address])
             record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
             fields = {_REGISTERED + address: kv_events}
-            deleted = [_REMOVED + address]
+            deleted = [_REMOVED + address, _DRAINED + address]
             if owner:
                 fields[_OWNER + address] = owner
             else:
@@ -129,11 +146,14 @@ class Membership:
             # route to it again.
             removed = {_REMOVED + address: "1"} if self._in_config(address) else {}
             await self._write(
-                removed, [_REGISTERED + address, _OWNER + address, _CORDONED + address]
+                removed,
+                [_REGISTERED + address, _OWNER + address, _CORDONED + address, _DRAINED + address],
             )
             # Out of the registry now; what it left is dropped out of the lock (a registration
             # of the address meanwhile is refused as "being removed", not held up).
             record, removal = self.fleet.begin_removal(address)
+            # Its own adapters (`lora load --engine`) leave the fleet's LoRA intent with it.
+            await self._share_loras(list(self._loras))
         await asyncio.shield(removal)
         return record
 
@@ -148,6 +168,78 @@ class Membership:
                 await self._write({}, [field])
             return self.fleet.registry.set_cordoned(record.address, cordoned)
 
+    async def record_drain(self, record: EngineRecord) -> None:
+        """DrainEngine through this replica: the drained process (its instance id, and a
+        token of this drain) goes into the shared hash, for the other replicas to read when
+        the engine leaves ready (`_drained`), which their polls may see without its DRAINING
+        (drained and stopped within a poll interval): a drain, not a flap. The drain goes
+        on when Redis does not take it (the engine's own, not the membership's): the others
+        may then count its leave as a flap, as before."""
+        if self._client is None:
+            return
+        drain = f"{uuid.uuid4().hex}:{record.engine_id}"
+        async with self._lock:
+            try:
+                await self._write({_DRAINED + record.address: drain}, [])
+            except MembershipUnavailableError as exc:
+                log.warning("the drain of engine %s is not shared with the other controller "
+                            "replicas (their polls count its leave as a flap): %s",
+                            record.address, exc)  # fmt: skip
+
+    async def _drained(self, address: str) -> tuple[str, str] | None:
+        """The last drain recorded for the engine at `address` (`record_drain`): its token
+        and the instance id of the process drained; None when none is, or Redis does not
+        answer (a leave is then judged as without the shared membership)."""
+        assert self._client is not None
+        try:
+            value = await self._client.hget(self._key, _DRAINED + address)
+        except (RedisError, OSError) as exc:
+            self._read_failed.warn(
+                f"the drains made through other controller replicas could not be read from "
+                f"Redis (a drained engine's leave counts as a flap): {exc}"
+            )
+            return None
+        if value is None:
+            return None
+        token, _, instance_id = _text(value).partition(":")
+        return token, instance_id
+
+    async def share_lora(self, lora_name: str) -> None:
+        """A LoadLora or UnloadLora through this replica (under the fleet's `lora_changes`)
+        changed the fleet's LoRA intent for `lora_name`: what it now holds for it goes into
+        the shared hash (`l:<name>`; loaded nowhere, the field goes), which every replica
+        takes into its intent at its next read. The change stands here when Redis does not
+        take it (the engines have it): the others keep their intent for it, a warning says
+        so."""
+        if self._client is None:
+            return
+        async with self._lock:
+            await self._share_loras([lora_name])
+
+    async def _share_loras(self, names: list[str]) -> None:
+        """(Under the lock.) Write what the fleet's LoRA intent holds for `names` where it
+        differs from the hash as last read or written here."""
+        intent = self.fleet.lora_intent
+        values = {name: _encode_lora(intent.shared(name)) for name in names}
+        changed = {name: v for name, v in values.items() if v != self._loras.get(name)}
+        if not changed:
+            return
+        try:
+            await self._write(
+                {_LORA + name: v for name, v in changed.items() if v is not None},
+                [_LORA + name for name, v in changed.items() if v is None],
+            )
+        except MembershipUnavailableError as exc:
+            log.warning("the LoRA changes of %s are not shared with the other controller "
+                        "replicas (their intent keeps what it held): %s",
+                        sorted(changed), exc)  # fmt: skip
+            return
+        for name, value in changed.items():
+            if value is None:
+                self._loras.pop(name, None)
+            else:
+                self._loras[name] = value
+
     async def find(self, key: str) -> EngineRecord:
         """The engine `key` names (address or instance id), read from the shared membership
         first when this replica does not know it: registered through another replica since
@@ -157,10 +249,19 @@ class Membership:
         except UnknownEngineError:
             if self._client is None:
                 raise
-        with contextlib.suppress(MembershipUnavailableError):  # (then unknown as it was)
+        await self.catch_up()
+        return self.fleet.registry.get(key)
+
+    async def catch_up(self) -> None:
+        """Take what the shared membership says now, before an action that is no change of
+        it (a drain of an engine this replica does not know, a LoRA load or unload: another
+        replica's may have come since the last read). When Redis does not answer, the action
+        goes on with this replica's view."""
+        if self._client is None:
+            return
+        with contextlib.suppress(MembershipUnavailableError):
             async with self._lock:
                 await self._catch_up()
-        return self.fleet.registry.get(key)
 
     async def _catch_up(self) -> dict[str, asyncio.Task[None]]:
         """Before a change (under the lock): take what the shared membership says now, so
@@ -268,7 +369,30 @@ class Membership:
             cordoned = _CORDONED + record.address in fields
             if record.cordoned != cordoned:
                 registry.set_cordoned(record.address, cordoned)
+        self._apply_loras(fields)
         return removals
+
+    def _apply_loras(self, fields: dict[str, str]) -> None:
+        """Take into the fleet's LoRA intent the adapters loaded or unloaded through other
+        replicas since the last read (`share_lora`)."""
+        intent = self.fleet.lora_intent
+        shared = {f.removeprefix(_LORA): v for f, v in fields.items() if f[:2] == _LORA}
+        for name in [n for n in self._loras if n not in shared]:
+            log.info("LoRA adapter %r unloaded through another controller replica", name)
+            del self._loras[name]
+            intent.adopt(name, None)
+        for name, value in shared.items():
+            if self._loras.get(name) == value:
+                continue
+            self._loras[name] = value
+            try:
+                adopted = _decode_lora(name, value)
+            except (ValueError, TypeError, KeyError) as exc:  # (another release's, say)
+                log.warning("LoRA adapter %r of the shared membership not understood: %s",
+                            name, exc)  # fmt: skip
+                continue
+            log.info("LoRA adapter %r changed through another controller replica", name)
+            intent.adopt(name, adopted)
 
     async def _write_back(self) -> None:
         """Redis lost the hash (or another replica wrote it back since this one's last read):
@@ -284,6 +408,7 @@ class Membership:
         fields.update(
             {_REMOVED + e.address: "1" for e in self._config.engines if e.address not in present}
         )
+        fields.update({_LORA + name: value for name, value in self._loras.items()})
         await self._write(fields, [])
 
 
@@ -291,6 +416,31 @@ def _unavailable(exc: Exception) -> MembershipUnavailableError:
     return MembershipUnavailableError(
         f"the fleet's membership, shared by the controller replicas, is kept in Redis, which "
         f"did not take the change (nothing changed; retry): {exc}"
+    )
+
+
+def _encode_lora(shared: SharedLora | None) -> str | None:
+    """An `l:<name>` field's value: the adapter's id and path, its loads in their order
+    (address, "" for the fleet; model, null when none was named), the engines kept off;
+    None for an adapter loaded nowhere (no field)."""
+    if shared is None:
+        return None
+    return json.dumps(
+        {
+            "id": shared.spec.lora_id,
+            "path": shared.spec.source_path,
+            "on": [[address or "", model] for address, model in shared.on.items()],
+            "off": sorted(shared.off),
+        }
+    )
+
+
+def _decode_lora(name: str, value: str) -> SharedLora:
+    record = json.loads(value)
+    return SharedLora(
+        LoraSpec(int(record["id"]), name, str(record["path"])),
+        {address or None: model for address, model in record["on"]},
+        frozenset(record["off"]),
     )
 
 

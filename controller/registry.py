@@ -58,7 +58,8 @@ not the process: another engine registered there within `window_s` (a new pod on
 address) takes it too, as nothing tells it from the same engine restarted, which comes with a
 new instance id as well (dropping the record for a new id would let every crash-looping engine
 out). Drains and cordons are no flaps: an engine that drains, or one an operator cordoned (and
-restarts, say, while working on it), is not flapping, and its leaves do not count.
+restarts, say, while working on it), is not flapping, and its leaves do not count (nor the
+leave of a process drained through another controller replica, `drained_elsewhere`).
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -497,6 +498,17 @@ def _take_hold_down_record(record: EngineRecord, removed: EngineRecord) -> None:
     record.hold_s = removed.hold_s
     record.hold_polls_left = removed.hold_polls_left
     record.released_s = removed.released_s
+
+
+def _flaps(record: EngineRecord, state: EngineState) -> bool:
+    """Whether `record` taking `state` is a flap: it leaves ready. Not while it drains or is
+    cordoned: then the controller or an operator took it out, not its own health."""
+    return (
+        record.state in _READY_TO_ITS_POLLS
+        and state in _NOT_READY_STATES
+        and not record.cordoned
+        and not record.drain_requested
+    )
 
 
 def _hold_down_ends_s(record: EngineRecord, now_s: float) -> float:
@@ -1111,16 +1123,26 @@ class Registry:
         record.next_attempt_s = now_s
         self._cap_hold_downs()
 
+    def would_flap(self, address: str, state: EngineState) -> bool:
+        """Whether the engine at `address` taking `state` now would be a flap (the module's
+        "Hold-down"): it leaves ready, and neither drains nor is cordoned."""
+        record = self._by_address.get(address)
+        return record is not None and _flaps(record, state)
+
+    def drained_elsewhere(self, address: str, instance_id: str) -> bool:
+        """The engine process `instance_id` was drained through another controller replica
+        (the shared membership says so, `controller.membership`): if it is the one at
+        `address`, its leave is the drain's, no flap, as if drained through this one."""
+        record = self._by_address.get(address)
+        if record is None or record.engine_id != instance_id:
+            return False
+        record.drain_requested = True
+        return True
+
     def _count_flap(self, record: EngineRecord, state: EngineState, now_s: float) -> None:
         """Before `record` takes `state`: count a flap (the module's "Hold-down") if it leaves
-        ready, and hold it down when that is one too many. Not while it drains or is
-        cordoned: then the controller or an operator took it out, not its own health."""
-        if (
-            record.state not in _READY_TO_ITS_POLLS
-            or state not in _NOT_READY_STATES
-            or record.cordoned
-            or record.drain_requested
-        ):
+        ready, and hold it down when that is one too many."""
+        if not _flaps(record, state):
             return
         record.num_flaps += 1
         policy = self.hold_down

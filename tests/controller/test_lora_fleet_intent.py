@@ -696,3 +696,28 @@ async def listed(fleet: Fleet) -> bool:
     """Whether the replica has listed every engine's adapters (it knows they hold none)."""
     records = fleet.app.controller.fleet.registry.records()
     return all(r.lora_adapters is not None for r in records)
+
+
+async def test_an_adapter_unloaded_through_one_replica_is_not_restored_by_the_other(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """x is loaded on the fleet through a, then unloaded through b, and y loaded through a;
+    e1 restarts. Neither replica gives it x back: the fleet's LoRA intent is shared through
+    the membership hash (each LoRA call reads it first, as an admin change does). Before,
+    a's intent still held x, and a loaded it on e1 again (ahead of y, loaded after it)."""
+    engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(2)]
+    a = await make_fleet(engines=engines, index=shared_index(redis))
+    b = await make_fleet(engines=engines, index=shared_index(redis))
+    e1 = a.address(engines[1])
+    try:
+        x, y = adapter(tmp_path, "x", 1), adapter(tmp_path, "y", 2)
+        await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        await b.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=y))
+        restarted = await a.restart_engine(e1, "e1-1", lora=LORA)
+        only_y = {"y": y.source_path}
+        await eventually(lambda: restored(a, restarted, only_y), 15, "y restored on e1, not x")
+        assert await engine_adapters(restarted) == only_y
+    finally:
+        await close_replica(b)
+        await close_fleet(a)

@@ -5,7 +5,7 @@ ends that, so a fleet unloading ever new names does not remember them all."""
 
 from __future__ import annotations
 
-from controller.lora_intent import LoraIntent, LoraSpec
+from controller.lora_intent import LoraIntent, LoraSpec, SharedLora
 
 X = LoraSpec(1, "x", "/adapters/x")
 
@@ -93,3 +93,23 @@ def test_a_load_on_one_engine_for_a_model_names_it_again_there_until_unloaded() 
     intent.loaded(X, "ctl", "a")
     intent.unloaded("x", None, ["ctl"])
     assert intent.engine_models == {}
+
+
+def test_another_replicas_loads_and_unloads_are_adopted_as_its_intent_holds_them() -> None:
+    """What one replica's intent holds for a name (`shared`), adopted by another's: the same
+    engines want it, for the same models, and its unload there forgets it."""
+    y = LoraSpec(2, "y", "/adapters/y")
+    one, other = LoraIntent(), LoraIntent()
+    one.loaded(X, None, "m")
+    one.unloaded("x", "b", ["a", "b", "c"])  # kept off b
+    one.loaded(y, "c", "n")
+    assert one.shared("x") == SharedLora(X, {None: "m"}, frozenset({"b"}))
+    for name in "xy":
+        other.adopt(name, one.shared(name))
+    for address in "abc":
+        assert other.wanted_on(address, ["m"]) == one.wanted_on(address, ["m"])
+    assert other.model_of("y", "c") == "n" and other.model_of("x", "a") == "m"
+    one.unloaded("x", None, ["a", "b", "c"])
+    assert one.shared("x") is None
+    other.adopt("x", one.shared("x"))
+    assert other.wanted_on("a", ["m"]) == [] and other.wanted_on("c", ["m"]) == [y]

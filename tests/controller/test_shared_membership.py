@@ -1,21 +1,25 @@
 """Controller replicas on one Redis index share the fleet's run-time membership: an engine
 registered, cordoned, uncordoned or removed through one replica (behind a load balancer, the
 one the call lands on) is routed to, or not, by every replica, a replica started later
-included; and a change Redis does not take is refused, changing nothing."""
+included; a change Redis does not take is refused, changing nothing; and an engine drained
+through one replica leaves the others' routing as a drain, not a flap."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import grpc
 import pytest
 
 from controller.app import start_controller
+from controller.registry import EngineState, Registry
 from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.controller.test_controller_replicas import close_replica, shared_index
+from tests.controller.test_flapping_engines import LONG_HOLD_DOWN
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
 
@@ -326,3 +330,42 @@ async def test_admin_calls_landing_on_a_replica_that_has_not_read_the_change_bef
         await close_replica(b)
         await close_fleet(a)
         await engine.close()
+
+
+async def test_an_engine_drained_through_one_replica_and_restarted_is_no_flap_to_the_other(
+    redis: RedisServer,
+) -> None:
+    """Drained through a, then restarted (a new process), twice: b, whose polls never see the
+    engine say DRAINING (its health is read hourly here; live, an engine that drains and
+    stops within a poll interval), sees it leave ready each time, reads the drain from the
+    shared membership then, and takes the leave for the drain: no flap, no hold-down. Before,
+    b counted two flaps and held the engine down (two flaps hold it here), routing around it
+    while a routed to it."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    hourly = {"poll_interval_s": 3600, "hold_down_after_flaps": 2, **LONG_HOLD_DOWN}
+    b = await make_fleet(engines=[engine], index=shared_index(redis), health=hourly)
+    address = a.address(engine)
+    registry = b.app.controller.fleet.registry
+    try:
+        await eventually(lambda: routes_to(b, address), 20, "b to route to the engine")
+        for restart in ("e0-1", "e0-2"):
+            drained = a.admin.DrainEngine(apb.DrainEngineRequest(engine=address))
+            assert [r.state async for r in drained][-1] == pb.DRAIN_STATE_COMPLETE
+            await a.restart_engine(address, restart)
+            await eventually(functools.partial(ready_as, registry, address, restart), 20, "b")
+        record = registry.get(address)
+        assert (record.state, record.num_flaps) == (EngineState.READY, 0), record.last_error
+        assert await routes_to(b, address)
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+
+
+def ready_as(registry: Registry, address: str, instance_id: str) -> bool:
+    """Whether the engine's process `instance_id` says it is ready (held down or not)."""
+    record = registry.get(address)
+    return record.engine_id == instance_id and record.state in (
+        EngineState.READY,
+        EngineState.HELD_DOWN,
+    )
