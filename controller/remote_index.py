@@ -53,6 +53,13 @@ REMOTE_INDEX_SETTINGS = ClientSettings(
     "index.remote_tls.server_name",
 )
 
+# The longest wait between the channel's attempts to reconnect to an indexer that is down
+# (every call fails at once meanwhile, without asking it). Every routed request asks the
+# index, so a restarted indexer must be found at once; gRPC's own backoff grows to 120 s, and
+# the engines' (`health.backoff_max_s`, 30 s by default) left the fleet routing by load for
+# up to that long after the indexer was back. A connection attempt a second costs nothing.
+RECONNECT_MAX_S = 1.0
+
 
 class RemoteIndexError(KvplaneError):
     """A remote index call that failed, with its gRPC status (None: not asked, paused)."""
@@ -72,9 +79,12 @@ class RemoteIndex:
     `backoff_initial_s`, doubling up to `backoff_max_s` while it stays silent: until then
     every call fails at once, so it costs one request the deadline per pause, not every
     request. After the pause one call asks it again (the others still fail at once); an
-    answer ends the pause. One that is down fails at once by itself (UNAVAILABLE) and is asked
-    every time, so it is used again as soon as it is back. `unavailable` says whether the last
-    call failed, without a call of its own (the controller's Health reads it).
+    answer ends the pause. Only that call's silence doubles the pause: the calls that were
+    already waiting when the indexer stopped answering time out together, and count as one.
+    One that is down fails at once by itself (UNAVAILABLE), its channel reconnecting at most
+    `RECONNECT_MAX_S` apart, so it is used again within about a second of its return.
+    `unavailable` says whether the last call failed, without a call of its own (the
+    controller's Health reads it).
 
     An engine the controller saw restart (`resync_engine`) has its hits ignored until the
     indexer has dropped what it held of the old process: its sources may still be waiting out
@@ -91,10 +101,11 @@ class RemoteIndex:
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.channels = channels
+        initial_s, _ = backoff_s
+        self.channels = channels.reconnecting(min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S)
         self.target = target
         self._dialled: Redialling[ipb_grpc.KvIndexAsyncStub] = Redialling(
-            channels, target, ipb_grpc.KvIndexStub
+            self.channels, target, ipb_grpc.KvIndexStub
         )
         self._timeout_s = timeout_s
         self._key_space = _KEY_SPACES[key_space]
@@ -117,12 +128,17 @@ class RemoteIndex:
             raise RemoteIndexError(
                 f"remote index: not answering; asked again within {self._pause_s:g} s"
             )
-        self._asking_again = paused
+        # The one call that asks a paused indexer again: only its silence lengthens the pause
+        # (calls made before the pause began time out with the one that began it).
+        asks_again = paused
+        self._asking_again = self._asking_again or asks_again
         try:
             reply = await call()
         except grpc.aio.AioRpcError as exc:
             await self._dialled.after_failure()
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (
+                asks_again or self._pause_s == 0
+            ):
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
@@ -133,7 +149,8 @@ class RemoteIndex:
             self._failure = None if exc.code() in _ANSWERS else failure
             raise RemoteIndexError(f"remote index: {failure}", exc.code()) from None
         finally:
-            self._asking_again = False
+            if asks_again:
+                self._asking_again = False
         self._pause_s = 0.0
         self._failure = None
         return reply
