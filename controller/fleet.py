@@ -809,7 +809,7 @@ class Fleet:
                 keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
             except KvplaneError as exc:
                 index_error = str(exc)
-                keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
+                keys = self.remote.prompt_keys(token_ids, size, lora_name, cache_salt)
         elif token_ids:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:

@@ -12,6 +12,7 @@ import grpc
 from controller.router import PrefixHit
 from indexer.backend import IndexStats, WorkerStats
 from indexer.batch import Tier
+from indexer.servicer import prompt_block_keys
 from kvplane.channels import (
     INSECURE,
     ClientChannels,
@@ -169,12 +170,10 @@ class RemoteIndex:
             return None
         return f"{self.described}: {self._failure}"
 
-    async def match(
+    def _match_request(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
-    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
-        """The prompt's block keys and each worker's cached prefix (none for an engine in
-        `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
-        request = ipb.MatchTokensRequest(
+    ) -> ipb.MatchTokensRequest:
+        return ipb.MatchTokensRequest(
             token_ids=token_ids,
             block_size=block_size,
             lora_name=lora_name,
@@ -182,6 +181,22 @@ class RemoteIndex:
             key_space=self._key_space,
             hash_seed=self._hash_seed,
         )
+
+    def prompt_keys(
+        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
+    ) -> tuple[int, ...]:
+        """The prompt's block keys as `match` has the indexer give them (in its key space),
+        computed here: when the indexer cannot answer, the router's record of the prompts it
+        routed must still meet them (canonical keys would not, in a vLLM key space)."""
+        request = self._match_request(token_ids, block_size, lora_name, cache_salt)
+        return tuple(prompt_block_keys(request, block_size))
+
+    async def match(
+        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
+    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
+        """The prompt's block keys and each worker's cached prefix (none for an engine in
+        `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
+        request = self._match_request(token_ids, block_size, lora_name, cache_salt)
         reply = await self._ask(
             lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
         )

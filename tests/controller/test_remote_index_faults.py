@@ -1,6 +1,6 @@
 """The controller's remote index against a real `kvplane indexer serve` process that a user's
 faults reach: killed and started again after a long outage, stopped (SIGSTOP) while requests
-wait on it."""
+wait on it, killed while the router's record of recent prompts is in a vLLM key space."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from controller.config import ControllerConfig
 from controller.fleet import Fleet
 from controller.remote_index import RemoteIndex
 from kvplane.errors import KvplaneError
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
 from tests.controller.test_processes import indexer_process
 from tests.polling import eventually
 from tests.redis_servers import restartable_port
@@ -97,3 +100,41 @@ async def test_requests_waiting_on_a_stopped_indexer_pause_it_once(
     finally:
         indexer.send_signal(signal.SIGCONT)
         await remote.close()
+
+
+async def test_a_prompt_routed_in_a_vllm_key_space_still_meets_its_record_when_the_indexer_dies(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """`remote_key_space: sha256`: a prompt routed while the indexer answered is recorded
+    under the keys it gave (vLLM's hashes); killed, the indexer cannot answer the repeat, and
+    the router's record of the prompts it just routed still sends it where its prefix went
+    (docs/controller.md: routed "by load and by the router's own record"). Before, the keys
+    of a prompt the indexer could not answer were kvplane's canonical ones, which no record
+    made while it answered holds: the repeat was routed by load alone."""
+    engines = [await start_sim_engine(f"k{i}") for i in range(2)]
+    target = await indexer_process(tmp_path, [f"127.0.0.1:{e.port}" for e in engines], processes)
+    fleet = await make_fleet(
+        engines=engines,
+        index={"remote": target, "remote_key_space": "sha256"},
+        router={"pending_ttl_s": 600.0},
+    )
+    try:
+        prompt = list(range(3000, 3064))  # 4 blocks of 16
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prompt, 1]))
+        first = await fleet.admin.Route(query)
+        assert first.index_error == ""
+        [r async for r in fleet.gateway.Generate(generate_request("routed", [*prompt, 2]))]
+        sent = await fleet.admin.Route(query)
+        assert (sent.reason, sent.predicted_cached_tokens) == ("cache", 64)
+
+        processes[0].kill()
+        processes[0].wait()
+        blind = await fleet.admin.Route(query)
+        assert blind.index_error.startswith("remote index: UNAVAILABLE: ")
+        assert (blind.engine, blind.reason, blind.predicted_cached_tokens) == (
+            sent.engine,
+            "cache",
+            64,
+        )
+    finally:
+        await close_fleet(fleet)
