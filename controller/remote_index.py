@@ -82,6 +82,10 @@ class RemoteIndex:
     request. After the pause one call asks it again (the others still fail at once); an
     answer ends the pause. Only that call's silence doubles the pause: the calls that were
     already waiting when the indexer stopped answering time out together, and count as one.
+    Each call that starts or lengthens a pause dials the indexer afresh, so that the next one
+    asked goes on a new connection: the one that went silent may be dead without a reset (the
+    indexer's host gone, moved to another address behind the same name), and would swallow
+    every call until the kernel gave up on it.
     One that is down fails at once by itself (UNAVAILABLE), its channel reconnecting at most
     `RECONNECT_MAX_S` apart, so it is used again within about a second of its return.
     `unavailable` says whether the last call failed, without a call of its own (the
@@ -143,6 +147,7 @@ class RemoteIndex:
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
+                self._dialled.dial_afresh()  # its connection may be dead without a reset
             details = failure_details(
                 self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
             )

@@ -1,6 +1,7 @@
 """The controller's remote index against a real `kvplane indexer serve` process that a user's
 faults reach: killed and started again after a long outage, stopped (SIGSTOP) while requests
-wait on it, killed while the router's record of recent prompts is in a vLLM key space."""
+wait on it, killed while the router's record of recent prompts is in a vLLM key space, and
+behind a connection gone silent without a reset."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.controller.conftest import close_fleet, generate_request, make_fleet,
 from tests.controller.test_processes import indexer_process
 from tests.polling import eventually
 from tests.redis_servers import restartable_port
+from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -138,3 +140,30 @@ async def test_a_prompt_routed_in_a_vllm_key_space_still_meets_its_record_when_t
         )
     finally:
         await close_fleet(fleet)
+
+
+async def test_an_indexer_whose_connection_went_silent_is_reached_on_a_new_one(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """The connection to the indexer goes silent without a reset (a host gone, a NAT entry
+    expired: a forwarder that drops what it reads, both ways), while the indexer answers
+    new connections. The call that times out starts the pause and has the next call made on
+    a new connection: the indexer is used again once the pause is over. Before, every call
+    went on the dead connection, each timing out, until the kernel gave up on it (some 15
+    minutes without keepalive)."""
+    target = await indexer_process(tmp_path, [], processes)
+    forwarder = await TcpForwarder.start(target)
+    now = [0.0]
+    remote = RemoteIndex(forwarder.address, 0.5, backoff_s=(1.0, 64.0), clock=lambda: now[0])
+    try:
+        await remote.match(TOKENS, 16, "", "")
+        forwarder.silence()
+        with pytest.raises(KvplaneError, match=r"^remote index: DEADLINE_EXCEEDED: "):
+            await remote.match(TOKENS, 16, "", "")
+        now[0] = 1.0
+        await remote.match(TOKENS, 16, "", "")
+        assert remote.unavailable is None
+        assert forwarder.tunnels == 2
+    finally:
+        await remote.close()
+        await forwarder.cut()
