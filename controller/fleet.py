@@ -464,10 +464,11 @@ class Fleet:
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
         # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions):
-        # reconnecting as an unreachable engine is retried, so that a
-        # server back after a long outage is reached within `backoff_max_s`. Engines' replies
-        # of any size are taken: the gateway relays them unchanged (a stream with every
-        # candidate's logprob can pass 4 MiB a message), and its client sets its own limit.
+        # reconnecting as an unreachable engine is retried, so that a server back after a long
+        # outage is reached within `backoff_max_s` (the remote index reconnects sooner, see
+        # `RemoteIndex`). Engines' replies of any size are taken: the gateway relays them
+        # unchanged (a stream with every candidate's logprob can pass 4 MiB a message), and
+        # its client sets its own limit.
         self._engine_channels = (
             ClientChannels.load(config.engine_tls, "engine_tls")
             .reconnecting(health.backoff_initial_s, health.backoff_max_s)
