@@ -80,8 +80,10 @@ class RemoteIndex:
     `backoff_initial_s`, doubling up to `backoff_max_s` while it stays silent: until then
     every call fails at once, so it costs one request the deadline per pause, not every
     request. After the pause one call asks it again (the others still fail at once); an
-    answer ends the pause. Only that call's silence doubles the pause: the calls that were
-    already waiting when the indexer stopped answering time out together, and count as one.
+    answer ends the pause, an error answered included (the indexer's Redis down, a query
+    shed), as does a call that fails at once (the indexer down). Only the asking call's
+    silence doubles the pause: the calls that were already waiting when the indexer stopped
+    answering time out together, and count as one.
     Each call that starts or lengthens a pause dials the indexer afresh, so that the next one
     asked goes on a new connection: the one that went silent may be dead without a reset (the
     indexer's host gone, moved to another address behind the same name), and would swallow
@@ -107,7 +109,12 @@ class RemoteIndex:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         initial_s, _ = backoff_s
-        self.channels = channels.reconnecting(min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S)
+        # Each channel with subchannels of its own: gRPC shares a connection between the
+        # channels of one process to one address by default, so a channel dialled afresh
+        # (`_ask`) would go on using the connection gone silent.
+        self.channels = channels.reconnecting(
+            min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S
+        ).with_options(("grpc.use_local_subchannel_pool", 1))
         self.target = target
         self._dialled: Redialling[ipb_grpc.KvIndexAsyncStub] = Redialling(
             self.channels, target, ipb_grpc.KvIndexStub
@@ -148,6 +155,8 @@ class RemoteIndex:
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
                 self._dialled.dial_afresh()  # its connection may be dead without a reset
+            elif exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._pause_s = 0.0  # answered (an error is an answer), or failed at once
             details = failure_details(
                 self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
             )

@@ -167,3 +167,31 @@ async def test_an_indexer_whose_connection_went_silent_is_reached_on_a_new_one(
     finally:
         await remote.close()
         await forwarder.cut()
+
+
+async def test_an_error_answered_after_a_stall_ends_the_pause(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """After a stall, the indexer answers again, with an error (here NOT_FOUND: a resync of
+    an engine it does not know; as well the UNAVAILABLE of its Redis down): it answers, so
+    the pause ends and every request asks it. Before, only a reply ended the pause, and
+    until one came every request but one at a time failed at once ("not answering") without
+    asking the indexer that answered."""
+    target = await indexer_process(tmp_path, [], processes)
+    now = [0.0]
+    remote = RemoteIndex(target, 0.5, backoff_s=(1.0, 64.0), clock=lambda: now[0])
+    indexer = processes[0]
+    try:
+        indexer.send_signal(signal.SIGSTOP)
+        with pytest.raises(KvplaneError, match=r"^remote index: DEADLINE_EXCEEDED: "):
+            await remote.match(TOKENS, 16, "", "")
+        indexer.send_signal(signal.SIGCONT)
+        now[0] = 1.0
+        await remote.resync_engine("10.0.0.9:8000")  # NOT_FOUND: done, nothing to drop
+        outcomes = await asyncio.gather(
+            *(remote.match(TOKENS, 16, "", "") for _ in range(2)), return_exceptions=True
+        )
+        assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
+    finally:
+        indexer.send_signal(signal.SIGCONT)
+        await remote.close()
