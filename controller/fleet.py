@@ -480,11 +480,12 @@ class Fleet:
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
-        # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions)
-        # and the remote index: reconnecting as an unreachable engine is retried, so that a
-        # server back after a long outage is reached within `backoff_max_s`. Engines' replies
-        # of any size are taken: the gateway relays them unchanged (a stream with every
-        # candidate's logprob can pass 4 MiB a message), and its client sets its own limit.
+        # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions):
+        # reconnecting as an unreachable engine is retried, so that a server back after a long
+        # outage is reached within `backoff_max_s` (the remote index reconnects sooner, see
+        # `RemoteIndex`). Engines' replies of any size are taken: the gateway relays them
+        # unchanged (a stream with every candidate's logprob can pass 4 MiB a message), and
+        # its client sets its own limit.
         self._engine_channels = (
             ClientChannels.load(config.engine_tls, "engine_tls")
             .reconnecting(health.backoff_initial_s, health.backoff_max_s)
@@ -508,9 +509,9 @@ class Fleet:
                 health.rpc_timeout_s,
                 config.index.remote_key_space,
                 config.index.remote_hash_seed,
-                ClientChannels.load(config.index.remote_tls, "index.remote_tls")
-                .reconnecting(health.backoff_initial_s, health.backoff_max_s)
-                .with_token_file(config.index.remote_token_file, "index.remote_token_file"),
+                ClientChannels.load(config.index.remote_tls, "index.remote_tls").with_token_file(
+                    config.index.remote_token_file, "index.remote_token_file"
+                ),
                 backoff_s=(health.backoff_initial_s, health.backoff_max_s),
             )
             if config.index.remote is not None
@@ -833,7 +834,7 @@ class Fleet:
                 keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
             except KvplaneError as exc:
                 index_error = str(exc)
-                keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
+                keys = self.remote.prompt_keys(token_ids, size, lora_name, cache_salt)
         elif token_ids:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:

@@ -12,6 +12,7 @@ import grpc
 from controller.router import PrefixHit
 from indexer.backend import IndexStats, WorkerStats
 from indexer.batch import Tier
+from indexer.servicer import prompt_block_keys
 from kvplane.channels import (
     INSECURE,
     ClientChannels,
@@ -53,6 +54,13 @@ REMOTE_INDEX_SETTINGS = ClientSettings(
     "index.remote_tls.server_name",
 )
 
+# The longest wait between the channel's attempts to reconnect to an indexer that is down
+# (every call fails at once meanwhile, without asking it). Every routed request asks the
+# index, so a restarted indexer must be found at once; gRPC's own backoff grows to 120 s, and
+# the engines' (`health.backoff_max_s`, 30 s by default) left the fleet routing by load for
+# up to that long after the indexer was back. A connection attempt a second costs nothing.
+RECONNECT_MAX_S = 1.0
+
 
 class RemoteIndexError(KvplaneError):
     """A remote index call that failed, with its gRPC status (None: not asked, paused)."""
@@ -72,9 +80,18 @@ class RemoteIndex:
     `backoff_initial_s`, doubling up to `backoff_max_s` while it stays silent: until then
     every call fails at once, so it costs one request the deadline per pause, not every
     request. After the pause one call asks it again (the others still fail at once); an
-    answer ends the pause. One that is down fails at once by itself (UNAVAILABLE) and is asked
-    every time, so it is used again as soon as it is back. `unavailable` says whether the last
-    call failed, without a call of its own (the controller's Health reads it).
+    answer ends the pause, an error answered included (the indexer's Redis down, a query
+    shed), as does a call that fails at once (the indexer down). Only the asking call's
+    silence doubles the pause: the calls that were already waiting when the indexer stopped
+    answering time out together, and count as one.
+    Each call that starts or lengthens a pause dials the indexer afresh, so that the next one
+    asked goes on a new connection: the one that went silent may be dead without a reset (the
+    indexer's host gone, moved to another address behind the same name), and would swallow
+    every call until the kernel gave up on it.
+    One that is down fails at once by itself (UNAVAILABLE), its channel reconnecting at most
+    `RECONNECT_MAX_S` apart, so it is used again within about a second of its return.
+    `unavailable` says whether the last call failed, without a call of its own (the
+    controller's Health reads it).
 
     An engine the controller saw restart (`resync_engine`) has its hits ignored until the
     indexer has dropped what it held of the old process: its sources may still be waiting out
@@ -91,10 +108,16 @@ class RemoteIndex:
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.channels = channels
+        initial_s, _ = backoff_s
+        # Each channel with subchannels of its own: gRPC shares a connection between the
+        # channels of one process to one address by default, so a channel dialled afresh
+        # (`_ask`) would go on using the connection gone silent.
+        self.channels = channels.reconnecting(
+            min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S
+        ).with_options(("grpc.use_local_subchannel_pool", 1))
         self.target = target
         self._dialled: Redialling[ipb_grpc.KvIndexAsyncStub] = Redialling(
-            channels, target, ipb_grpc.KvIndexStub
+            self.channels, target, ipb_grpc.KvIndexStub
         )
         self._timeout_s = timeout_s
         self._key_space = _KEY_SPACES[key_space]
@@ -117,15 +140,23 @@ class RemoteIndex:
             raise RemoteIndexError(
                 f"remote index: not answering; asked again within {self._pause_s:g} s"
             )
-        self._asking_again = paused
+        # The one call that asks a paused indexer again: only its silence lengthens the pause
+        # (calls made before the pause began time out with the one that began it).
+        asks_again = paused
+        self._asking_again = self._asking_again or asks_again
         try:
             reply = await call()
         except grpc.aio.AioRpcError as exc:
             await self._dialled.after_failure()
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (
+                asks_again or self._pause_s == 0
+            ):
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
+                self._dialled.dial_afresh()  # its connection may be dead without a reset
+            elif exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._pause_s = 0.0  # answered (an error is an answer), or failed at once
             details = failure_details(
                 self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
             )
@@ -133,7 +164,8 @@ class RemoteIndex:
             self._failure = None if exc.code() in _ANSWERS else failure
             raise RemoteIndexError(f"remote index: {failure}", exc.code()) from None
         finally:
-            self._asking_again = False
+            if asks_again:
+                self._asking_again = False
         self._pause_s = 0.0
         self._failure = None
         return reply
@@ -152,12 +184,10 @@ class RemoteIndex:
             return None
         return f"{self.described}: {self._failure}"
 
-    async def match(
+    def _match_request(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
-    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
-        """The prompt's block keys and each worker's cached prefix (none for an engine in
-        `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
-        request = ipb.MatchTokensRequest(
+    ) -> ipb.MatchTokensRequest:
+        return ipb.MatchTokensRequest(
             token_ids=token_ids,
             block_size=block_size,
             lora_name=lora_name,
@@ -165,6 +195,22 @@ class RemoteIndex:
             key_space=self._key_space,
             hash_seed=self._hash_seed,
         )
+
+    def prompt_keys(
+        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
+    ) -> tuple[int, ...]:
+        """The prompt's block keys as `match` has the indexer give them (in its key space),
+        computed here: when the indexer cannot answer, the router's record of the prompts it
+        routed must still meet them (canonical keys would not, in a vLLM key space)."""
+        request = self._match_request(token_ids, block_size, lora_name, cache_salt)
+        return tuple(prompt_block_keys(request, block_size))
+
+    async def match(
+        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
+    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
+        """The prompt's block keys and each worker's cached prefix (none for an engine in
+        `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
+        request = self._match_request(token_ids, block_size, lora_name, cache_salt)
         reply = await self._ask(
             lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
         )

@@ -269,6 +269,16 @@ class Redialling(Generic[_Stub]):
         if not self._channels.dialled_with_old_files(self._dialled_with):
             return
         log.info("%s: dialling it with its renewed TLS files from now on", self.target)
+        self.dial_afresh()
+
+    def dial_afresh(self) -> None:
+        """Make new calls on a new channel; the calls under way end on the old one, which is
+        closed once they have. A new connection only where each channel has subchannels of its
+        own (`grpc.use_local_subchannel_pool`): gRPC shares them between a process's channels
+        to one address by default. For a server that let a deadline pass: its
+        connection may be gone without a reset (its host vanished, a NAT entry expired), and
+        gRPC, with no keepalive, goes on sending there until the kernel gives up (some 15
+        minutes), while a new connection reaches the server at once if it is back."""
         old = self._dial_again()
         self._retiring[old] = asyncio.create_task(
             self._retire(old), name=f"close a channel to {self.target}"

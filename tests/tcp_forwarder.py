@@ -31,6 +31,8 @@ class TcpForwarder:
         self._doomed_after_server = True
         self._doomed_times = 0
         self._lost = asyncio.Event()
+        # `silence`: the connections up to this one (in `tunnels` order) forward nothing.
+        self._silenced_up_to = 0
 
     @classmethod
     async def start(cls, to: str | None = None) -> TcpForwarder:
@@ -88,6 +90,12 @@ class TcpForwarder:
         # (Ended here, not cancelled with the event loop, which asyncio logs as an error.)
         await asyncio.gather(*self._serving, return_exceptions=True)
 
+    def silence(self) -> None:
+        """The connections open now go silent, both ways, and stay open: a peer gone without
+        a reset (its host vanished, a NAT entry expired). New connections are forwarded as
+        ever."""
+        self._silenced_up_to = self.tunnels
+
     async def mend(self) -> None:
         """After `cut`: accept connections again, on the same port."""
         if self._server is None:
@@ -113,9 +121,13 @@ class TcpForwarder:
             up_reader, up_writer = await asyncio.open_connection(host.strip("[]"), int(port))
             self._writers.add(up_writer)
             self.tunnels += 1
+            tunnel = self.tunnels
             if self._to is None:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             doomed = False  # this connection's reply is to be lost
+
+            def silent() -> bool:
+                return tunnel <= self._silenced_up_to
 
             def request(data: bytes) -> bool:
                 nonlocal doomed
@@ -130,7 +142,9 @@ class TcpForwarder:
             def reply(data: bytes) -> bool:
                 return not doomed
 
-            await asyncio.gather(_pipe(reader, up_writer, request), _pipe(up_reader, writer, reply))
+            await asyncio.gather(
+                _pipe(reader, up_writer, request, silent), _pipe(up_reader, writer, reply, silent)
+            )
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
@@ -144,10 +158,14 @@ async def _pipe(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     forwards: Callable[[bytes], bool] = lambda data: True,
+    silent: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Copies `reader` to `writer` until either ends, or until `forwards` refuses a chunk."""
+    """Copies `reader` to `writer` until either ends, or until `forwards` refuses a chunk;
+    while `silent()`, what is read is dropped instead."""
     try:
         while (data := await reader.read(65536)) and forwards(data):
+            if silent():
+                continue
             writer.write(data)
             await writer.drain()
     except OSError:

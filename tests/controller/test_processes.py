@@ -135,7 +135,8 @@ async def indexer_process(
     was); its address."""
     config = tmp_path / "indexer.yaml"
     config.write_text(
-        f"listen: {listen}\nbackend: {backend}\nblock_size: 16\nsources:\n"
+        f"listen: {listen}\nbackend: {backend}\nblock_size: 16\n"
+        + ("sources:\n" if engines else "sources: []\n")
         + "".join(f"  - {{kind: openengine, target: '{a}', hash: canonical}}\n" for a in engines)
     )
     port_file = tmp_path / "indexer.port"
