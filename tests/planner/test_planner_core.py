@@ -132,6 +132,27 @@ def test_a_jump_in_load_is_sized_with_the_forecast_error_as_headroom() -> None:
     assert steady is not None and steady.itl == pytest.approx(0.8 / 0.15)
 
 
+def test_a_tick_below_the_minimum_still_measures_the_load() -> None:
+    """One engine of two lost (a crash): that tick scales back up to the minimum, and its
+    passes still count. The load is 2,000 prompt tokens a second throughout; a tick that
+    dropped them would have the next measure 1,000 (one tick's tokens over two ticks) and
+    forecast a fall that is not there."""
+    planner = make_planner(min_engines=2)
+
+    def measured(now_s: float, *engines: EngineObservation) -> float:
+        serving = [e for e in engines if e.state is SERVING]
+        batches = tuple(passes(e.engine_id, prefill_tokens=10_000 // len(serving)) for e in serving)
+        planner.decide(Observations(engines, batches), now_s)
+        estimate = planner.estimate("default")
+        assert estimate is not None
+        return estimate.prompt_tokens_per_s
+
+    tick(planner, 0, idle("a"), idle("b"))
+    assert measured(5, idle("a"), idle("b")) == pytest.approx(2_000)
+    assert measured(10, idle("a")) == pytest.approx(2_000)  # b lost: below the minimum
+    assert measured(15, idle("a"), idle("c", STARTING)) == pytest.approx(2_000)
+
+
 def test_queued_prefill_beyond_the_ttft_target_is_an_sla_risk() -> None:
     planner = make_planner()
     tick(planner, 0, busy("a", waiting=80_000))
