@@ -535,6 +535,11 @@ class LivePlanner:
                         break
                     if response.WhichOneof("event") != "runtime_event":
                         continue
+                    # Only FORWARD_PASS is asked for; an engine that sends its other kinds too
+                    # (BATCH, QUEUE, TRANSFER: the filter is the server's to apply) must not
+                    # have them read as passes, of no duration, that halve the cost model.
+                    if response.runtime_event.type != pb.RUNTIME_EVENT_TYPE_FORWARD_PASS:
+                        continue
                     try:
                         engine.passes.append(_forward_pass(engine.engine_id, response))
                     except ValueError as exc:
@@ -733,7 +738,8 @@ def _event_id(response: pb.SubscribeRuntimeEventsResponse) -> str | None:
 
 def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -> ForwardPasses:
     """One FORWARD_PASS event as the core's input; ValueError when an attribute it reads is
-    not a finite number >= 0 (a NaN would poison the cost model for good)."""
+    not a finite number >= 0 (a NaN would poison the cost model for good), or when it says
+    more decoding sequences than the batch holds."""
     attributes = response.runtime_event.attributes
 
     def number(name: str, parse: Callable[[str], float]) -> float:
@@ -746,12 +752,19 @@ def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -
             raise ValueError(f"FORWARD_PASS attribute {name}={text!r} is not a number >= 0")
         return value
 
+    batch_size = int(number("batch_size", int))
+    decode_sequences = int(number("num_decode_sequences", int))
+    if decode_sequences > batch_size:  # a negative count of prompts would skew the means
+        raise ValueError(
+            f"FORWARD_PASS attribute num_decode_sequences={decode_sequences} is above "
+            f"batch_size={batch_size}"
+        )
     return ForwardPasses(
         engine_id,
         1,
         number("duration_ms", float) / 1000.0,
         int(number("num_prefill_tokens", int)),
-        int(number("batch_size", int)) - int(number("num_decode_sequences", int)),
+        batch_size - decode_sequences,
     )
 
 

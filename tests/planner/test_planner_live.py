@@ -846,6 +846,61 @@ async def test_a_runtime_event_that_is_not_numbers_is_skipped_not_the_stream(
     ]
 
 
+async def test_runtime_events_of_other_kinds_are_not_taken_for_passes() -> None:
+    """The planner asks for FORWARD_PASS only, but applying the filter is the engine's: one
+    that sends every kind (the bundled engine's BATCH and QUEUE, a TRANSFER) must not have
+    them read as passes of no duration, which would halve the learned pass cost and size
+    the fleet for twice the load it can serve."""
+
+    def event(
+        kind: pb.RuntimeEventType.ValueType, **attributes: str
+    ) -> pb.SubscribeRuntimeEventsResponse:
+        runtime_event = pb.RuntimeEvent(type=kind, attributes=attributes)
+        return pb.SubscribeRuntimeEventsResponse(runtime_event=runtime_event)
+
+    class UnfilteredEngine(PartialOpenEngine):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            yield forward_pass(duration_ms="20", num_prefill_tokens="64", batch_size="3")
+            yield event(pb.RUNTIME_EVENT_TYPE_BATCH, batch_size="3", prefill_sequences="1")
+            yield event(pb.RUNTIME_EVENT_TYPE_QUEUE, running_requests="3", queued_requests="1")
+            yield event(pb.RUNTIME_EVENT_TYPE_TRANSFER, duration_ms="400")
+            yield event(pb.RUNTIME_EVENT_TYPE_UNSPECIFIED)
+            yield forward_pass(duration_ms="30", batch_size="2", num_decode_sequences="2")
+            await asyncio.Event().wait()
+
+    async with following(UnfilteredEngine()) as (engine, _):
+        await until_passes(engine, 2)  # the other kinds came before the second pass
+    assert [
+        (p.duration_s, p.num_prefill_tokens, p.num_prefill_sequences) for p in engine.passes
+    ] == [(0.02, 64, 3), (0.03, 0, 0)]
+
+
+async def test_a_pass_with_more_decoding_sequences_than_its_batch_is_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A negative count of prompt sequences would turn the running means of the prompt and
+    decode lengths negative: the event is skipped, said once, like one that is not numbers."""
+
+    class OddEngine(PartialOpenEngine):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            yield forward_pass(duration_ms="12", batch_size="1", num_decode_sequences="4")
+            yield forward_pass(duration_ms="30", num_prefill_tokens="64", batch_size="2")
+            await asyncio.Event().wait()
+
+    async with following(OddEngine()) as (engine, _):
+        await until_passes(engine, 1)
+    assert [(p.duration_s, p.num_prefill_sequences) for p in engine.passes] == [(0.03, 2)]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        f"runtime events of {engine.engine_id}: skipped: FORWARD_PASS attribute "
+        "num_decode_sequences=4 is above batch_size=1"
+    ]
+
+
 async def test_an_engine_without_runtime_events_is_not_asked_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
