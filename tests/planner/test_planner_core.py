@@ -264,6 +264,21 @@ def test_a_draining_prefill_engine_is_removed_only_once_its_kv_sessions_are_pull
     ]
 
 
+def test_a_pool_below_its_minimum_under_heavy_load_scales_up_to_the_need() -> None:
+    """Two engines, the minimum, then one lost while the other is heavily loaded: the pool
+    is scaled up to what the load needs, not to the minimum alone, which would leave it short
+    for a whole start-up time (no scale-up is decided while engines start)."""
+    planner = make_planner(min_engines=2)
+    tick(planner, 0, idle("a"), idle("b"))
+    assert tick(planner, 5, idle("a"), idle("b")) == []
+    (up,) = tick(planner, 10, busy("a"))
+    estimate = planner.estimate("default")
+    assert estimate is not None
+    # KV demand alone: 0.9 used + 1.0 queued, over 0.6: 4 engines.
+    assert estimate.engines_wanted >= 4
+    assert up == ScalePool("default", estimate.engines_wanted, Reason.BELOW_MIN)
+
+
 def test_draining_engines_do_not_count_towards_the_pool() -> None:
     planner = make_planner(min_engines=2)
     assert tick(planner, 0, idle("a"), idle("b", DRAINING, running=1)) == [
