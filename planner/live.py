@@ -106,6 +106,11 @@ _ROLES = {
 
 # How long after a runtime-event stream ends the planner subscribes again.
 RESUBSCRIBE_S = 1.0
+# How long past the deadline of the planner's drain an engine that still reports requests or
+# KV sessions is kept: its Drain was to abort them at the deadline (abort_after_deadline), so
+# one that did not (an engine without it, a wedged request) is removed then, or it would be
+# kept draining, serving nothing and uncounted, for good.
+DRAIN_OVERRUN_S = 60.0
 # The settings a failed GetLoad names when an engine's TLS or token and the planner's do not
 # match.
 ENGINE_SETTINGS = ClientSettings(
@@ -139,17 +144,20 @@ class _Engine:
         """How long it served: from its start (or adoption) to its last answer."""
         return 0.0 if self.answered_s is None else self.answered_s - self.serving_since_s
 
+    def drain_over(self, now_s: float) -> bool:
+        """Whether the planner's drain of this engine is over, whatever its counts say: its
+        deadline passed and the engine does not report its request counts (its Drain aborts
+        what is left then: abort_after_deadline), or `DRAIN_OVERRUN_S` past it."""
+        if self.drain_deadline_s is None:
+            return False
+        past_s = now_s - self.drain_deadline_s
+        return past_s >= DRAIN_OVERRUN_S or (past_s >= 0 and not self.load.requests_known)
+
     def observation(self, now_s: float | None = None) -> EngineObservation:
-        """What the core sees at `now_s`. An engine that does not report its request counts
-        is taken as holding none once the deadline of the planner's drain passed: its Drain
-        aborts what is left then (abort_after_deadline)."""
+        """What the core sees at `now_s`: once the planner's drain is over (`drain_over`),
+        an engine holding nothing."""
         load = self.load
-        if (
-            not load.requests_known
-            and self.drain_deadline_s is not None
-            and now_s is not None
-            and now_s >= self.drain_deadline_s
-        ):
+        if now_s is not None and self.drain_over(now_s):
             load = replace(
                 load,
                 running_requests=0,
@@ -399,6 +407,16 @@ class LivePlanner:
         reported since the last tick (counted, then taken)."""
         passes: list[ForwardPasses] = []
         for engine in running:
+            held = engine.load.num_requests + engine.load.active_kv_sessions
+            if engine.load.requests_known and held and engine.drain_over(now_s):
+                log.warning(
+                    "engine %s still reports requests (%d) or KV sessions (%d) %g s past "
+                    "its drain's deadline (its Drain did not abort them): taken as drained",
+                    engine.engine_id,
+                    engine.load.num_requests,
+                    engine.load.active_kv_sessions,
+                    DRAIN_OVERRUN_S,
+                )
             self.metrics.forward_passes.labels(engine.pool).inc(
                 sum(p.num_passes for p in engine.passes)
             )

@@ -952,6 +952,33 @@ async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drai
         assert sorted(live.engines) == [busy]
 
 
+async def test_a_drained_engine_that_keeps_its_requests_past_the_deadline_is_removed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its Drain was to abort what was left at the deadline; an engine that did not (no
+    abort after the deadline, a wedged request) is kept a while past it, then removed, not
+    kept draining for good: serving nothing, uncounted, holding its GPU."""
+    busy_load = pb.LoadInfo(
+        running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
+    )
+    stuck_load = pb.LoadInfo(
+        running_requests=1, queued_requests=0, used_kv_blocks=1, total_kv_blocks=99
+    )
+    now_s = 1000.0
+    async with loaded_engines(busy_load, stuck_load) as (live, (busy, stuck)):
+        live._clock = lambda: now_s
+        (drain,) = await live.tick()
+        assert isinstance(drain, DrainEngine) and drain.engine_id == stuck
+        now_s = drain.deadline_s + 1
+        assert await live.tick() == []  # the abort may take a moment
+        now_s = drain.deadline_s + 60  # live.DRAIN_OVERRUN_S
+        assert await live.tick() == [RemoveEngine(stuck, "default", Reason.DRAINED)]
+        assert sorted(live.engines) == [busy]
+    said = f"engine {stuck} still reports requests (1) or KV sessions (0) 60 s past its "
+    said += "drain's deadline (its Drain did not abort them): taken as drained"
+    assert said in [r.getMessage() for r in caplog.records]
+
+
 async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_blocks() -> None:
     """An engine of 32-token blocks (GetModelInfo): 100 blocks hold 3200 tokens, so 1600
     queued prompt tokens are half its cache, not all of it (16-token blocks)."""
