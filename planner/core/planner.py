@@ -8,10 +8,10 @@ Each tick, per configured pool (engines of other pools are left alone):
 1. Remove every engine seen drained (DRAINING, no request left): never one that still holds a
    request; scale-down is always Drain first (`planner.core.actions`).
 2. Bounds: fewer engines than `min_engines` (starting + serving) -> scale up to it, or to
-   the sized need (step 4) if that is more (BELOW_MIN); more than `max_engines` -> drain the
-   least loaded excess (ABOVE_MAX). Steps 3 and 4 run on such a tick too (their decisions do
-   not): else its passes would be lost, and the next tick would spread one tick's prompt
-   tokens over two.
+   the sized need (step 4) if that is more and nothing is starting (BELOW_MIN); more than
+   `max_engines` -> drain the least loaded excess (ABOVE_MAX). Steps 3 and 4 run on such a
+   tick too (their decisions do not): else its passes would be lost, and the next tick would
+   spread one tick's prompt tokens over two.
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
    per second) and feed the forecast; keep running means of the prompt length and of the
@@ -171,9 +171,12 @@ class Planner:
         # and the next would spread the prompt tokens of one tick over two.
         estimate = self._learn_and_size(pool, state, engines, passes, now_s)
         if current < pool.min_engines:
-            # Up to the sized need if that is more: the engines started now are pending until
-            # they serve, and no other scale-up is decided meanwhile.
-            target = max(pool.min_engines, 0 if estimate is None else estimate.engines_wanted)
+            # Up to the sized need if that is more (and no earlier capacity is pending): the
+            # engines started now are pending until they serve, and no other scale-up is
+            # decided meanwhile.
+            target = pool.min_engines
+            if estimate is not None and not has_pending(engines):
+                target = max(target, estimate.engines_wanted)
             state.last_up_s = state.last_scale_s = now_s
             state.wanted.append((now_s, target))
             return [*decisions, *self._resize(pool, engines, target, Reason.BELOW_MIN, now_s)]

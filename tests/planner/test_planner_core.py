@@ -277,6 +277,13 @@ def test_a_pool_below_its_minimum_under_heavy_load_scales_up_to_the_need() -> No
     # KV demand alone: 0.9 used + 1.0 queued, over 0.6: 4 engines.
     assert estimate.engines_wanted >= 4
     assert up == ScalePool("default", estimate.engines_wanted, Reason.BELOW_MIN)
+    # Capacity already pending (an engine starting): up to the minimum only, as before.
+    pending = make_planner(min_engines=3)
+    tick(pending, 0, idle("a"), idle("b"), idle("c"))
+    tick(pending, 5, idle("a"), idle("b"), idle("c"))
+    assert tick(pending, 10, busy("a"), idle("d", STARTING)) == [
+        ScalePool("default", 3, Reason.BELOW_MIN)
+    ]
 
 
 def test_draining_engines_do_not_count_towards_the_pool() -> None:
