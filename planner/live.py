@@ -106,6 +106,9 @@ _ROLES = {
 
 # How long after a runtime-event stream ends the planner subscribes again.
 RESUBSCRIBE_S = 1.0
+# An engine's load before it answered a GetLoad: nothing known, its requests included (so a
+# first GetLoad that fails, a busy engine's that times out, does not make it look empty).
+UNPOLLED = replace(IDLE, requests_known=False)
 # How long past the deadline of the planner's drain an engine that still reports requests or
 # KV sessions is kept: its Drain was to abort them at the deadline (abort_after_deadline), so
 # one that did not (an engine without it, a wedged request) is removed then, or it would be
@@ -126,7 +129,7 @@ class _Engine:
     engine_id: str  # its address once started; a placeholder while starting
     pool: str
     state: EngineState
-    load: EngineLoad = IDLE
+    load: EngineLoad = UNPOLLED
     # Its channel and stub (None: not started yet).
     dialled: Redialling[pb_grpc.OpenEngineAsyncStub] | None = None
     passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick

@@ -979,6 +979,24 @@ async def test_a_drained_engine_that_keeps_its_requests_past_the_deadline_is_rem
     assert said in [r.getMessage() for r in caplog.records]
 
 
+async def test_an_engine_that_has_not_answered_yet_is_not_taken_for_drained() -> None:
+    """Until its first GetLoad answer, an engine's requests are unknown, not none: one whose
+    first polls fail (a busy engine's timing out, one adopted while drained by hand) is not
+    removed as drained while it may still hold requests."""
+    busy_load = pb.LoadInfo(
+        running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
+    )
+    async with loaded_engines(busy_load) as (live, _):
+        with socket.socket() as silent:  # bound, not listening: its GetLoad fails
+            silent.bind(("127.0.0.1", 0))
+            unanswered = f"127.0.0.1:{silent.getsockname()[1]}"
+            live._serve(unanswered, "default")
+            (drain,) = await live.tick()  # one engine too many: the least loaded drained
+            assert isinstance(drain, DrainEngine) and drain.engine_id == unanswered
+            assert await live.tick() == []  # not a word from it yet: kept
+            assert unanswered in live.engines
+
+
 async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_blocks() -> None:
     """An engine of 32-token blocks (GetModelInfo): 100 blocks hold 3200 tokens, so 1600
     queued prompt tokens are half its cache, not all of it (16-token blocks)."""
