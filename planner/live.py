@@ -106,6 +106,14 @@ _ROLES = {
 
 # How long after a runtime-event stream ends the planner subscribes again.
 RESUBSCRIBE_S = 1.0
+# An engine's load before it answered a GetLoad: nothing known, its requests included (so a
+# first GetLoad that fails, a busy engine's that times out, does not make it look empty).
+UNPOLLED = replace(IDLE, requests_known=False)
+# How long past the deadline of the planner's drain an engine that still reports requests or
+# KV sessions is kept: its Drain was to abort them at the deadline (abort_after_deadline), so
+# one that did not (an engine without it, a wedged request) is removed then, or it would be
+# kept draining, serving nothing and uncounted, for good.
+DRAIN_OVERRUN_S = 60.0
 # The settings a failed GetLoad names when an engine's TLS or token and the planner's do not
 # match.
 ENGINE_SETTINGS = ClientSettings(
@@ -121,7 +129,7 @@ class _Engine:
     engine_id: str  # its address once started; a placeholder while starting
     pool: str
     state: EngineState
-    load: EngineLoad = IDLE
+    load: EngineLoad = UNPOLLED
     # Its channel and stub (None: not started yet).
     dialled: Redialling[pb_grpc.OpenEngineAsyncStub] | None = None
     passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick
@@ -139,17 +147,20 @@ class _Engine:
         """How long it served: from its start (or adoption) to its last answer."""
         return 0.0 if self.answered_s is None else self.answered_s - self.serving_since_s
 
+    def drain_over(self, now_s: float) -> bool:
+        """Whether the planner's drain of this engine is over, whatever its counts say: its
+        deadline passed and the engine does not report its request counts (its Drain aborts
+        what is left then: abort_after_deadline), or `DRAIN_OVERRUN_S` past it."""
+        if self.drain_deadline_s is None:
+            return False
+        past_s = now_s - self.drain_deadline_s
+        return past_s >= DRAIN_OVERRUN_S or (past_s >= 0 and not self.load.requests_known)
+
     def observation(self, now_s: float | None = None) -> EngineObservation:
-        """What the core sees at `now_s`. An engine that does not report its request counts
-        is taken as holding none once the deadline of the planner's drain passed: its Drain
-        aborts what is left then (abort_after_deadline)."""
+        """What the core sees at `now_s`: once the planner's drain is over (`drain_over`),
+        an engine holding nothing."""
         load = self.load
-        if (
-            not load.requests_known
-            and self.drain_deadline_s is not None
-            and now_s is not None
-            and now_s >= self.drain_deadline_s
-        ):
+        if now_s is not None and self.drain_over(now_s):
             load = replace(
                 load,
                 running_requests=0,
@@ -399,6 +410,16 @@ class LivePlanner:
         reported since the last tick (counted, then taken)."""
         passes: list[ForwardPasses] = []
         for engine in running:
+            held = engine.load.num_requests + engine.load.active_kv_sessions
+            if engine.load.requests_known and held and engine.drain_over(now_s):
+                log.warning(
+                    "engine %s still reports requests (%d) or KV sessions (%d) %g s past "
+                    "its drain's deadline (its Drain did not abort them): taken as drained",
+                    engine.engine_id,
+                    engine.load.num_requests,
+                    engine.load.active_kv_sessions,
+                    DRAIN_OVERRUN_S,
+                )
             self.metrics.forward_passes.labels(engine.pool).inc(
                 sum(p.num_passes for p in engine.passes)
             )
@@ -534,6 +555,11 @@ class LivePlanner:
                             wait_s = max(wait_s, error.retry_after_ms / 1000.0)
                         break
                     if response.WhichOneof("event") != "runtime_event":
+                        continue
+                    # Only FORWARD_PASS is asked for; an engine that sends its other kinds too
+                    # (BATCH, QUEUE, TRANSFER: the filter is the server's to apply) must not
+                    # have them read as passes, of no duration, that halve the cost model.
+                    if response.runtime_event.type != pb.RUNTIME_EVENT_TYPE_FORWARD_PASS:
                         continue
                     try:
                         engine.passes.append(_forward_pass(engine.engine_id, response))
@@ -733,7 +759,8 @@ def _event_id(response: pb.SubscribeRuntimeEventsResponse) -> str | None:
 
 def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -> ForwardPasses:
     """One FORWARD_PASS event as the core's input; ValueError when an attribute it reads is
-    not a finite number >= 0 (a NaN would poison the cost model for good)."""
+    not a finite number >= 0 (a NaN would poison the cost model for good), or when it says
+    more decoding sequences than the batch holds."""
     attributes = response.runtime_event.attributes
 
     def number(name: str, parse: Callable[[str], float]) -> float:
@@ -746,12 +773,19 @@ def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -
             raise ValueError(f"FORWARD_PASS attribute {name}={text!r} is not a number >= 0")
         return value
 
+    batch_size = int(number("batch_size", int))
+    decode_sequences = int(number("num_decode_sequences", int))
+    if decode_sequences > batch_size:  # a negative count of prompts would skew the means
+        raise ValueError(
+            f"FORWARD_PASS attribute num_decode_sequences={decode_sequences} is above "
+            f"batch_size={batch_size}"
+        )
     return ForwardPasses(
         engine_id,
         1,
         number("duration_ms", float) / 1000.0,
         int(number("num_prefill_tokens", int)),
-        int(number("batch_size", int)) - int(number("num_decode_sequences", int)),
+        batch_size - decode_sequences,
     )
 
 

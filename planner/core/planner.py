@@ -7,8 +7,11 @@ ticks (the load forecast, the learned cost model, cooldown times, the scale-down
 Each tick, per configured pool (engines of other pools are left alone):
 1. Remove every engine seen drained (DRAINING, no request left): never one that still holds a
    request; scale-down is always Drain first (`planner.core.actions`).
-2. Bounds: fewer engines than `min_engines` (starting + serving) -> scale up to it
-   (BELOW_MIN); more than `max_engines` -> drain the least loaded excess (ABOVE_MAX).
+2. Bounds: fewer engines than `min_engines` (starting + serving) -> scale up to it, or to
+   the sized need (step 4) if that is more and nothing is starting (BELOW_MIN); more than
+   `max_engines` -> drain the least loaded excess (ABOVE_MAX). Steps 3 and 4 run on such a
+   tick too (their decisions do not): else its passes would be lost, and the next tick would
+   spread one tick's prompt tokens over two.
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
    per second) and feed the forecast; keep running means of the prompt length and of the
@@ -122,7 +125,7 @@ class Planner:
 
     def estimate(self, pool: str) -> PoolEstimate | None:
         """The last sizing of `pool`: its inputs and the need; None before the second tick
-        (no rate yet), and kept while the pool is outside its bounds (no sizing then)."""
+        (no rate yet). A pool outside its bounds is sized all the same (the bounds decide)."""
         return self._pools[pool].last_estimate
 
     def decide(self, observations: Observations, now_s: float) -> list[Decision]:
@@ -164,19 +167,25 @@ class Planner:
         scaling = self.config.scaling
         decisions = removals(engines)
         current = provisioned(engines)
+        # Every tick, the bounds' included: a tick that did not learn would drop its passes,
+        # and the next would spread the prompt tokens of one tick over two.
+        estimate = self._learn_and_size(pool, state, engines, passes, now_s)
         if current < pool.min_engines:
+            # Up to the sized need if that is more (and no earlier capacity is pending): the
+            # engines started now are pending until they serve, and no other scale-up is
+            # decided meanwhile.
+            target = pool.min_engines
+            if estimate is not None and not has_pending(engines):
+                target = max(target, estimate.engines_wanted)
             state.last_up_s = state.last_scale_s = now_s
-            return [
-                *decisions,
-                *self._resize(pool, engines, pool.min_engines, Reason.BELOW_MIN, now_s),
-            ]
+            state.wanted.append((now_s, target))
+            return [*decisions, *self._resize(pool, engines, target, Reason.BELOW_MIN, now_s)]
         if current > pool.max_engines:
             state.last_scale_s = now_s
             return [
                 *decisions,
                 *self._resize(pool, engines, pool.max_engines, Reason.ABOVE_MAX, now_s),
             ]
-        estimate = self._learn_and_size(pool, state, engines, passes, now_s)
         if estimate is None or not state.deciding:
             # The first tick, or a takeover: the planner takes over the fleet as it is; the
             # cooldown and the window start now (no scale-down before they have seen it).

@@ -132,6 +132,27 @@ def test_a_jump_in_load_is_sized_with_the_forecast_error_as_headroom() -> None:
     assert steady is not None and steady.itl == pytest.approx(0.8 / 0.15)
 
 
+def test_a_tick_below_the_minimum_still_measures_the_load() -> None:
+    """One engine of two lost (a crash): that tick scales back up to the minimum, and its
+    passes still count. The load is 2,000 prompt tokens a second throughout; a tick that
+    dropped them would have the next measure 1,000 (one tick's tokens over two ticks) and
+    forecast a fall that is not there."""
+    planner = make_planner(min_engines=2)
+
+    def measured(now_s: float, *engines: EngineObservation) -> float:
+        serving = [e for e in engines if e.state is SERVING]
+        batches = tuple(passes(e.engine_id, prefill_tokens=10_000 // len(serving)) for e in serving)
+        planner.decide(Observations(engines, batches), now_s)
+        estimate = planner.estimate("default")
+        assert estimate is not None
+        return estimate.prompt_tokens_per_s
+
+    tick(planner, 0, idle("a"), idle("b"))
+    assert measured(5, idle("a"), idle("b")) == pytest.approx(2_000)
+    assert measured(10, idle("a")) == pytest.approx(2_000)  # b lost: below the minimum
+    assert measured(15, idle("a"), idle("c", STARTING)) == pytest.approx(2_000)
+
+
 def test_queued_prefill_beyond_the_ttft_target_is_an_sla_risk() -> None:
     planner = make_planner()
     tick(planner, 0, busy("a", waiting=80_000))
@@ -240,6 +261,28 @@ def test_a_draining_prefill_engine_is_removed_only_once_its_kv_sessions_are_pull
     assert tick(planner, 0, idle("a"), handed_over) == []
     assert tick(planner, 5, idle("a"), engine("p", DRAINING)) == [
         RemoveEngine("p", "default", Reason.DRAINED)
+    ]
+
+
+def test_a_pool_below_its_minimum_under_heavy_load_scales_up_to_the_need() -> None:
+    """Two engines, the minimum, then one lost while the other is heavily loaded: the pool
+    is scaled up to what the load needs, not to the minimum alone, which would leave it short
+    for a whole start-up time (no scale-up is decided while engines start)."""
+    planner = make_planner(min_engines=2)
+    tick(planner, 0, idle("a"), idle("b"))
+    assert tick(planner, 5, idle("a"), idle("b")) == []
+    (up,) = tick(planner, 10, busy("a"))
+    estimate = planner.estimate("default")
+    assert estimate is not None
+    # KV demand alone: 0.9 used + 1.0 queued, over 0.6: 4 engines.
+    assert estimate.engines_wanted >= 4
+    assert up == ScalePool("default", estimate.engines_wanted, Reason.BELOW_MIN)
+    # Capacity already pending (an engine starting): up to the minimum only, as before.
+    pending = make_planner(min_engines=3)
+    tick(pending, 0, idle("a"), idle("b"), idle("c"))
+    tick(pending, 5, idle("a"), idle("b"), idle("c"))
+    assert tick(pending, 10, busy("a"), idle("d", STARTING)) == [
+        ScalePool("default", 3, Reason.BELOW_MIN)
     ]
 
 

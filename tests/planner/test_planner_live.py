@@ -846,6 +846,61 @@ async def test_a_runtime_event_that_is_not_numbers_is_skipped_not_the_stream(
     ]
 
 
+async def test_runtime_events_of_other_kinds_are_not_taken_for_passes() -> None:
+    """The planner asks for FORWARD_PASS only, but applying the filter is the engine's: one
+    that sends every kind (the bundled engine's BATCH and QUEUE, a TRANSFER) must not have
+    them read as passes of no duration, which would halve the learned pass cost and size
+    the fleet for twice the load it can serve."""
+
+    def event(
+        kind: pb.RuntimeEventType.ValueType, **attributes: str
+    ) -> pb.SubscribeRuntimeEventsResponse:
+        runtime_event = pb.RuntimeEvent(type=kind, attributes=attributes)
+        return pb.SubscribeRuntimeEventsResponse(runtime_event=runtime_event)
+
+    class UnfilteredEngine(PartialOpenEngine):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            yield forward_pass(duration_ms="20", num_prefill_tokens="64", batch_size="3")
+            yield event(pb.RUNTIME_EVENT_TYPE_BATCH, batch_size="3", prefill_sequences="1")
+            yield event(pb.RUNTIME_EVENT_TYPE_QUEUE, running_requests="3", queued_requests="1")
+            yield event(pb.RUNTIME_EVENT_TYPE_TRANSFER, duration_ms="400")
+            yield event(pb.RUNTIME_EVENT_TYPE_UNSPECIFIED)
+            yield forward_pass(duration_ms="30", batch_size="2", num_decode_sequences="2")
+            await asyncio.Event().wait()
+
+    async with following(UnfilteredEngine()) as (engine, _):
+        await until_passes(engine, 2)  # the other kinds came before the second pass
+    assert [
+        (p.duration_s, p.num_prefill_tokens, p.num_prefill_sequences) for p in engine.passes
+    ] == [(0.02, 64, 3), (0.03, 0, 0)]
+
+
+async def test_a_pass_with_more_decoding_sequences_than_its_batch_is_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A negative count of prompt sequences would turn the running means of the prompt and
+    decode lengths negative: the event is skipped, said once, like one that is not numbers."""
+
+    class OddEngine(PartialOpenEngine):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            yield forward_pass(duration_ms="12", batch_size="1", num_decode_sequences="4")
+            yield forward_pass(duration_ms="30", num_prefill_tokens="64", batch_size="2")
+            await asyncio.Event().wait()
+
+    async with following(OddEngine()) as (engine, _):
+        await until_passes(engine, 1)
+    assert [(p.duration_s, p.num_prefill_sequences) for p in engine.passes] == [(0.03, 2)]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        f"runtime events of {engine.engine_id}: skipped: FORWARD_PASS attribute "
+        "num_decode_sequences=4 is above batch_size=1"
+    ]
+
+
 async def test_an_engine_without_runtime_events_is_not_asked_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -895,6 +950,51 @@ async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drai
         now_s = drain.deadline_s
         assert await live.tick() == [RemoveEngine(unknown, "default", Reason.DRAINED)]
         assert sorted(live.engines) == [busy]
+
+
+async def test_a_drained_engine_that_keeps_its_requests_past_the_deadline_is_removed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its Drain was to abort what was left at the deadline; an engine that did not (no
+    abort after the deadline, a wedged request) is kept a while past it, then removed, not
+    kept draining for good: serving nothing, uncounted, holding its GPU."""
+    busy_load = pb.LoadInfo(
+        running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
+    )
+    stuck_load = pb.LoadInfo(
+        running_requests=1, queued_requests=0, used_kv_blocks=1, total_kv_blocks=99
+    )
+    now_s = 1000.0
+    async with loaded_engines(busy_load, stuck_load) as (live, (busy, stuck)):
+        live._clock = lambda: now_s
+        (drain,) = await live.tick()
+        assert isinstance(drain, DrainEngine) and drain.engine_id == stuck
+        now_s = drain.deadline_s + 1
+        assert await live.tick() == []  # the abort may take a moment
+        now_s = drain.deadline_s + 60  # live.DRAIN_OVERRUN_S
+        assert await live.tick() == [RemoveEngine(stuck, "default", Reason.DRAINED)]
+        assert sorted(live.engines) == [busy]
+    said = f"engine {stuck} still reports requests (1) or KV sessions (0) 60 s past its "
+    said += "drain's deadline (its Drain did not abort them): taken as drained"
+    assert said in [r.getMessage() for r in caplog.records]
+
+
+async def test_an_engine_that_has_not_answered_yet_is_not_taken_for_drained() -> None:
+    """Until its first GetLoad answer, an engine's requests are unknown, not none: one whose
+    first polls fail (a busy engine's timing out, one adopted while drained by hand) is not
+    removed as drained while it may still hold requests."""
+    busy_load = pb.LoadInfo(
+        running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
+    )
+    async with loaded_engines(busy_load) as (live, _):
+        with socket.socket() as silent:  # bound, not listening: its GetLoad fails
+            silent.bind(("127.0.0.1", 0))
+            unanswered = f"127.0.0.1:{silent.getsockname()[1]}"
+            live._serve(unanswered, "default")
+            (drain,) = await live.tick()  # one engine too many: the least loaded drained
+            assert isinstance(drain, DrainEngine) and drain.engine_id == unanswered
+            assert await live.tick() == []  # not a word from it yet: kept
+            assert unanswered in live.engines
 
 
 async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_blocks() -> None:

@@ -1,11 +1,13 @@
 """Over random observation streams, whatever the load: the planner removes only engines it
 saw drained, drains only serving engines, never the last one serving, and its decisions keep
-every pool within its min/max (starting + serving engines, once applied)."""
+every pool within its min/max (starting + serving engines, once applied); and the prompt
+tokens it measures add up to those computed, every tick counted once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,3 +117,41 @@ def test_threshold_peer_obeys_the_same_rules(stream: list[Tick], min_n: int, spr
     pool = PoolConfig(min_engines=min_n, max_engines=max_n)
     settings_ = ThresholdSettings(scale_down_stabilisation_s=10)
     _run(ThresholdAutoscaler(pool, settings_), stream, min_n, max_n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stream=st.lists(
+        st.tuples(
+            st.integers(0, 5),  # engines serving (the pool's bounds are 2..3)
+            st.integers(0, 1),  # engines starting
+            st.integers(0, 20_000),  # prompt tokens each serving engine computed
+            st.floats(1.0, 30.0),  # seconds since the previous tick
+        ),
+        min_size=2,
+        max_size=30,
+    )
+)
+def test_the_measured_prompt_rate_accounts_for_every_token_computed(
+    stream: list[tuple[int, int, int, float]],
+) -> None:
+    """With no queued prompts, the prompt-token rate measured each tick, times the tick's
+    length, adds up to the prompt tokens the engines computed: none is lost or counted twice,
+    whether the pool is within its bounds that tick, below its minimum or above its maximum
+    (engines lost, adopted), or has engines starting."""
+    planner = Planner(PlannerConfig(pools=(PoolConfig(min_engines=2, max_engines=3),)))
+    now_s = 0.0
+    measured = computed = 0.0
+    for step, (num_serving, num_starting, tokens, elapsed_s) in enumerate(stream):
+        now_s += elapsed_s
+        serving = [engine(f"s{i}") for i in range(num_serving)]
+        starting = [engine(f"n{i}", EngineState.STARTING) for i in range(num_starting)]
+        batches = tuple(passes(e.engine_id, prefill_tokens=tokens) for e in serving)
+        planner.decide(Observations((*serving, *starting), batches), now_s)
+        if step == 0:
+            continue  # the first tick has no rate yet: what it computed is not measured
+        computed += tokens * num_serving
+        estimate = planner.estimate("default")
+        assert estimate is not None
+        measured += estimate.prompt_tokens_per_s * elapsed_s
+    assert measured == pytest.approx(computed)
