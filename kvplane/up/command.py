@@ -33,7 +33,8 @@ STATUS_INTERVAL_S = 1.0
 async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> bool:
     """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns False
     when the check failed or a member exited on its own (the rest are then stopped: a local
-    fleet missing a member is broken). A second Ctrl-C kills every member at once.
+    fleet missing a member is broken). A Ctrl-C while the fleet stops (a second one, or one
+    after a member's exit) kills every member at once.
 
     The members' configs and logs live in a private temporary folder, removed at the end,
     except after a failure (False or an error) once a member has started: then it is kept for
@@ -69,8 +70,10 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
     fleet = Fleet(config, workdir)
 
     def on_signal() -> None:
+        # Set by a first signal, and once the fleet stops for any reason (a member's exit,
+        # the check's end): a signal then is one to stop now.
         if stop.is_set():
-            log.warning("interrupted again: killing every member now")
+            log.warning("interrupted while stopping: killing every member now")
             fleet.kill_all()
         stop.set()
 
@@ -96,6 +99,7 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
         return main.result()
     finally:
         stopper.cancel()
+        stop.set()  # stopping: a signal from now on kills every member
         if fleet.any_started():  # else the start's error is the one line printed
             log.info(
                 "stopping the fleet: draining the controller and engines, each member stopped"

@@ -237,11 +237,7 @@ class Fleet:
         log.info("%s started (pid %d)", name, member.process.pid)
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline:
-            if member.process.returncode is not None:
-                member.state = f"exited {member.process.returncode}"
-                how = exit_how(member.process.returncode)
-                tail = log_tail(log_path)
-                raise KvplaneError(f"{name} exited during start-up with {how}: {tail}")
+            self._raise_if_one_exited()
             if member.address is None and port_file.exists() and port_file.read_text().strip():
                 host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
                 member.address = f"{host}:{port_file.read_text().strip()}"
@@ -255,6 +251,20 @@ class Fleet:
             f"{name} did not become ready in {self.config.start_timeout_s}s (not "
             f"{_ready_what(member)}); its log ends: {log_tail(log_path)}"
         )
+
+    def _raise_if_one_exited(self) -> None:
+        """Fail the start if a member started has exited: the one starting, or one already
+        up that a member still starting uses (a planner waiting for its controller to route
+        to its engines would wait for it until `start_timeout_s`, then be blamed)."""
+        for member in self.members:
+            if member.process is None or (code := member.process.returncode) is None:
+                continue
+            member.state = f"exited {code}"
+            assert member.log_path is not None  # set before its process starts
+            raise KvplaneError(
+                f"{member.name} exited during start-up with {exit_how(code)}: "
+                f"{log_tail(member.log_path)}"
+            )
 
     def _readiness(self, member: Member, config: dict[str, Any]) -> Callable[[], Awaitable[bool]]:
         """Whether the member is ready: a server serving (a controller, also past its first

@@ -1078,6 +1078,33 @@ def test_a_hung_member_holds_up_no_other_members_stop(tmp_path: Path) -> None:
         assert wait_gone([pid for _, pid in members.values()], 5) == []
 
 
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_fleet_stops_after_a_member_exited_kills_every_member(
+    tmp_path: Path,
+) -> None:
+    """A member's exit stops the rest; Ctrl-C during that stop (here held up by a hung
+    controller, answering neither its drain nor SIGTERM, with a long `stop_timeout_s`) is the
+    operator's "now": every member is killed at once, as by a second Ctrl-C. Before, it was
+    taken as a first Ctrl-C, a stop already under way, and did nothing."""
+    patient = "drain_deadline_s: 0\nstop_timeout_s: 3600\n" + SIM_FLEET
+    with _sim_fleet_up(tmp_path, patient) as (proc, members):
+        assert proc.stderr is not None
+        os.kill(members["controller"][1], signal.SIGSTOP)
+        os.kill(members["engine-1"][1], signal.SIGKILL)
+        seen = ""
+        while "stopping the fleet" not in seen:
+            line = proc.stderr.readline()
+            assert line, seen
+            seen += line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 1
+        rest = seen + proc.stderr.read()
+        assert "engine-1 exited unexpectedly with code -9 (SIGKILL)" in rest, rest
+        assert "interrupted while stopping: killing every member now" in rest, rest
+        assert "controller stopped with code -9 (SIGKILL)" in rest, rest
+        assert wait_gone([pid for _, pid in members.values()], 5) == []
+
+
 def _error_before_any_member_starts(config: dict[str, Any], tmp_path: Path) -> str:
     """`kvplane up` of the fleet `config`, failing (exit 1) before it starts any member: its
     error, the one line it prints (it was preceded by "stopping the fleet: draining the
