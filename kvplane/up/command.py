@@ -69,10 +69,15 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
     stop = asyncio.Event()
     fleet = Fleet(config, workdir)
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
         # Set by a first signal, and once the fleet stops for any reason (a member's exit,
-        # the check's end): a signal then is one to stop now.
-        if stop.is_set():
+        # the check's end): a signal then is one to stop now. Not a hangup: a terminal
+        # closing sends two (the shell passes its own on to its jobs, then the kernel sends
+        # the foreground job another as the shell exits), and the first one's drain must go
+        # on.
+        if stop.is_set() and sig == signal.SIGHUP:
+            log.info("hung up while stopping: the stop goes on")
+        elif stop.is_set():
             log.warning("interrupted while stopping: killing every member now")
             fleet.kill_all()
         stop.set()
@@ -84,7 +89,7 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signals.append(signal.SIGHUP)
     for sig in signals:
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
     main = asyncio.ensure_future(_main(fleet, stop, live, check))
     stopper = asyncio.ensure_future(stop.wait())
     try:
