@@ -876,7 +876,7 @@ async def test_a_member_that_never_listens_is_said_not_to_listen(tmp_path: Path)
     engine = fleet.member("engine-0")
     starting = asyncio.ensure_future(fleet.start())
     try:
-        while engine.process is None:
+        while engine.process is None:  # noqa: ASYNC110 - no event to await
             await asyncio.sleep(0)
         os.kill(engine.process.pid, signal.SIGSTOP)
         with pytest.raises(KvplaneError) as caught:
