@@ -33,7 +33,8 @@ STATUS_INTERVAL_S = 1.0
 async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> bool:
     """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns False
     when the check failed or a member exited on its own (the rest are then stopped: a local
-    fleet missing a member is broken). A second Ctrl-C kills every member at once.
+    fleet missing a member is broken). A Ctrl-C while the fleet stops (a second one, or one
+    after a member's exit) kills every member at once.
 
     The members' configs and logs live in a private temporary folder, removed at the end,
     except after a failure (False or an error) once a member has started: then it is kept for
@@ -68,9 +69,16 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
     stop = asyncio.Event()
     fleet = Fleet(config, workdir)
 
-    def on_signal() -> None:
-        if stop.is_set():
-            log.warning("interrupted again: killing every member now")
+    def on_signal(sig: signal.Signals) -> None:
+        # Set by a first signal, and once the fleet stops for any reason (a member's exit,
+        # the check's end): a signal then is one to stop now. Not a hangup: a terminal
+        # closing sends two (the shell passes its own on to its jobs, then the kernel sends
+        # the foreground job another as the shell exits), and the first one's drain must go
+        # on.
+        if stop.is_set() and sig == signal.SIGHUP:
+            log.info("hung up while stopping: the stop goes on")
+        elif stop.is_set():
+            log.warning("interrupted while stopping: killing every member now")
             fleet.kill_all()
         stop.set()
 
@@ -81,7 +89,7 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signals.append(signal.SIGHUP)
     for sig in signals:
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
     main = asyncio.ensure_future(_main(fleet, stop, live, check))
     stopper = asyncio.ensure_future(stop.wait())
     try:
@@ -96,6 +104,7 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
         return main.result()
     finally:
         stopper.cancel()
+        stop.set()  # stopping: a signal from now on kills every member
         if fleet.any_started():  # else the start's error is the one line printed
             log.info(
                 "stopping the fleet: draining the controller and engines, each member stopped"

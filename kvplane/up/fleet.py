@@ -74,6 +74,9 @@ class Member:
     log_path: Path | None = None
     state: str = "pending"
     up: asyncio.Event = field(default_factory=asyncio.Event)
+    # Whether how its process ended has been said (an error, or "NAME stopped with ..."):
+    # said once, whoever saw it end.
+    end_said: bool = False
 
     @property
     def name(self) -> str:
@@ -141,9 +144,11 @@ async def _registered_engines_routable(
 
 
 def _ready_what(member: Member) -> str:
-    if member.config.serves:
-        return f"serving on {member.address}"
-    return "running with its pools' minimum of engines routed to"
+    """What the member is once ready: "serving on ADDRESS"; one that has not said where it
+    listens (its port file) is not "listening" yet."""
+    if not member.config.serves:
+        return "running with its pools' minimum of engines routed to"
+    return "listening" if member.address is None else f"serving on {member.address}"
 
 
 class Fleet:
@@ -237,11 +242,7 @@ class Fleet:
         log.info("%s started (pid %d)", name, member.process.pid)
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline:
-            if member.process.returncode is not None:
-                member.state = f"exited {member.process.returncode}"
-                how = exit_how(member.process.returncode)
-                tail = log_tail(log_path)
-                raise KvplaneError(f"{name} exited during start-up with {how}: {tail}")
+            self._raise_if_one_exited()
             if member.address is None and port_file.exists() and port_file.read_text().strip():
                 host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
                 member.address = f"{host}:{port_file.read_text().strip()}"
@@ -251,10 +252,27 @@ class Fleet:
                 log.info("%s %s (log %s)", name, _ready_what(member), log_path)
                 return
             await asyncio.sleep(0.1)
+        tail = log_tail(log_path)
+        log_says = f"its log ends: {tail}" if tail else "its log is empty"
         raise KvplaneError(
             f"{name} did not become ready in {self.config.start_timeout_s}s (not "
-            f"{_ready_what(member)}); its log ends: {log_tail(log_path)}"
+            f"{_ready_what(member)}); {log_says}"
         )
+
+    def _raise_if_one_exited(self) -> None:
+        """Fail the start if a member started has exited: the one starting, or one already
+        up that a member still starting uses (a planner waiting for its controller to route
+        to its engines would wait for it until `start_timeout_s`, then be blamed)."""
+        for member in self.members:
+            if member.process is None or (code := member.process.returncode) is None:
+                continue
+            member.state = f"exited {code}"
+            member.end_said = True  # by the error raised
+            assert member.log_path is not None  # set before its process starts
+            raise KvplaneError(
+                f"{member.name} exited during start-up with {exit_how(code)}: "
+                f"{log_tail(member.log_path)}"
+            )
 
     def _readiness(self, member: Member, config: dict[str, Any]) -> Callable[[], Awaitable[bool]]:
         """Whether the member is ready: a server serving (a controller, also past its first
@@ -295,7 +313,7 @@ class Fleet:
                 _kill_group(member.process)
 
     async def first_exit(self) -> Member:
-        """The first started member whose process ends."""
+        """The first started member whose process ends (the caller says how it ended)."""
         waits = {
             asyncio.ensure_future(m.process.wait()): m
             for m in self.members
@@ -306,7 +324,9 @@ class Fleet:
         finally:
             for wait in waits:
                 wait.cancel()
-        return waits[done.pop()]
+        member = waits[done.pop()]
+        member.end_said = True
+        return member
 
     async def stop(self) -> None:
         """Stop every member: the planners first, then the engines and controllers at once
@@ -389,20 +409,23 @@ class Fleet:
     async def _stop_member(self, member: Member, deadline: float = math.inf) -> None:
         """SIGTERM the member; kill it with its process group if it still runs
         `stop_timeout_s` later, or at the stop's `deadline` (the event loop's clock) if that
-        comes first."""
+        comes first. Then say how it ended, unless that was said already; also when it ended
+        before (killed by a second Ctrl-C, or crashed, while its drain was under way)."""
         process = member.process
-        if process is None or process.returncode is not None:
+        if process is None or member.end_said:
             return
-        signal_child(process, signal.SIGTERM)
-        kill_at = min(deadline, asyncio.get_running_loop().time() + self.config.stop_timeout_s)
-        try:
-            async with asyncio.timeout_at(kill_at):
-                code = await process.wait()
-        except TimeoutError:
-            log.warning("%s did not stop in time; killing it", member.name)
-            _kill_group(process)
-            code = await process.wait()
+        if process.returncode is None:
+            signal_child(process, signal.SIGTERM)
+            now = asyncio.get_running_loop().time()
+            try:
+                async with asyncio.timeout_at(min(deadline, now + self.config.stop_timeout_s)):
+                    await process.wait()
+            except TimeoutError:
+                log.warning("%s did not stop in time; killing it", member.name)
+                _kill_group(process)
+        code = await process.wait()
         member.state = f"stopped ({code})"
+        member.end_said = True
         log.info("%s stopped with %s", member.name, exit_how(code))
 
 

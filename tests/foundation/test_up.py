@@ -884,6 +884,30 @@ class _SlowFirstContact(Forwarding):
 
 
 @pytest.mark.timeout(60)
+async def test_a_member_that_never_listens_is_said_not_to_listen(tmp_path: Path) -> None:
+    """A member that has not said where it listens by `start_timeout_s` (hung in its start:
+    here stopped as it starts) fails the start as "not listening", and its empty log as
+    empty. Before: "(not serving on None); its log ends: " and nothing."""
+    config = {"start_timeout_s": 1, "members": [yaml.safe_load(SIM_FLEET)["members"][0]]}
+    fleet = Fleet(FleetConfig.model_validate(config), tmp_path)
+    engine = fleet.member("engine-0")
+    starting = asyncio.ensure_future(fleet.start())
+    try:
+        while engine.process is None:  # noqa: ASYNC110 - no event to await
+            await asyncio.sleep(0)
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        with pytest.raises(KvplaneError) as caught:
+            await starting
+    finally:
+        if engine.process is not None:
+            os.kill(engine.process.pid, signal.SIGKILL)
+        await fleet.stop()
+    assert str(caught.value) == (
+        "engine-0 did not become ready in 1.0s (not listening); its log is empty"
+    )
+
+
+@pytest.mark.timeout(60)
 async def test_a_controller_is_up_once_it_has_reached_its_engines(tmp_path: Path) -> None:
     """A controller's health service serves before it has reached its engines, and until then
     it routes nothing: `up` waits for that too, so the check (or an operator) that starts at
@@ -1028,6 +1052,33 @@ async def test_members_killed_by_a_second_ctrl_c_are_not_drained(
     assert codes == [-signal.SIGKILL] * 3
 
 
+@pytest.mark.timeout(60)
+async def test_the_stop_says_how_each_member_ended_one_already_gone_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member whose process has ended before the stop reaches it (dead beside the one whose
+    exit stopped the fleet, or killed by a second Ctrl-C while its drain was under way) is
+    still said to have stopped, and how. Before, only the members the stop itself signalled
+    were, so how the others ended went unsaid, at random."""
+    fleet = Fleet(FleetConfig.model_validate(yaml.safe_load(SIM_FLEET)), tmp_path)
+    try:
+        await fleet.start()
+        gone = fleet.member("engine-0").process
+        assert gone is not None
+        os.kill(gone.pid, signal.SIGKILL)
+        await gone.wait()
+        with caplog.at_level("INFO", logger="kvplane.up.fleet"):
+            await fleet.stop()
+    finally:
+        await fleet.stop()
+    stopped = [m for m in caplog.messages if " stopped with " in m]
+    assert sorted(stopped) == [
+        "controller stopped with code 0",
+        "engine-0 stopped with code -9 (SIGKILL)",
+        "engine-1 stopped with code 0",
+    ]
+
+
 async def test_members_killed_then_stopped_keep_their_exit_status(tmp_path: Path) -> None:
     """A member killed (a second Ctrl-C) that ends just as the stop signals it still reports
     its SIGKILL: the stop's SIGTERM does not collect its exit status before asyncio does
@@ -1092,6 +1143,74 @@ def test_a_hung_member_holds_up_no_other_members_stop(tmp_path: Path) -> None:
             ("controller", "did not stop in time"),
             ("controller", "stopped with code -9 (SIGKILL)"),
         ], rest
+        assert wait_gone([pid for _, pid in members.values()], 5) == []
+
+
+def _read_until(proc: subprocess.Popen[str], seen: str, *needles: str) -> str:
+    """Up's log, `seen` and what follows, until it has said each of `needles` (all of it if
+    it ends first)."""
+    assert proc.stderr is not None
+    while not all(needle in seen for needle in needles):
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen += line
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_fleet_stops_after_a_member_exited_kills_every_member(
+    tmp_path: Path,
+) -> None:
+    """A member's exit stops the rest; Ctrl-C during that stop (here held up by a hung
+    controller, answering neither its drain nor SIGTERM, with a long `stop_timeout_s`) is the
+    operator's "now": every member is killed at once, as by a second Ctrl-C. Before, it was
+    taken as a first Ctrl-C, a stop already under way, and did nothing."""
+    patient = "drain_deadline_s: 0\nstop_timeout_s: 3600\n" + SIM_FLEET
+    with _sim_fleet_up(tmp_path, patient) as (proc, members):
+        assert proc.stderr is not None
+        os.kill(members["controller"][1], signal.SIGSTOP)
+        os.kill(members["engine-1"][1], signal.SIGKILL)
+        seen = _read_until(proc, "", "stopping the fleet")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 1
+        rest = seen + proc.stderr.read()
+        assert "engine-1 exited unexpectedly with code -9 (SIGKILL)" in rest, rest
+        assert "interrupted while stopping: killing every member now" in rest, rest
+        assert "controller stopped with code -9 (SIGKILL)" in rest, rest
+        assert wait_gone([pid for _, pid in members.values()], 5) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_terminals_second_hangup_does_not_kill_the_draining_fleet(
+    tmp_path: Path,
+) -> None:
+    """A terminal closing (an ssh session dropped) sends the foreground `kvplane up` two
+    SIGHUPs: its shell passes on the one it got to its jobs, then the kernel sends the
+    foreground job another as the shell exits. The second is no "now": the stop goes on, each
+    engine drained and stopping on its own (code 0). Before, it was taken as a second Ctrl-C
+    and every member was killed. (The controller is hung, answering neither its drain nor
+    SIGTERM, so that the stop is still under way when the second hangup comes; a Ctrl-C ends
+    it.)"""
+    patient = "drain_deadline_s: 0\nstop_timeout_s: 3600\n" + SIM_FLEET
+    with _sim_fleet_up(tmp_path, patient, wrapper=DEFAULT_SIGNALS) as (proc, members):
+        os.kill(members["controller"][1], signal.SIGSTOP)
+        proc.send_signal(signal.SIGHUP)
+        seen = _read_until(proc, "", "stopping the fleet")
+        proc.send_signal(signal.SIGHUP)
+        seen = _read_until(proc, seen, "while stopping")  # either message says it
+        assert "hung up while stopping: the stop goes on" in seen, seen
+        seen = _read_until(proc, seen, "engine-0 stopped", "engine-1 stopped")
+        proc.send_signal(signal.SIGINT)  # the hung controller: killed now
+        assert proc.wait(timeout=60) == 0
+        assert proc.stderr is not None
+        rest = seen + proc.stderr.read()
+        stopped = dict(re.findall(r"(\S+) stopped with (.*)", rest))
+        assert stopped == {
+            "engine-0": "code 0",
+            "engine-1": "code 0",
+            "controller": "code -9 (SIGKILL)",
+        }, rest
         assert wait_gone([pid for _, pid in members.values()], 5) == []
 
 

@@ -4,7 +4,9 @@ stopping stops the planner first, which takes its engines along, leaving no proc
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from kvplane.errors import ConfigError
 from kvplane.up.config import FleetConfig, load_fleet
 from kvplane.up.fleet import WORKDIR_PREFIX, Fleet
 from kvplane.up.status import collect_status
-from tests.foundation.test_up import MEMBER_LINE, REPO, _up_check
+from tests.foundation.test_up import MEMBER_LINE, REPO, _kill_leftovers, _up, _up_check
 from tests.processes import running, wait_gone
 
 
@@ -334,4 +336,43 @@ def test_a_planner_whose_engines_never_serve_fails_up_in_one_line(tmp_path: Path
         " of engines routed to); its log ends: "
     )
     assert "starting an engine of default failed" in error
+    assert _naming(tmp_path) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_member_dying_while_another_starts_fails_the_start_naming_it(tmp_path: Path) -> None:
+    """The controller killed while the planner waits for it to route to its engines (which
+    never serve here: the planner's engines exit at start) ends the start at once, naming the
+    controller and how it ended: before, up went on waiting for the planner for
+    `start_timeout_s`, then blamed it, and never said that the controller had died."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "start_timeout_s: 60\n"
+        "members:\n"
+        "  - {name: ctl, kind: controller}\n"
+        "  - name: p\n"
+        "    kind: planner\n"
+        "    config: {scaling: {tick_s: 1}, live: {engine_args: [--nosuch]}}\n"
+    )
+    proc = _up(fleet, tmp_path)
+    started: dict[str, int] = {}
+    try:
+        assert proc.stderr is not None
+        while "p" not in started:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            if found := re.search(r"(\S+) started \(pid (\d+)\)", line):
+                started[found.group(1)] = int(found.group(2))
+        assert set(started) == {"ctl", "p"}
+        os.kill(started["ctl"], signal.SIGKILL)
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        _kill_leftovers(proc, list(started.values()))
+    assert proc.returncode == 1, rest
+    error = rest.strip().splitlines()[-1]
+    assert error.startswith(
+        "kvplane: error: ctl exited during start-up with code -9 (SIGKILL): "
+    ), rest
+    assert "p stopped with code" in rest  # the planner, stopped as the start failed
     assert _naming(tmp_path) == []
