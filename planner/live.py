@@ -148,6 +148,9 @@ class _Engine:
     role: EngineRole | None = None  # GetEngineInfo's (None: not reported)
     serving_since_s: float = 0.0  # when it was started or adopted (the planner's clock)
     answered_s: float | None = None  # when it last answered a GetLoad (None: never)
+    # Blocks the controller's index places on it (ListWorkers, each reconciliation; the last
+    # listed stands while the controller does not answer).
+    indexed_blocks: int = 0
 
     def served_s(self) -> float:
         """How long it served: from its start (or adoption) to its last answer."""
@@ -189,7 +192,9 @@ class _Engine:
                 requests_known=True,
                 active_kv_sessions=0,  # the drain released them at its deadline
             )
-        return EngineObservation(self.engine_id, self.pool, self.state, load, self.role)
+        return EngineObservation(
+            self.engine_id, self.pool, self.state, load, self.role, self.indexed_blocks
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -475,7 +480,7 @@ class LivePlanner:
         drained `DRAIN_OVERRUN_S` past it, as its own drains are), and those drained by hand
         that it routes to again (the engine did not take the drain) SERVING again: else, kept
         busy, one would serve on for good counted as leaving, and its pod's exit would take
-        its replica with it."""
+        its replica with it. Each engine's indexed blocks are taken from the same listing."""
         running = [e for e in self.engines.values() if e.dialled is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
         # Seconds left to the planner's drains' deadlines; None: a drain found (by hand).
@@ -501,6 +506,10 @@ class LivePlanner:
                 address,
             )
             self.engines[address].serve_again()
+        for engine in running:
+            engine.indexed_blocks = synced.indexed_blocks.get(
+                engine.engine_id, engine.indexed_blocks
+            )
 
     async def _poll(self, engine: _Engine) -> None:
         assert engine.dialled is not None

@@ -704,6 +704,35 @@ async def test_a_drain_found_at_the_controller_that_never_ends_is_removed_past_i
 
 
 @pytest.mark.timeout(180)
+async def test_of_idle_engines_the_one_caching_the_least_prefix_is_drained(
+    setup: Setup,
+) -> None:
+    """Two idle engines (no request, no KV in use): the one whose cached prefix the
+    controller's index holds is kept, the one without is drained, whatever their ids (the
+    id alone drained the first, losing its cache to the fleet)."""
+    async with serving(setup, 2) as (live, (cached, empty)):
+        async with grpc.aio.insecure_channel(cached) as channel:
+            prompt = generate_request("cached", list(range(1, 161)), max_tokens=1)
+            async for _ in pb_grpc.OpenEngineStub(channel).Generate(prompt):
+                pass
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+            admin = apb_grpc.AdminStub(channel)
+
+            async def indexed() -> dict[str, int]:
+                listed = await admin.ListWorkers(apb.ListWorkersRequest())
+                return {w.address: w.indexed_blocks for w in listed.workers}
+
+            async def cached_indexed() -> bool:
+                return (await indexed())[cached] > 0
+
+            await eventually(cached_indexed, 30, "the prompt's blocks indexed")
+            assert (await indexed())[empty] == 0
+        drain = await lower_to_one(live, drain_deadline_s=30)
+        assert drain.engine_id == empty
+        assert live.engines[cached].observation().indexed_blocks > 0
+
+
+@pytest.mark.timeout(180)
 async def test_a_drain_the_engine_did_not_take_is_asked_again(setup: Setup) -> None:
     """The engines hang (SIGSTOP) through the planner's drain: the controller's Drain gets no
     answer in time, and it routes to the engine again once it answers its health. Kept busy,
