@@ -32,7 +32,7 @@ from kvplane.child_signals import signal_child
 from kvplane.errors import KvplaneError
 from kvplane.process_exit import exit_how, log_tail
 from kvplane.up.member import member_environment
-from planner.controller_admin import ControllerAdmin, HandDrains
+from planner.controller_admin import ControllerAdmin, Reconciliation
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,14 @@ class Actuator(Protocol):
 
     async def sync(
         self, serving: Sequence[str], draining: Mapping[str, float | None]
-    ) -> HandDrains:
+    ) -> Reconciliation:
         """Register again those of `serving` the controller does not list (it restarted); return
-        those it lists as draining (drained by hand, not by the planner), and those of
-        `draining` drained by hand (None: found so by an earlier `sync`) that it routes to
-        again (the drain was not taken: they serve again). Drain again those of `draining`
-        drained by the planner (address -> seconds left to the deadline) that the controller
-        routes to again."""
+        those it lists as draining (drained by hand or by the planner before this one, not by
+        this one), those of `draining` drained by hand (None: found so by an earlier `sync`)
+        that it routes to again (the drain was not taken: they serve again), and the blocks
+        its index places on each engine. Drain again those of `draining` drained by the
+        planner (address -> seconds left to the deadline) that the controller routes to
+        again."""
         ...
 
     async def controller_restarted(self) -> None:
@@ -164,7 +165,7 @@ class LocalProcesses:
 
     async def sync(
         self, serving: Sequence[str], draining: Mapping[str, float | None]
-    ) -> HandDrains:
+    ) -> Reconciliation:
         return await self._admin.sync(serving, draining)
 
     async def controller_restarted(self) -> None:

@@ -72,6 +72,10 @@ class PoolConfig(StrictModel):
         return self
 
 
+# How long a draining engine gets to finish its requests unless `scaling.drain_deadline_s` says.
+DEFAULT_DRAIN_DEADLINE_S = 300.0
+
+
 class ScalingConfig(StrictModel):
     """The decision rules' timing and hysteresis (planner.core)."""
 
@@ -87,7 +91,9 @@ class ScalingConfig(StrictModel):
     scale_down_headroom: StrictFloat = Field(default=0.2, ge=0)  # 0.2: 20% more than the need
     # A draining engine gets this long to finish its requests before they may be aborted
     # (at most what Drain's deadline_ms, a uint32 of milliseconds, holds: 49.7 days).
-    drain_deadline_s: StrictFloat = Field(default=300.0, gt=0, le=(2**32 - 1) / 1000)
+    drain_deadline_s: StrictFloat = Field(
+        default=DEFAULT_DRAIN_DEADLINE_S, gt=0, le=(2**32 - 1) / 1000
+    )
 
 
 class CapacityConfig(StrictModel):

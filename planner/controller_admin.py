@@ -4,8 +4,9 @@ Engines enter routing by `register` (RegisterEngine), leave it by `drain` (Drain
 controller stops routing at once and relays the engine's Drain, followed in a background task
 whose events are logged) and `remove` (RemoveEngine). `sync` is the per-tick reconciliation:
 serving engines the controller does not list (it restarted, or someone removed them by hand)
-are registered again, those it lists as draining are returned, and those the planner drained
-that it routes to again (the drain was not taken) are drained again. Every call is bounded by
+are registered again, those it lists as draining are returned with the blocks its index
+places on each engine (the one listing, ListWorkers), and those the planner drained that it
+routes to again (the drain was not taken) are drained again. Every call is bounded by
 `ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `restarted`
 returns when the controller is a new process (its instance id changed): the planner then
 registers its engines again at once, not at its next tick. Every registration carries the
@@ -67,13 +68,20 @@ CONTROLLER_SETTINGS = ClientSettings(
 )
 
 
-class HandDrains(NamedTuple):
-    """Operators' drains (`kvplane admin drain`) as a reconciliation (`sync`) found them."""
+class Reconciliation(NamedTuple):
+    """What a reconciliation (`sync`) found: drains not the planner's (`kvplane admin drain`,
+    or those of the planner before this one) and the engines' cached prefixes."""
 
     begun: list[str]  # engines it was told serve that the controller lists as draining
     # Engines it was told were drained by hand that the controller routes to again: the drain
     # was not taken (the engine did not answer it in time; the operator was told so).
     withdrawn: list[str]
+    # Blocks the controller's index places on each engine it lists (ListWorkers'
+    # indexed_blocks): the cached prefixes the fleet would lose with it.
+    indexed_blocks: dict[str, int]
+
+
+NOT_RECONCILED = Reconciliation([], [], {})
 
 
 class Removals(NamedTuple):
@@ -225,16 +233,17 @@ class ControllerAdmin:
 
     async def sync(
         self, serving: Sequence[str], draining: Mapping[str, float | None]
-    ) -> HandDrains:
+    ) -> Reconciliation:
         """Register again those of `serving` the controller does not list; return those it
-        lists as draining, and those of `draining` drained by hand (None) that it routes to
-        again. Drain again each of `draining` drained by the planner (address: seconds left
-        to its deadline) that the controller routes to: its drain was not taken (the engine
-        did not answer the Drain in time, and the controller routes to it again once it
-        answers its health), and it would serve on while counted as leaving. A controller
-        that does not answer: one warning, nothing returned."""
+        lists as draining, those of `draining` drained by hand (None) that it routes to
+        again, and the blocks its index places on each engine it lists. Drain again each of
+        `draining` drained by the planner (address: seconds left to its deadline) that the
+        controller routes to: its drain was not taken (the engine did not answer the Drain in
+        time, and the controller routes to it again once it answers its health), and it would
+        serve on while counted as leaving. A controller that does not answer: one warning,
+        nothing returned."""
         if not serving and not draining:
-            return HandDrains([], [])
+            return NOT_RECONCILED
         withdrawn: list[str] = []
         try:
             listed = await self._list()
@@ -258,9 +267,11 @@ class ControllerAdmin:
                     await self.register(address)
         except grpc.aio.AioRpcError as exc:
             log.warning("controller: %s", self.describe(exc))
-            return HandDrains([], [])
-        return HandDrains(
-            [address for address in serving if states.get(address) == "draining"], withdrawn
+            return NOT_RECONCILED
+        return Reconciliation(
+            [address for address in serving if states.get(address) == "draining"],
+            withdrawn,
+            {worker.address: worker.indexed_blocks for worker in listed.workers},
         )
 
     async def drain(self, address: str, within_s: float) -> None:

@@ -78,7 +78,7 @@ from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from planner.config import KubernetesConfig, LiveConfig
-from planner.controller_admin import ControllerAdmin, HandDrains
+from planner.controller_admin import ControllerAdmin, Reconciliation
 from planner.kube_api import (
     DELETION_COST,
     ROLE_HINT,
@@ -456,7 +456,7 @@ class KubernetesDeployments:
 
     async def sync(
         self, serving: Sequence[str], draining: Mapping[str, float | None]
-    ) -> HandDrains:
+    ) -> Reconciliation:
         hand = await self._admin.sync(serving, draining)
         # An operator's drain sends the engine on its way out as the planner's does (the core
         # starts its replacement at once): should its pod exit, its replica goes too. One not

@@ -19,14 +19,16 @@ removed is no longer observed. An engine whose process exited on its own is remo
 controller too) before the tick observes, so the core does not count it; a serving engine the
 controller does not list (it restarted) is registered again (at once when the controller
 restarted: `run` watches its instance id, and reconciles as soon as a new process answers,
-between ticks), one it lists as draining (drained by hand) is observed as DRAINING: the core
-replaces it and removes it once empty; one the planner drained that it routes to again (the
-drain was not taken) is drained again. Only engines this planner started, or the actuator
-adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
-updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set. The
-controller is dialled per `live.controller_tls` and the engines per `live.engine_tls`
-(insecure when unset), every call carrying the bearer token of `live.controller_token_file` /
-`live.engine_token_file` when set; their files are read and checked before anything starts.
+between ticks), one it lists as draining (drained by hand, or by the planner before this
+one) is observed as DRAINING, its deadline `scaling.drain_deadline_s` from then: the core
+replaces it and removes it once empty (or past its deadline, as its own drains); one the
+planner drained that it routes to again (the drain was not taken) is drained again. Only
+engines this planner started, or the actuator adopted (found serving: a Deployment's pods a
+previous planner scaled), are managed. Each tick updates the metrics (`planner.metrics`),
+served on `live.metrics_listen` when set. The controller is dialled per
+`live.controller_tls` and the engines per `live.engine_tls` (insecure when unset), every call
+carrying the bearer token of `live.controller_token_file` / `live.engine_token_file` when set;
+their files are read and checked before anything starts.
 
 With leader election (`planner.leader_election`), a planner that does not lead stands by warm
 (`stand_by`): each tick it observes the engines of the Deployments' Ready pods as above
@@ -68,7 +70,7 @@ from kvplane.redialled_stream import redialled_stream
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import Actuator, LocalProcesses
-from planner.config import PlannerConfig
+from planner.config import DEFAULT_DRAIN_DEADLINE_S, PlannerConfig
 from planner.core.actions import provisioned
 from planner.core.decisions import Decision, DrainEngine, Policy, RemoveEngine, ScalePool
 from planner.core.observations import (
@@ -136,25 +138,47 @@ class _Engine:
     events: asyncio.Task[None] | None = None
     # GetLoads in a row that failed or timed out (not those that refused the planner's token).
     failed_polls: int = 0
-    drain_deadline_s: float | None = None  # when the planner drained it: its Drain's deadline
+    # Its drain's deadline: the planner's Drain's, or for a drain found at the controller
+    # (`drain_found`: by hand, or by the planner before this one), `drain_deadline_s` counted
+    # from when this planner first saw it. None: not draining.
+    drain_deadline_s: float | None = None
+    drain_found: bool = False
     # GetEngineInfo's role and GetModelInfo's kv_block_size taken (or not reported).
     info_read: bool = False
     role: EngineRole | None = None  # GetEngineInfo's (None: not reported)
     serving_since_s: float = 0.0  # when it was started or adopted (the planner's clock)
     answered_s: float | None = None  # when it last answered a GetLoad (None: never)
+    # Blocks the controller's index places on it (ListWorkers, each reconciliation; the last
+    # listed stands while the controller does not answer).
+    indexed_blocks: int = 0
 
     def served_s(self) -> float:
         """How long it served: from its start (or adoption) to its last answer."""
         return 0.0 if self.answered_s is None else self.answered_s - self.serving_since_s
 
     def drain_over(self, now_s: float) -> bool:
-        """Whether the planner's drain of this engine is over, whatever its counts say: its
-        deadline passed and the engine does not report its request counts (its Drain aborts
-        what is left then: abort_after_deadline), or `DRAIN_OVERRUN_S` past it."""
+        """Whether this engine's drain is over, whatever its counts say: `DRAIN_OVERRUN_S`
+        past its deadline, or, drained by the planner, at the deadline when the engine does
+        not report its request counts (its Drain aborts what is left then:
+        abort_after_deadline; a drain found at the controller may not)."""
         if self.drain_deadline_s is None:
             return False
         past_s = now_s - self.drain_deadline_s
-        return past_s >= DRAIN_OVERRUN_S or (past_s >= 0 and not self.load.requests_known)
+        aborted = past_s >= 0 and not self.drain_found and not self.load.requests_known
+        return past_s >= DRAIN_OVERRUN_S or aborted
+
+    def leave(self, deadline_s: float, *, found: bool = False) -> None:
+        """Observe it DRAINING until `deadline_s`: the planner's drain, or one `found` at the
+        controller."""
+        self.state, self.drain_deadline_s, self.drain_found = (
+            EngineState.DRAINING,
+            deadline_s,
+            found,
+        )
+
+    def serve_again(self) -> None:
+        """Observe it SERVING: no drain (any is forgotten)."""
+        self.state, self.drain_deadline_s, self.drain_found = EngineState.SERVING, None, False
 
     def observation(self, now_s: float | None = None) -> EngineObservation:
         """What the core sees at `now_s`: once the planner's drain is over (`drain_over`),
@@ -168,7 +192,9 @@ class _Engine:
                 requests_known=True,
                 active_kv_sessions=0,  # the drain released them at its deadline
             )
-        return EngineObservation(self.engine_id, self.pool, self.state, load, self.role)
+        return EngineObservation(
+            self.engine_id, self.pool, self.state, load, self.role, self.indexed_blocks
+        )
 
 
 @dataclass(slots=True, eq=False)
@@ -196,6 +222,7 @@ class LivePlanner:
         metrics: PlannerMetrics | None = None,
         may_act: Callable[[], bool] = lambda: True,
         start_backoff: StartBackoff | None = None,
+        drain_deadline_s: float = DEFAULT_DRAIN_DEADLINE_S,
     ) -> None:
         self.policy = policy
         self.actuator = actuator
@@ -208,6 +235,9 @@ class LivePlanner:
         # False once this planner must not act (a leader whose Lease ran out: it is cancelled
         # soon after; until then, nothing more is begun, not even in the same tick).
         self._may_act = may_act
+        # The deadline a drain found at the controller gets, from when it is found (the
+        # policy's `scaling.drain_deadline_s`).
+        self._drain_deadline_s = drain_deadline_s
         self._placeholders = itertools.count()
         # Starts of a pool whose engines keep failing wait longer and longer.
         self._backoff = start_backoff if start_backoff is not None else StartBackoff()
@@ -353,7 +383,7 @@ class LivePlanner:
             if engine.dialled is None:
                 del self.engines[engine.engine_id]
             else:
-                engine.state, engine.drain_deadline_s = EngineState.SERVING, None
+                engine.serve_again()
         await self.actuator.close()
 
     async def _stop_acting(self, *, finish_removals: bool) -> None:
@@ -444,35 +474,42 @@ class LivePlanner:
 
     async def _reconcile(self, now_s: float) -> None:
         """The actuator's `sync` with the engines running: serving ones the controller does
-        not list are registered again, those it lists as draining (drained by hand) are
-        marked DRAINING, and those drained by hand that it routes to again (the engine did not
-        take the drain) SERVING again: else, kept busy, one would serve on for good counted as
-        leaving, and its pod's exit would take its replica with it."""
+        not list are registered again, those it lists as draining (drained by hand, or by the
+        planner before this one) are marked DRAINING, with `drain_deadline_s` from `now_s` as
+        their deadline (this planner does not know theirs: one stuck draining is taken as
+        drained `DRAIN_OVERRUN_S` past it, as its own drains are), and those drained by hand
+        that it routes to again (the engine did not take the drain) SERVING again: else, kept
+        busy, one would serve on for good counted as leaving, and its pod's exit would take
+        its replica with it. Each engine's indexed blocks are taken from the same listing."""
         running = [e for e in self.engines.values() if e.dialled is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
-        # Seconds left to the planner's drains' deadlines; None: drained by hand.
+        # Seconds left to the planner's drains' deadlines; None: a drain found (by hand).
         draining = {
             e.engine_id: None
-            if e.drain_deadline_s is None
+            if e.drain_found or e.drain_deadline_s is None
             else max(0.0, e.drain_deadline_s - now_s)
             for e in running
             if e.state is EngineState.DRAINING
         }
         try:
-            hand = await self.actuator.sync(serving, draining)
+            synced = await self.actuator.sync(serving, draining)
         except Exception as exc:  # any failure: the next tick reconciles again
             self._failed("sync", "reconciling with the controller failed: %s", exc)
             return
-        for address in hand.begun:
+        for address in synced.begun:
             log.warning("engine %s was drained through the controller: leaving", address)
-            self.engines[address].state = EngineState.DRAINING
-        for address in hand.withdrawn:
+            self.engines[address].leave(now_s + self._drain_deadline_s, found=True)
+        for address in synced.withdrawn:
             log.warning(
                 "engine %s is routed to again (its drain through the controller was not "
                 "taken): serving",
                 address,
             )
-            self.engines[address].state = EngineState.SERVING
+            self.engines[address].serve_again()
+        for engine in running:
+            engine.indexed_blocks = synced.indexed_blocks.get(
+                engine.engine_id, engine.indexed_blocks
+            )
 
     async def _poll(self, engine: _Engine) -> None:
         assert engine.dialled is not None
@@ -616,8 +653,7 @@ class LivePlanner:
                 task.add_done_callback(self._starts.discard)
         elif isinstance(decision, DrainEngine):
             engine = self.engines[decision.engine_id]
-            engine.state = EngineState.DRAINING
-            engine.drain_deadline_s = decision.deadline_s
+            engine.leave(decision.deadline_s)
             try:
                 await self.actuator.drain(engine.engine_id, decision.deadline_s - now_s)
             except Exception as exc:  # any failure: it stays draining, removed once empty
@@ -874,6 +910,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             ),
             metrics=metrics,
             may_act=leading,
+            drain_deadline_s=config.scaling.drain_deadline_s,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -28,8 +28,10 @@ def removals(engines: Iterable[EngineObservation]) -> list[Decision]:
 
 
 def drain_order(engines: Iterable[EngineObservation]) -> list[EngineObservation]:
-    """Serving engines, least loaded first (requests, then KV in use, then queued prefill;
-    the id breaks ties so the order is deterministic)."""
+    """Serving engines, those whose drain costs least first: the least work in flight
+    (requests, then KV in use, then queued prefill: what the drain waits for, or aborts),
+    then the least cached prefix (the blocks the controller's index places on it: lost to
+    the fleet with the engine); the id breaks ties so the order is deterministic."""
     serving = [e for e in engines if e.state is EngineState.SERVING]
     return sorted(
         serving,
@@ -37,6 +39,7 @@ def drain_order(engines: Iterable[EngineObservation]) -> list[EngineObservation]
             e.load.num_requests,
             e.load.used_kv_blocks,
             e.load.waiting_prefill_tokens,
+            e.indexed_blocks,
             e.engine_id,
         ),
     )

@@ -79,6 +79,9 @@ class EngineObservation:
     # What the engine says it is (GetEngineInfo's role); None while starting or when it does
     # not say (ENGINE_ROLE_UNSPECIFIED, no GetEngineInfo).
     role: EngineRole | None = None
+    # Blocks the controller's index places on the engine (ListWorkers' indexed_blocks): the
+    # cached prefixes the fleet loses with it. 0 when not known.
+    indexed_blocks: int = 0
 
     @property
     def is_drained(self) -> bool:

@@ -14,7 +14,8 @@ Each tick, per configured pool (engines of other pools are left alone):
    spread one tick's prompt tokens over two.
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
-   per second) and feed the forecast; keep running means of the prompt length and of the
+   per second; a decode engine's backlog is its queued prompts' tails: `_prefill_backlog`)
+   and feed the forecast; keep running means of the prompt length and of the
    passes a request decodes for.
 4. Size (`planner.core.capacity`): engines needed at the SLA targets for the forecast load
    plus `forecast_error_headroom` times the forecast's mean absolute error, by the bounds of
@@ -23,12 +24,13 @@ Each tick, per configured pool (engines of other pools are left alone):
 5. Scale up when the need exceeds the engines provisioned, unless engines are still starting
    (their capacity is pending: asking again would double-count the same need) or the last
    scale-up is younger than `scale_up_cooldown_s`. The reason is SLA_AT_RISK when some engine's
-   queued prefill work already exceeds the TTFT target, else FORECAST_NEEDS_MORE.
+   queued prefill work (`_prefill_backlog`) already exceeds the TTFT target, else
+   FORECAST_NEEDS_MORE.
 6. Scale down (hysteresis) only to the largest size asked for during the last
    `scale_down_stabilisation_s` (a scale-up's target included), computed with
    `scale_down_headroom` extra room, when nothing is starting, no SLA is at risk and no
-   scaling decision is younger than `scale_down_cooldown_s`; the least loaded serving engines
-   are drained (OVERPROVISIONED).
+   scaling decision is younger than `scale_down_cooldown_s`; the serving engines whose drain
+   costs least are drained (OVERPROVISIONED; `planner.core.actions.drain_order`).
 
 A standby (a planner that does not lead: `planner.leader_election`) calls `observe` instead:
 steps 3 and 4 only, so that the leader it replaces hands over no cold forecast or cost model.
@@ -91,7 +93,7 @@ class _PoolState:
     forecast: HoltForecast  # prompt tokens arriving per second
     kv_forecast: HoltForecast  # KV demand summed over the engines (in engines' caches)
     last_tick_s: float | None = None
-    last_backlog_tokens: int = 0
+    last_backlog_tokens: float = 0.0  # `_prefill_backlog` summed over the engines
     mean_prompt_tokens: float | None = None
     mean_decode_passes: float | None = None
     last_up_s: float | None = None
@@ -275,8 +277,9 @@ class Planner:
             state.mean_decode_passes = _running_mean(
                 state.mean_decode_passes, decoded_tokens / prefill_seqs
             )
+        role = self._role(pool, state, engines)
         active = [e for e in engines if e.state is not EngineState.STARTING]
-        backlog = sum(e.load.waiting_prefill_tokens for e in active)
+        backlog = sum(_prefill_backlog(e, role, state.mean_prompt_tokens) for e in active)
         last_s, state.last_tick_s = state.last_tick_s, now_s
         last_backlog, state.last_backlog_tokens = state.last_backlog_tokens, backlog
         if last_s is None or now_s <= last_s:
@@ -285,7 +288,6 @@ class Planner:
         kv_demand = sum(e.load.kv_demand for e in active)
         state.forecast.update(arrivals, now_s)
         state.kv_forecast.update(kv_demand, now_s)
-        role = self._role(pool, state, engines)
         cap = self.config.capacity
         horizon_s = cap.forecast_horizon_s
         cost = state.cost.cost()
@@ -334,11 +336,27 @@ class Planner:
         """Some serving engine's queued prefill alone would take longer than the TTFT target."""
         per_token_ms = state.cost.cost().prefill_ms_per_token
         limit_ms = self.config.sla.ttft_ms
+        role = EngineRole.AGGREGATED if state.role is None else state.role.role
         return any(
-            e.load.waiting_prefill_tokens * per_token_ms > limit_ms
+            _prefill_backlog(e, role, state.mean_prompt_tokens) * per_token_ms > limit_ms
             for e in engines
             if e.state is EngineState.SERVING
         )
+
+
+def _prefill_backlog(
+    engine: EngineObservation, role: EngineRole, mean_prompt_tokens: float | None
+) -> float:
+    """Prompt tokens `engine` must still compute for its queued requests. GetLoad's waiting
+    tokens count each queued prompt whole; a decode engine's queued prompts come with their
+    KV pulled from a prefill engine (in its prefix cache, found at admission), so it computes
+    only what that KV lacks: its queued requests times the prompt tokens its pool computes
+    per request (the running mean), at most the waiting tokens (all of them until the mean
+    is measured)."""
+    waiting = engine.load.waiting_prefill_tokens
+    if role is not EngineRole.DECODE or mean_prompt_tokens is None:
+        return waiting
+    return min(waiting, engine.load.queued_requests * mean_prompt_tokens)
 
 
 def _running_mean(previous: float | None, sample: float) -> float:

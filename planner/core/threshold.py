@@ -14,7 +14,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from planner.config import PoolConfig
+from planner.config import DEFAULT_DRAIN_DEADLINE_S, PoolConfig
 from planner.core.actions import provisioned, removals, resize
 from planner.core.decisions import Decision, Reason
 from planner.core.observations import EngineObservation, EngineState, Observations
@@ -25,7 +25,7 @@ class ThresholdSettings:
     target_queued_per_engine: float = 2.0  # the HPA metric's target (average value)
     tolerance: float = 0.1  # HPA's default: no change within 10% of the target
     scale_down_stabilisation_s: float = 300.0  # HPA's default scale-down window
-    drain_deadline_s: float = 300.0  # as the kvplane core's default
+    drain_deadline_s: float = DEFAULT_DRAIN_DEADLINE_S  # as the kvplane core's
 
 
 class ThresholdAutoscaler:

@@ -659,6 +659,80 @@ async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_i
 
 
 @pytest.mark.timeout(180)
+async def test_a_drain_found_at_the_controller_that_never_ends_is_removed_past_its_deadline(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A drain this planner did not ask for (an operator's, or its predecessor's before a
+    restart or a leader change), of an engine whose request runs on (no deadline, nothing
+    aborted): the planner gives it its own drain deadline from when it first saw it, and
+    takes it as drained `DRAIN_OVERRUN_S` past that, as it does its own drains; not kept
+    draining for good, serving nothing, uncounted, holding its GPU."""
+    fleet = setup.app.controller.fleet
+    async with (
+        two_busy_engines(setup) as (live, _),
+        grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel,
+    ):
+        stuck = sorted(live.engines)[0]
+
+        async def drain_by_hand() -> None:
+            async for _ in apb_grpc.AdminStub(channel).DrainEngine(
+                apb.DrainEngineRequest(engine=stuck)
+            ):
+                pass
+
+        drain = asyncio.create_task(drain_by_hand())
+        try:
+            await fleet.wait_for(
+                lambda: fleet.registry.get(stuck).state is RegistryState.DRAINING, 30
+            )
+            live.policy = planner(1, 2)  # one engine left is enough: none started meanwhile
+            now_s = 1000.0
+            live._clock = lambda: now_s
+            assert await live.tick() == []  # first seen draining, with its request
+            assert live.engines[stuck].state is EngineState.DRAINING
+            now_s += 300 + 59  # scaling.drain_deadline_s (its default), and 59 s
+            assert RemoveEngine(stuck, "default", Reason.DRAINED) not in await live.tick()
+            assert live.engines[stuck].load.running_requests == 1
+            now_s += 1  # live.DRAIN_OVERRUN_S past the deadline
+            assert RemoveEngine(stuck, "default", Reason.DRAINED) in await live.tick()
+            assert stuck not in live.engines
+        finally:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+    said = f"engine {stuck} still reports requests (1) or KV sessions (0) 60 s past its "
+    assert any(r.getMessage().startswith(said) for r in caplog.records)
+
+
+@pytest.mark.timeout(180)
+async def test_of_idle_engines_the_one_caching_the_least_prefix_is_drained(
+    setup: Setup,
+) -> None:
+    """Two idle engines (no request, no KV in use): the one whose cached prefix the
+    controller's index holds is kept, the one without is drained, whatever their ids (the
+    id alone drained the first, losing its cache to the fleet)."""
+    async with serving(setup, 2) as (live, (cached, empty)):
+        async with grpc.aio.insecure_channel(cached) as channel:
+            prompt = generate_request("cached", list(range(1, 161)), max_tokens=1)
+            async for _ in pb_grpc.OpenEngineStub(channel).Generate(prompt):
+                pass
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+            admin = apb_grpc.AdminStub(channel)
+
+            async def indexed() -> dict[str, int]:
+                listed = await admin.ListWorkers(apb.ListWorkersRequest())
+                return {w.address: w.indexed_blocks for w in listed.workers}
+
+            async def cached_indexed() -> bool:
+                return (await indexed())[cached] > 0
+
+            await eventually(cached_indexed, 30, "the prompt's blocks indexed")
+            assert (await indexed())[empty] == 0
+        drain = await lower_to_one(live, drain_deadline_s=30)
+        assert drain.engine_id == empty
+        assert live.engines[cached].observation().indexed_blocks > 0
+
+
+@pytest.mark.timeout(180)
 async def test_a_drain_the_engine_did_not_take_is_asked_again(setup: Setup) -> None:
     """The engines hang (SIGSTOP) through the planner's drain: the controller's Drain gets no
     answer in time, and it routes to the engine again once it answers its health. Kept busy,

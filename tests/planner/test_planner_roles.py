@@ -11,13 +11,21 @@ from dataclasses import dataclass
 
 import pytest
 
-from planner.config import CapacityConfig, PlannerConfig, PoolConfig, SlaTargets
-from planner.core.decisions import Decision, Reason, ScalePool
-from planner.core.observations import EngineRole, ForwardPasses, Observations
+from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
+from planner.core.decisions import Decision, DrainEngine, Reason, ScalePool
+from planner.core.observations import (
+    EngineLoad,
+    EngineObservation,
+    EngineRole,
+    EngineState,
+    ForwardPasses,
+    Observations,
+)
 from planner.core.planner import Planner
 from tests.planner.planner_obs import TOTAL_BLOCKS, engine
 
 PREFILL, DECODE, AGGREGATED = EngineRole.PREFILL, EngineRole.DECODE, EngineRole.AGGREGATED
+SERVING = EngineState.SERVING
 # As in test_planner_core: sized on the load as measured (no smoothing, no trend).
 AS_MEASURED = CapacityConfig(level_alpha=1.0, trend_beta=0.0)
 TICK_S = 5.0
@@ -195,3 +203,35 @@ def test_a_decode_pool_is_sized_by_its_decode_passes_and_kv() -> None:
     assert estimate.need.kv == pytest.approx(2.0 / 0.6)
     assert estimate.need.ttft < 0.01
     assert decisions == [ScalePool("decode", 5, Reason.FORECAST_NEEDS_MORE)]
+
+
+def test_a_decode_pool_s_queued_prompts_pulled_whole_do_not_hold_off_its_scale_down() -> None:
+    """GetLoad's waiting tokens count a queued prompt whole; a decode engine pulled its KV
+    and computes only the 8-token tail. Two such engines, each with 20 prompts of 3,000
+    tokens queued: 60,000 tokens x 0.02 ms would be 1.2 s of prefill, over the 1 s TTFT
+    target (an SLA at risk, no scale-down), while they compute 20 x 8 tokens, 3.2 ms. The
+    pool needs one engine (its KV 5% used, 8-token tails), so one is drained."""
+    planner = Planner(
+        PlannerConfig(
+            sla=SlaTargets(ttft_ms=1000, itl_ms=40),
+            pools=(PoolConfig(name="decode", max_engines=4, role=DECODE),),
+            scaling=ScalingConfig(scale_down_stabilisation_s=0, scale_down_cooldown_s=0),
+            capacity=AS_MEASURED,
+        )
+    )
+    total_blocks = 100_000
+    queued = EngineLoad(
+        running_requests=10,
+        queued_requests=20,
+        waiting_prefill_tokens=20 * 3_000,
+        used_kv_blocks=1_000,
+        total_kv_blocks=total_blocks,
+    )
+    engines = tuple(EngineObservation(f"d{i}", "decode", SERVING, queued, DECODE) for i in (0, 1))
+    # 140 passes a tick, timed as the priors predict, 20 prompts' 8-token tails among them.
+    duration_s = (140 * (15.0 + 40.0 * 1_000 / total_blocks) + 0.02 * 160) / 1000.0
+    batches = tuple(ForwardPasses(e.engine_id, 140, duration_s, 160, 20) for e in engines)
+    decisions = [
+        d for now_s in (0, TICK_S) for d in planner.decide(Observations(engines, batches), now_s)
+    ]
+    assert decisions == [DrainEngine("d0", "decode", TICK_S + 300, Reason.OVERPROVISIONED)]
