@@ -53,9 +53,10 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
+from google.protobuf.message import Message
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.event_following import EventFollowing, FollowingState
@@ -187,12 +188,20 @@ def generates(model: pb.ModelInfo) -> bool:
 def model_facts(model: pb.ModelInfo) -> ModelFacts:
     """What the controller keeps of one model's GetModelInfo (absent scalars stay unknown)."""
     return ModelFacts(
-        block_size=model.kv_block_size if model.HasField("kv_block_size") else None,
-        total_kv_blocks=model.total_kv_blocks if model.HasField("total_kv_blocks") else None,
-        supports_lora=model.supports_lora if model.HasField("supports_lora") else None,
+        block_size=_present(model, "kv_block_size"),
+        total_kv_blocks=_present(model, "total_kv_blocks"),
+        supports_lora=_present(model, "supports_lora"),
         tasks=supported_tasks(model),
         generates=generates(model),
+        max_context_length=_present(model, "max_context_length"),
+        max_output_tokens=_present(model, "max_output_tokens"),
+        max_num_sequences=_present(model.generation, "max_num_sequences"),
     )
+
+
+def _present(message: Message, field: str) -> Any:
+    """An optional scalar of `message`; None when absent (the engine cannot report it)."""
+    return getattr(message, field) if message.HasField(field) else None
 
 
 def _names(adapters: Sequence[LoraSpec] | None) -> frozenset[str] | None:

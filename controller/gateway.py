@@ -88,6 +88,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, POOLING_TASKS, Fleet
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_view
@@ -1561,6 +1562,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             await self._add_served_elsewhere(reply, r, records, request)
+            _keep_fleet_limits(reply, registry.records(), request.model)
             return reply
         why = "; ".join(refusals) if refusals else registry.engine_states(request.model)
         await abort_with(
@@ -1568,6 +1570,26 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             grpc.StatusCode.UNAVAILABLE,
             f"no engine serving {request.model!r} can answer now: {why}",
         )
+
+
+def _keep_fleet_limits(reply: pb.ModelInfo, records: list[EngineRecord], model: str) -> None:
+    """Set the request limits to the smallest any engine serving `model` reports (read,
+    compatible; routable or not; absent when none reports it): a request may be routed to
+    any of them, and one within the limits ModelInfo advertises must not be refused for them,
+    as on a single engine (seed: ModelInfo advertises limits for the request options)."""
+    limits: dict[str, Message] = {"max_context_length": reply, "max_output_tokens": reply}
+    if reply.HasField("generation"):
+        limits["max_num_sequences"] = reply.generation
+    for r in records:
+        if r.identity is None or r.state is EngineState.INCOMPATIBLE:
+            continue
+        if not r.identity.serves(model):
+            continue
+        facts = r.identity.facts_of(model)
+        for name, message in limits.items():
+            limit = getattr(facts, name)
+            if limit is not None and (not message.HasField(name) or limit < getattr(message, name)):
+                setattr(message, name, limit)
 
 
 async def _end_aborted_task(request_id: str, context: Context) -> NoReturn:

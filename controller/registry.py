@@ -293,6 +293,10 @@ class ModelFacts:
     tasks: frozenset[str] = frozenset()
     # False: served for pooling only (tasks advertised, no `generation`): no Generate.
     generates: bool = True
+    # The limits past which it refuses a request (`max_num_sequences`: of `generation`).
+    max_context_length: int | None = None
+    max_output_tokens: int | None = None
+    max_num_sequences: int | None = None
 
 
 _UNKNOWN_MODEL = ModelFacts()

@@ -1448,3 +1448,35 @@ async def test_session_affinity_by_metadata_key() -> None:
         assert len(set(chosen[6:])) == 3
     finally:
         await close_fleet(fleet)
+
+
+async def test_model_info_advertises_limits_every_engine_of_the_model_accepts() -> None:
+    """Engines of one model with different limits (a shorter context, fewer sequences):
+    GetModelInfo advertises the smallest, whichever engine answers it, so a request within
+    what it advertises is served on every engine the router may choose, as on one engine. It
+    used to be the answering engine's own: with the small engine cordoned, 8192 and 64 were
+    advertised, and a request within them routed to the small one was refused."""
+    big = await start_sim_engine("big", max_model_len=8192, max_num_seqs=64)
+    small = await start_sim_engine("small", max_model_len=1024, max_num_seqs=8)
+    fleet = await make_fleet(engines=[big, small])
+    try:
+        for cordoned, routed in ((small, big), (big, small)):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned.instance_id))
+            await fleet.wait_routable(1)
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            assert info.max_context_length == 1024 and info.max_output_tokens == 1023
+            assert info.generation.max_num_sequences == 8
+            # At the limits advertised, on the engine that takes traffic now.
+            request = generate_request(
+                f"at-limits-{routed.instance_id}", list(range(1, info.max_context_length)), 1
+            )
+            request.sampling.num_sequences = info.generation.max_num_sequences
+            call = fleet.gateway.Generate(request)
+            reply = [r async for r in call]
+            route = read_route(await call.trailing_metadata())
+            assert route is not None and route["instance_id"] == routed.instance_id
+            assert sum(r.HasField("finished") for r in reply) == 8
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned.instance_id))
+            await fleet.wait_routable(2)
+    finally:
+        await close_fleet(fleet)
