@@ -1368,9 +1368,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
         """One check per engine, the fleet's state (`fleet_health_state`), and what the request
-        asks as an engine answers it: NOT_FOUND for a model no engine serves (while the fleet
-        has no engine at all, which cannot tell, a NOT_READY `model` check instead: a
-        readiness probe naming the model is told "not yet", not "never"), a `role` check
+        asks as an engine answers it: with a `model`, the state and checks of the engines
+        serving it only (a readiness probe naming the model learns whether it is served);
+        NOT_FOUND for a model no engine serves (while the fleet has no engine at all, which
+        cannot tell, a NOT_READY `model` check instead: a readiness probe naming the model is
+        told "not yet", not "never"), a `role` check
         (the gateway is AGGREGATED; another role fails it), and with
         `include_inference_probe` an `inference_probe` check (`_inference_probe`). A failed
         role or probe makes the state NOT_READY, as on an engine. A shared or remote index
@@ -1386,7 +1388,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             except UnknownModelError as exc:
                 await abort_with(context, status_of(exc), str(exc))
-        records = self.controller.fleet.registry.records()
+        registry = self.controller.fleet.registry
+        # Named, a model is what the answer is of, as an engine's is of the model it serves:
+        # the engines that serve it, or may (not read yet); none, the whole fleet.
+        records = registry.may_serve_records(request.model) if request.model else registry.records()
         checks.extend(
             pb.HealthCheck(
                 name=f"engine:{r.address}",
