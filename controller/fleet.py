@@ -144,11 +144,13 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
     one not a count is not reported)."""
     sizes = load.attributes.get(KV_BLOCK_SIZE_ATTRIBUTE, "").split(",")
     return LoadSnapshot(
-        running_requests=load.running_requests if load.HasField("running_requests") else None,
-        queued_requests=load.queued_requests if load.HasField("queued_requests") else None,
-        used_kv_blocks=load.used_kv_blocks if load.HasField("used_kv_blocks") else None,
-        total_kv_blocks=load.total_kv_blocks if load.HasField("total_kv_blocks") else None,
-        waiting_tokens=load.waiting_tokens if load.HasField("waiting_tokens") else None,
+        running_requests=_present(load, "running_requests"),
+        queued_requests=_present(load, "queued_requests"),
+        active_kv_sessions=_present(load, "active_kv_sessions"),
+        used_kv_blocks=_present(load, "used_kv_blocks"),
+        total_kv_blocks=_present(load, "total_kv_blocks"),
+        running_tokens=_present(load, "running_tokens"),
+        waiting_tokens=_present(load, "waiting_tokens"),
         used_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["used_kv_blocks"])),
         total_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["total_kv_blocks"])),
         kv_block_sizes=tuple(size for s in sizes if (size := _count(s))),

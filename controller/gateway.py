@@ -172,8 +172,10 @@ _HEALTH_PB = {
 _SUMMED_LOAD = (
     "running_requests",
     "queued_requests",
+    "active_kv_sessions",
     "used_kv_blocks",
     "total_kv_blocks",
+    "running_tokens",
     "waiting_tokens",
 )
 # The figures of them counted in KV blocks: summed only over engines of one block size.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 
 from controller.metrics import ControllerMetrics
 from controller.outcomes import ENGINE_METADATA_KEY, OUTCOME_METADATA_KEY
@@ -863,6 +864,28 @@ async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
     workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
     assert sorted(w.instance_id for w in workers.workers) == ["e0", "e1", "e2"]
     assert sum(w.indexed_blocks for w in workers.workers) >= 4
+
+
+async def test_the_fleets_load_sums_every_figure_its_engines_report(fleet: Fleet) -> None:
+    """GetLoad has each load figure every engine reports, as their sum (a present zero is a
+    measured zero, seed): `active_kv_sessions` and `running_tokens` too, which were absent,
+    "unavailable", though every engine reported them."""
+    summed = ("running_requests", "queued_requests", "active_kv_sessions", "used_kv_blocks",
+              "total_kv_blocks", "running_tokens", "waiting_tokens")  # fmt: skip
+    engines: list[Message] = []
+    for e in fleet.engines:
+        async with grpc.aio.insecure_channel(fleet.address(e)) as direct:
+            engines.append(await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest()))
+    assert all(load.HasField(name) for load in engines for name in summed)
+
+    async def sums() -> bool:
+        load: Message = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        return all(
+            load.HasField(name) and getattr(load, name) == sum(getattr(e, name) for e in engines)
+            for name in summed
+        )
+
+    await eventually(sums, what="the fleet's load is its engines' sum")
 
 
 async def test_health_answers_model_role_and_inference_probe_as_an_engine_does(
