@@ -198,6 +198,7 @@ def model_facts(model: pb.ModelInfo) -> ModelFacts:
         max_context_length=_present(model, "max_context_length"),
         max_output_tokens=_present(model, "max_output_tokens"),
         max_num_sequences=_present(model.generation, "max_num_sequences"),
+        max_running_requests=_present(model, "max_running_requests"),
     )
 
 

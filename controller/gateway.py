@@ -182,8 +182,9 @@ _SUMMED_LOAD = (
 _KV_BLOCK_FIELDS = tuple(KV_TOKEN_ATTRIBUTES)
 # The largest value each of them holds on the wire (uint32 or uint64): a sum past it (an
 # engine reporting nonsense, 2^64 - 1 blocks in use) is sent as that, not as a failed GetLoad.
+_UINT64_MAX = (1 << 64) - 1
 _LOAD_FIELD_MAX = {
-    name: (1 << 32) - 1 if field.type == FieldDescriptor.TYPE_UINT32 else (1 << 64) - 1
+    name: (1 << 32) - 1 if field.type == FieldDescriptor.TYPE_UINT32 else _UINT64_MAX
     for name, field in pb.LoadInfo.DESCRIPTOR.fields_by_name.items()
     if name in _SUMMED_LOAD
 }
@@ -1569,7 +1570,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             await self._add_served_elsewhere(reply, r, records, request)
-            _keep_fleet_limits(reply, registry.records(), request.model)
+            _as_the_fleets(reply, registry.records(), request.model)
             return reply
         why = "; ".join(refusals) if refusals else registry.engine_states(request.model)
         await abort_with(
@@ -1579,24 +1580,36 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
 
 
-def _keep_fleet_limits(reply: pb.ModelInfo, records: list[EngineRecord], model: str) -> None:
-    """Set the request limits to the smallest any engine serving `model` reports (read,
-    compatible; routable or not; absent when none reports it): a request may be routed to
-    any of them, and one within the limits ModelInfo advertises must not be refused for them,
-    as on a single engine (seed: ModelInfo advertises limits for the request options)."""
+def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str) -> None:
+    """Make the answering engine's ModelInfo the fleet's, of the engines serving `model` (read,
+    compatible; routable or not): a request may be routed to any of them. Its request limits
+    are the smallest any of them reports, so that one within them is not refused wherever it
+    goes, as on one engine (seed: ModelInfo advertises limits for the request options); its
+    capacity, `total_kv_blocks` and `max_running_requests`, their sum (KV blocks only while
+    they are of one size, else absent, as GetLoad's). Absent when none reports it."""
+    serving = [
+        r.identity.facts_of(model)
+        for r in records
+        if r.identity is not None
+        and r.state is not EngineState.INCOMPATIBLE
+        and r.identity.serves(model)
+    ]
     limits: dict[str, Message] = {"max_context_length": reply, "max_output_tokens": reply}
     if reply.HasField("generation"):
         limits["max_num_sequences"] = reply.generation
-    for r in records:
-        if r.identity is None or r.state is EngineState.INCOMPATIBLE:
-            continue
-        if not r.identity.serves(model):
-            continue
-        facts = r.identity.facts_of(model)
+    for facts in serving:
         for name, message in limits.items():
             limit = getattr(facts, name)
             if limit is not None and (not message.HasField(name) or limit < getattr(message, name)):
                 setattr(message, name, limit)
+    seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
+    if seats:
+        reply.max_running_requests = min(sum(seats), _UINT64_MAX)
+    kv = [f for f in serving if f.total_kv_blocks is not None]
+    if len({f.block_size for f in kv}) > 1:  # blocks of 16 and of 32 do not add up
+        reply.ClearField("total_kv_blocks")
+    elif kv:
+        reply.total_kv_blocks = min(sum(f.total_kv_blocks or 0 for f in kv), _UINT64_MAX)
 
 
 async def _end_aborted_task(request_id: str, context: Context) -> NoReturn:

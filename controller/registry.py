@@ -297,6 +297,8 @@ class ModelFacts:
     max_context_length: int | None = None
     max_output_tokens: int | None = None
     max_num_sequences: int | None = None
+    # Requests it runs at once (the KV capacity is `total_kv_blocks`).
+    max_running_requests: int | None = None
 
 
 _UNKNOWN_MODEL = ModelFacts()

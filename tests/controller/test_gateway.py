@@ -598,7 +598,12 @@ async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> No
         )
         assert await status_of(fleet.gateway.GetModelInfo(request)) == expected
     sim = pb.GetModelInfoRequest(model="sim")
-    assert await fleet.gateway.GetModelInfo(sim) == await engine_answer(engine, "GetModelInfo", sim)
+    # The engine's answer, with the capacity of the fleet's three engines alike.
+    expected = await engine_answer(engine, "GetModelInfo", sim)
+    assert isinstance(expected, pb.ModelInfo)
+    expected.total_kv_blocks *= 3
+    expected.max_running_requests *= 3
+    assert await fleet.gateway.GetModelInfo(sim) == expected
     for e in fleet.engines:
         await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(e)))
     with pytest.raises(grpc.aio.AioRpcError) as unavailable:
@@ -1473,12 +1478,14 @@ async def test_session_affinity_by_metadata_key() -> None:
         await close_fleet(fleet)
 
 
-async def test_model_info_advertises_limits_every_engine_of_the_model_accepts() -> None:
+async def test_model_info_has_the_limits_every_engine_accepts_and_the_fleets_capacity() -> None:
     """Engines of one model with different limits (a shorter context, fewer sequences):
     GetModelInfo advertises the smallest, whichever engine answers it, so a request within
     what it advertises is served on every engine the router may choose, as on one engine. It
     used to be the answering engine's own: with the small engine cordoned, 8192 and 64 were
-    advertised, and a request within them routed to the small one was refused."""
+    advertised, and a request within them routed to the small one was refused. Its capacity
+    is the fleet's, the sum (it was one engine's: a controller fronting this one took this
+    fleet's cache for one engine's)."""
     big = await start_sim_engine("big", max_model_len=8192, max_num_seqs=64)
     small = await start_sim_engine("small", max_model_len=1024, max_num_seqs=8)
     fleet = await make_fleet(engines=[big, small])
@@ -1489,6 +1496,8 @@ async def test_model_info_advertises_limits_every_engine_of_the_model_accepts() 
             info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
             assert info.max_context_length == 1024 and info.max_output_tokens == 1023
             assert info.generation.max_num_sequences == 8
+            # Its capacity is the fleet's: both engines' KV blocks and seats.
+            assert (info.total_kv_blocks, info.max_running_requests) == (2 * 256, 64 + 8)
             # At the limits advertised, on the engine that takes traffic now.
             request = generate_request(
                 f"at-limits-{routed.instance_id}", list(range(1, info.max_context_length)), 1
