@@ -173,6 +173,41 @@ BLIND_WARNING_INTERVAL_S = 10.0
 
 # The pooling tasks, as ModelInfo.tasks names their capabilities.
 POOLING_TASKS = ("embed", "classify", "score")
+# ModelInfo's flags of request options (its optional bools, by path) that an engine refuses
+# a request using when it reports false. `supports_lora` is not one: a request naming an
+# adapter is routed to engines holding it.
+CAPABILITY_FLAGS = (
+    "supports_text_input",
+    "supports_token_ids_input",
+    "supports_multimodal",
+    "generation.prompt_logprobs.supported",
+    "generation.output_logprobs.supported",
+    "generation.guided_decoding.supported",
+    "generation.supports_priority",
+    "generation.supports_stop_in_output",
+    "generation.supports_cache_salt",
+    "generation.supports_prefix_cache_bypass",
+)
+
+
+def flag_holder(model: Message, flag: str) -> tuple[Message | None, str]:
+    """The message of `model` holding CAPABILITY_FLAGS' `flag` (None: a message on its path
+    is absent) and the flag's field name."""
+    *path, name = flag.split(".")
+    holder: Message | None = model
+    for part in path:
+        holder = getattr(holder, part) if holder is not None and holder.HasField(part) else None
+    return holder, name
+
+
+def unsupported(model: pb.ModelInfo) -> frozenset[str]:
+    """The CAPABILITY_FLAGS GetModelInfo reports false (absent: not reported)."""
+    said_no = set()
+    for flag in CAPABILITY_FLAGS:
+        holder, name = flag_holder(model, flag)
+        if holder is not None and holder.HasField(name) and not getattr(holder, name):
+            said_no.add(flag)
+    return frozenset(said_no)
 
 
 def supported_tasks(model: pb.ModelInfo) -> frozenset[str]:
@@ -199,6 +234,7 @@ def model_facts(model: pb.ModelInfo) -> ModelFacts:
         max_output_tokens=_present(model, "max_output_tokens"),
         max_num_sequences=_present(model.generation, "max_num_sequences"),
         max_running_requests=_present(model, "max_running_requests"),
+        unsupported=unsupported(model),
     )
 
 

@@ -90,7 +90,13 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, POOLING_TASKS, Fleet
+from controller.fleet import (
+    KV_BLOCK_SIZE_ATTRIBUTE,
+    KV_TOKEN_ATTRIBUTES,
+    POOLING_TASKS,
+    Fleet,
+    flag_holder,
+)
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
@@ -1584,7 +1590,8 @@ def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str)
     """Make the answering engine's ModelInfo the fleet's, of the engines serving `model` (read,
     compatible; routable or not): a request may be routed to any of them. Its request limits
     are the smallest any of them reports, so that one within them is not refused wherever it
-    goes, as on one engine (seed: ModelInfo advertises limits for the request options); its
+    goes, as on one engine (seed: ModelInfo advertises limits for the request options), and a
+    request option (CAPABILITY_FLAGS) is supported only when none of them says it is not; its
     capacity, `total_kv_blocks` and `max_running_requests`, their sum (KV blocks only while
     they are of one size, else absent, as GetLoad's). Absent when none reports it."""
     serving = [
@@ -1602,6 +1609,11 @@ def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str)
             limit = getattr(facts, name)
             if limit is not None and (not message.HasField(name) or limit < getattr(message, name)):
                 setattr(message, name, limit)
+    # A request option one of them refuses is not advertised: it would be refused there.
+    for flag in frozenset().union(*(f.unsupported for f in serving)):
+        holder, name = flag_holder(reply, flag)
+        if holder is not None:
+            setattr(holder, name, False)
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
     if seats:
         reply.max_running_requests = min(sum(seats), _UINT64_MAX)

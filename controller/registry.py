@@ -299,6 +299,8 @@ class ModelFacts:
     max_num_sequences: int | None = None
     # Requests it runs at once (the KV capacity is `total_kv_blocks`).
     max_running_requests: int | None = None
+    # The request options it says it does not support (CAPABILITY_FLAGS reported false).
+    unsupported: frozenset[str] = frozenset()
 
 
 _UNKNOWN_MODEL = ModelFacts()

@@ -27,11 +27,13 @@ from tests.controller.conftest import (
     Fleet,
     close_fleet,
     ended_while_queued,
+    engines_of_kinds,
     generate_request,
     make_fleet,
     start_sim_engine,
     vllm_ended_while_queued,
 )
+from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_fleet_events import scrape
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
@@ -1512,3 +1514,53 @@ async def test_model_info_has_the_limits_every_engine_accepts_and_the_fleets_cap
             await fleet.wait_routable(2)
     finally:
         await close_fleet(fleet)
+
+
+class WithoutCacheSalt(Forwarding):
+    """An engine of an older build: it does not take `kv.cache_salt`, and says so."""
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        info.generation.supports_cache_salt = False
+        return info
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
+        if request.kv.HasField("cache_salt"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache_salt is not supported")
+        async for response in self.inner.Generate(request):
+            yield response
+
+
+async def test_model_info_advertises_a_request_option_only_when_every_engine_takes_it() -> None:
+    """A fleet in a rolling upgrade: one engine takes `kv.cache_salt`, one of the older build
+    says it does not (and refuses it). GetModelInfo says `supports_cache_salt: false`,
+    whichever engine answers, as the seed has clients use an option only when advertised; it
+    used to be the answering engine's, true from the new one, and a client salting its
+    requests had those the router sent to the old one refused."""
+    new = await start_sim_engine("new")
+    old = await start_fronted_engine("old", WithoutCacheSalt)
+    fleet = await make_fleet(engines=engines_of_kinds(new, old))
+    try:
+        salted = generate_request("salted", [1, 2, 3])
+        salted.kv.cache_salt = "tenant-a"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await engine_answer_or_raise(fleet.address(old), salted)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for cordoned in ("old", "new"):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(1)
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            assert info.generation.HasField("supports_cache_salt")
+            assert not info.generation.supports_cache_salt
+            assert info.generation.supports_priority  # what both take stays advertised
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(2)
+    finally:
+        await close_fleet(fleet)
+
+
+async def engine_answer_or_raise(
+    address: str, request: pb.GenerateRequest
+) -> list[pb.GenerateResponse]:
+    async with grpc.aio.insecure_channel(address) as direct:
+        return [r async for r in pb_grpc.OpenEngineStub(direct).Generate(request)]
