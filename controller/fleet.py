@@ -144,13 +144,13 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
     one not a count is not reported)."""
     sizes = load.attributes.get(KV_BLOCK_SIZE_ATTRIBUTE, "").split(",")
     return LoadSnapshot(
-        running_requests=_present(load, "running_requests"),
-        queued_requests=_present(load, "queued_requests"),
-        active_kv_sessions=_present(load, "active_kv_sessions"),
-        used_kv_blocks=_present(load, "used_kv_blocks"),
-        total_kv_blocks=_present(load, "total_kv_blocks"),
-        running_tokens=_present(load, "running_tokens"),
-        waiting_tokens=_present(load, "waiting_tokens"),
+        running_requests=reported(load, "running_requests"),
+        queued_requests=reported(load, "queued_requests"),
+        active_kv_sessions=reported(load, "active_kv_sessions"),
+        used_kv_blocks=reported(load, "used_kv_blocks"),
+        total_kv_blocks=reported(load, "total_kv_blocks"),
+        running_tokens=reported(load, "running_tokens"),
+        waiting_tokens=reported(load, "waiting_tokens"),
         used_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["used_kv_blocks"])),
         total_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["total_kv_blocks"])),
         kv_block_sizes=tuple(size for s in sizes if (size := _count(s))),
@@ -173,6 +173,15 @@ BLIND_WARNING_INTERVAL_S = 10.0
 
 # The pooling tasks, as ModelInfo.tasks names their capabilities.
 POOLING_TASKS = ("embed", "classify", "score")
+# ModelInfo's limits of a request (its optional counts, by path): an engine refuses one past
+# them.
+REQUEST_LIMITS = (
+    "max_context_length",
+    "max_output_tokens",
+    "generation.max_num_sequences",
+    "generation.prompt_logprobs.max_top_n",
+    "generation.output_logprobs.max_top_n",
+)
 # ModelInfo's flags of request options (its optional bools, by path) that an engine refuses
 # a request using when it reports false. `supports_lora` is not one: a request naming an
 # adapter is routed to engines holding it.
@@ -190,9 +199,9 @@ CAPABILITY_FLAGS = (
 )
 
 
-def flag_holder(model: Message, flag: str) -> tuple[Message | None, str]:
-    """The message of `model` holding CAPABILITY_FLAGS' `flag` (None: a message on its path
-    is absent) and the flag's field name."""
+def field_holder(model: Message, flag: str) -> tuple[Message | None, str]:
+    """The message of `model` holding the field at path `flag` (of CAPABILITY_FLAGS or
+    REQUEST_LIMITS; None: a message on its way is absent) and the field's name."""
     *path, name = flag.split(".")
     holder: Message | None = model
     for part in path:
@@ -200,14 +209,16 @@ def flag_holder(model: Message, flag: str) -> tuple[Message | None, str]:
     return holder, name
 
 
+def reported(model: Message, path: str) -> Any:
+    """The value at `path` (of CAPABILITY_FLAGS or REQUEST_LIMITS) in `model`; None when it,
+    or a message on its way, is absent (not reported)."""
+    holder, name = field_holder(model, path)
+    return getattr(holder, name) if holder is not None and holder.HasField(name) else None
+
+
 def unsupported(model: pb.ModelInfo) -> frozenset[str]:
     """The CAPABILITY_FLAGS GetModelInfo reports false (absent: not reported)."""
-    said_no = set()
-    for flag in CAPABILITY_FLAGS:
-        holder, name = flag_holder(model, flag)
-        if holder is not None and holder.HasField(name) and not getattr(holder, name):
-            said_no.add(flag)
-    return frozenset(said_no)
+    return frozenset(flag for flag in CAPABILITY_FLAGS if reported(model, flag) is False)
 
 
 def supported_tasks(model: pb.ModelInfo) -> frozenset[str]:
@@ -225,22 +236,17 @@ def generates(model: pb.ModelInfo) -> bool:
 def model_facts(model: pb.ModelInfo) -> ModelFacts:
     """What the controller keeps of one model's GetModelInfo (absent scalars stay unknown)."""
     return ModelFacts(
-        block_size=_present(model, "kv_block_size"),
-        total_kv_blocks=_present(model, "total_kv_blocks"),
-        supports_lora=_present(model, "supports_lora"),
+        block_size=reported(model, "kv_block_size"),
+        total_kv_blocks=reported(model, "total_kv_blocks"),
+        supports_lora=reported(model, "supports_lora"),
         tasks=supported_tasks(model),
         generates=generates(model),
-        max_context_length=_present(model, "max_context_length"),
-        max_output_tokens=_present(model, "max_output_tokens"),
-        max_num_sequences=_present(model.generation, "max_num_sequences"),
-        max_running_requests=_present(model, "max_running_requests"),
+        limits=tuple(
+            (path, value) for path in REQUEST_LIMITS if (value := reported(model, path)) is not None
+        ),
+        max_running_requests=reported(model, "max_running_requests"),
         unsupported=unsupported(model),
     )
-
-
-def _present(message: Message, field: str) -> Any:
-    """An optional scalar of `message`; None when absent (the engine cannot report it)."""
-    return getattr(message, field) if message.HasField(field) else None
 
 
 def _names(adapters: Sequence[LoraSpec] | None) -> frozenset[str] | None:

@@ -36,7 +36,7 @@ def _described(identity: EngineIdentity) -> str:
     for model in identity.models:
         facts = identity.facts_of(model)
         tasks = ",".join(sorted(facts.tasks))
-        limits = f"{facts.max_context_length}:{facts.max_output_tokens}:{facts.max_num_sequences}"
+        limits = ",".join(f"{path}={value}" for path, value in facts.limits)
         unsupported = ",".join(sorted(facts.unsupported))
         parts.append(
             f"{model}:{facts.block_size}:{facts.supports_lora}:{facts.generates}:{tasks}:{limits}"

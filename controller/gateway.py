@@ -88,14 +88,13 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
 from controller.fleet import (
     KV_BLOCK_SIZE_ATTRIBUTE,
     KV_TOKEN_ATTRIBUTES,
     POOLING_TASKS,
     Fleet,
-    flag_holder,
+    field_holder,
 )
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
@@ -1589,11 +1588,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str) -> None:
     """Make the answering engine's ModelInfo the fleet's, of the engines serving `model` (read,
     compatible; routable or not): a request may be routed to any of them. Its request limits
-    are the smallest any of them reports, so that one within them is not refused wherever it
-    goes, as on one engine (seed: ModelInfo advertises limits for the request options), and a
-    request option (CAPABILITY_FLAGS) is supported only when none of them says it is not; its
-    capacity, `total_kv_blocks` and `max_running_requests`, their sum (KV blocks only while
-    they are of one size, else absent, as GetLoad's). Absent when none reports it."""
+    (REQUEST_LIMITS) are the smallest any of them reports, so that one within them is not
+    refused wherever it goes, as on one engine (seed: ModelInfo advertises limits for the
+    request options), and a request option (CAPABILITY_FLAGS) is supported only when none of
+    them says it is not; its capacity, `total_kv_blocks` and `max_running_requests`, their
+    sum (KV blocks only while they are of one size, else absent, as GetLoad's). Absent when
+    none reports it."""
     serving = [
         r.identity.facts_of(model)
         for r in records
@@ -1601,17 +1601,14 @@ def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str)
         and r.state is not EngineState.INCOMPATIBLE
         and r.identity.serves(model)
     ]
-    limits: dict[str, Message] = {"max_context_length": reply, "max_output_tokens": reply}
-    if reply.HasField("generation"):
-        limits["max_num_sequences"] = reply.generation
     for facts in serving:
-        for name, message in limits.items():
-            limit = getattr(facts, name)
-            if limit is not None and (not message.HasField(name) or limit < getattr(message, name)):
-                setattr(message, name, limit)
+        for path, limit in facts.limits:
+            holder, name = field_holder(reply, path)
+            if holder is not None and (not holder.HasField(name) or limit < getattr(holder, name)):
+                setattr(holder, name, limit)
     # A request option one of them refuses is not advertised: it would be refused there.
     for flag in frozenset().union(*(f.unsupported for f in serving)):
-        holder, name = flag_holder(reply, flag)
+        holder, name = field_holder(reply, flag)
         if holder is not None:
             setattr(holder, name, False)
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]

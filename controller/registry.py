@@ -293,10 +293,9 @@ class ModelFacts:
     tasks: frozenset[str] = frozenset()
     # False: served for pooling only (tasks advertised, no `generation`): no Generate.
     generates: bool = True
-    # The limits past which it refuses a request (`max_num_sequences`: of `generation`).
-    max_context_length: int | None = None
-    max_output_tokens: int | None = None
-    max_num_sequences: int | None = None
+    # The limits past which it refuses a request: (REQUEST_LIMITS path, value) for each it
+    # reports.
+    limits: tuple[tuple[str, int], ...] = ()
     # Requests it runs at once (the KV capacity is `total_kv_blocks`).
     max_running_requests: int | None = None
     # The request options it says it does not support (CAPABILITY_FLAGS reported false).

@@ -1516,12 +1516,14 @@ async def test_model_info_has_the_limits_every_engine_accepts_and_the_fleets_cap
         await close_fleet(fleet)
 
 
-class WithoutCacheSalt(Forwarding):
-    """An engine of an older build: it does not take `kv.cache_salt`, and says so."""
+class OlderBuild(Forwarding):
+    """An engine of an older build: it does not take `kv.cache_salt`, nor more than 20 output
+    logprob candidates (vLLM's default `--max-logprobs`), and says so."""
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> Any:
         info = await self.inner.GetModelInfo(request)
         info.generation.supports_cache_salt = False
+        info.generation.output_logprobs.max_top_n = 20
         return info
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
@@ -1533,12 +1535,13 @@ class WithoutCacheSalt(Forwarding):
 
 async def test_model_info_advertises_a_request_option_only_when_every_engine_takes_it() -> None:
     """A fleet in a rolling upgrade: one engine takes `kv.cache_salt`, one of the older build
-    says it does not (and refuses it). GetModelInfo says `supports_cache_salt: false`,
-    whichever engine answers, as the seed has clients use an option only when advertised; it
-    used to be the answering engine's, true from the new one, and a client salting its
-    requests had those the router sent to the old one refused."""
+    says it does not (and refuses it), and takes fewer logprob candidates. GetModelInfo says
+    `supports_cache_salt: false` and the smaller `max_top_n`, whichever engine answers, as
+    the seed has clients use an option only when advertised; it used to be the answering
+    engine's, true from the new one, and a client salting its requests had those the router
+    sent to the old one refused."""
     new = await start_sim_engine("new")
-    old = await start_fronted_engine("old", WithoutCacheSalt)
+    old = await start_fronted_engine("old", OlderBuild)
     fleet = await make_fleet(engines=engines_of_kinds(new, old))
     try:
         salted = generate_request("salted", [1, 2, 3])
@@ -1553,6 +1556,8 @@ async def test_model_info_advertises_a_request_option_only_when_every_engine_tak
             assert info.generation.HasField("supports_cache_salt")
             assert not info.generation.supports_cache_salt
             assert info.generation.supports_priority  # what both take stays advertised
+            assert info.generation.output_logprobs.max_top_n == 20  # and the smaller limit
+            assert info.generation.prompt_logprobs.max_top_n > 20
             await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
             await fleet.wait_routable(2)
     finally:
