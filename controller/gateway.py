@@ -788,6 +788,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     message="aborted at the handoff to a decode engine",
                 )
             return reply
+        if target == "kv_session" and not request.kv_session.session_id:
+            # Malformed whoever holds sessions (an empty fleet too): as an engine refuses it.
+            await abort_with(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "kv_session.session_id is empty"
+            )
         # Every request also means those still being planned here, which no engine holds yet:
         # they end before any engine is called, as one aborted by id does.
         unrouted = self.relay.abort_all_unrouted() if target == "all_requests" else 0

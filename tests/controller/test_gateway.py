@@ -1569,3 +1569,27 @@ async def engine_answer_or_raise(
 ) -> list[pb.GenerateResponse]:
     async with grpc.aio.insecure_channel(address) as direct:
         return [r async for r in pb_grpc.OpenEngineStub(direct).Generate(request)]
+
+
+@pytest.mark.parametrize("num_engines", [0, 2])
+async def test_abort_of_a_kv_session_with_no_id_is_invalid_as_on_an_engine(
+    num_engines: int,
+) -> None:
+    """An Abort naming a KV session without its `session_id` is malformed: INVALID_ARGUMENT
+    with an engine's words, before any engine is asked. It used to be sent to every engine
+    (their refusals joined in one message) and, with no engine registered yet, answered
+    UNAVAILABLE, a status a client retries, for a request that can never succeed."""
+    fleet = await make_fleet(num_engines)
+    try:
+        malformed = pb.AbortRequest(kv_session=pb.KvSessionRef())
+        if fleet.engines:
+            engine = fleet.address(fleet.engines[0])
+            assert await engine_answer(engine, "Abort", malformed) == (
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fleet.gateway.Abort(malformed)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == "kv_session.session_id is empty"
+    finally:
+        await close_fleet(fleet)
