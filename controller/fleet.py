@@ -181,6 +181,15 @@ REQUEST_LIMITS = (
     "generation.max_num_sequences",
     "generation.prompt_logprobs.max_top_n",
     "generation.output_logprobs.max_top_n",
+    # A pooling task's, of the engines that have the task (`constrains`).
+    "tasks.embed.max_batch_size",
+    "tasks.embed.max_output_values_per_item",
+    "tasks.classify.max_batch_size",
+    "tasks.classify.max_output_values_per_item",
+    "tasks.score.max_groups",
+    "tasks.score.max_candidates_per_group",
+    "tasks.score.max_output_values_per_candidate",
+    "tasks.score.max_label_token_ids",
 )
 # ModelInfo's flags of request options (its optional bools, by path) that an engine refuses
 # a request using when it reports false. `supports_lora` is not one: a request naming an
@@ -196,6 +205,13 @@ CAPABILITY_FLAGS = (
     "generation.supports_stop_in_output",
     "generation.supports_cache_salt",
     "generation.supports_prefix_cache_bypass",
+    "tasks.embed.supports_priority",
+    "tasks.embed.supports_normalization",
+    "tasks.embed.supports_dimension_override",
+    "tasks.classify.supports_priority",
+    "tasks.score.supports_priority",
+    "tasks.score.supports_label_token_scoring",
+    "tasks.score.supports_instruction",
 )
 
 
@@ -207,6 +223,13 @@ def field_holder(model: Message, flag: str) -> tuple[Message | None, str]:
     for part in path:
         holder = getattr(holder, part) if holder is not None and holder.HasField(part) else None
     return holder, name
+
+
+def constrains(facts: ModelFacts, path: str) -> bool:
+    """Whether an engine's value at `path` (of REQUEST_LIMITS or CAPABILITY_FLAGS) bounds the
+    fleet's: a pooling task's only on an engine that has the task (no other is sent it)."""
+    parts = path.split(".")
+    return parts[0] != "tasks" or parts[1] in facts.tasks
 
 
 def reported(model: Message, path: str) -> Any:

@@ -94,6 +94,7 @@ from controller.fleet import (
     KV_TOKEN_ATTRIBUTES,
     POOLING_TASKS,
     Fleet,
+    constrains,
     field_holder,
 )
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_view
@@ -1609,13 +1610,15 @@ def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str)
     for facts in serving:
         for path, limit in facts.limits:
             holder, name = field_holder(reply, path)
-            if holder is not None and (not holder.HasField(name) or limit < getattr(holder, name)):
+            if holder is None or not constrains(facts, path):
+                continue
+            if not holder.HasField(name) or limit < getattr(holder, name):
                 setattr(holder, name, limit)
-    # A request option one of them refuses is not advertised: it would be refused there.
-    for flag in frozenset().union(*(f.unsupported for f in serving)):
-        holder, name = field_holder(reply, flag)
-        if holder is not None:
-            setattr(holder, name, False)
+        # A request option it refuses is not advertised: it would be refused there.
+        for flag in facts.unsupported:
+            holder, name = field_holder(reply, flag)
+            if holder is not None and constrains(facts, flag):
+                setattr(holder, name, False)
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
     if seats:
         reply.max_running_requests = min(sum(seats), _UINT64_MAX)

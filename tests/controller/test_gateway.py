@@ -1593,3 +1593,52 @@ async def test_abort_of_a_kv_session_with_no_id_is_invalid_as_on_an_engine(
         assert refused.value.details() == "kv_session.session_id is empty"
     finally:
         await close_fleet(fleet)
+
+
+def embedding(max_batch_size: int, normalizes: bool) -> type[Forwarding]:
+    """An engine that embeds (as it says: Embed itself is not played here), in batches of at
+    most `max_batch_size`, normalizing or not."""
+
+    class Embedding(Forwarding):
+        async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> Any:
+            info = await self.inner.GetModelInfo(request)
+            info.tasks.embed.CopyFrom(
+                pb.EmbedCapabilities(
+                    supported=True,
+                    input_types=[pb.TASK_INPUT_TYPE_TOKEN_IDS],
+                    max_batch_size=max_batch_size,
+                    supports_normalization=normalizes,
+                    supports_priority=True,
+                )
+            )
+            return info
+
+    return Embedding
+
+
+async def test_model_info_advertises_what_every_engine_with_a_task_takes_of_it() -> None:
+    """Two engines embed, one in batches of 32 normalizing, one in batches of 8 and not; a
+    third does not embed. The fleet's `tasks.embed` says batches of 8, no normalization,
+    whichever engine answers (Embed goes to either), and what both take (priority) stays;
+    the engine without the task bounds nothing of it. It used to be the answering engine's,
+    and a batch of 32 sent to the other was refused."""
+    engines = engines_of_kinds(
+        await start_fronted_engine("big", embedding(32, True)),
+        await start_fronted_engine("small", embedding(8, False)),
+        await start_sim_engine("plain"),
+    )
+    fleet = await make_fleet(engines=engines)
+    try:
+        for cordoned in ("small", "big"):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(2)
+            embed = (
+                await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            ).tasks.embed
+            assert embed.supported and embed.max_batch_size == 8
+            assert embed.HasField("supports_normalization") and not embed.supports_normalization
+            assert embed.supports_priority
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(3)
+    finally:
+        await close_fleet(fleet)
