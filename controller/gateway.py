@@ -1568,11 +1568,17 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if not request.model:  # as an engine answers
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "model is required")
         await _require_model(self.controller, request.model, context)
-        # A generating engine answers first: a pooling-only one's answer has no `generation`.
         registry = self.controller.fleet.registry
         records = registry.routable(request.model)
+        # A generating engine answers where one serves the model: a pooling-only one's answer
+        # has no `generation`, which says the model is not generated (a controller fronting
+        # this one, reading it, would refuse the model's Generates until its view moved).
+        answering, generating = records, False
+        if any(_generates(r, request.model) for r in registry.may_serve_records(request.model)):
+            answering = [r for r in records if _generates(r, request.model)]
+            generating = True
         refusals = []
-        for r in sorted(records, key=lambda r: not _generates(r, request.model)):
+        for r in answering:
             try:
                 reply = await self._model_info(r, request)
             except grpc.aio.AioRpcError as failure:
@@ -1583,7 +1589,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await self._add_served_elsewhere(reply, r, records, request)
             _as_the_fleets(reply, registry.records(), request.model)
             return reply
-        why = "; ".join(refusals) if refusals else registry.engine_states(request.model)
+        states = registry.generating_states if generating else registry.engine_states
+        why = "; ".join(refusals) if refusals else states(request.model)
         await abort_with(
             context,
             grpc.StatusCode.UNAVAILABLE,
