@@ -53,9 +53,10 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
+from google.protobuf.message import Message
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.event_following import EventFollowing, FollowingState
@@ -143,11 +144,13 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
     one not a count is not reported)."""
     sizes = load.attributes.get(KV_BLOCK_SIZE_ATTRIBUTE, "").split(",")
     return LoadSnapshot(
-        running_requests=load.running_requests if load.HasField("running_requests") else None,
-        queued_requests=load.queued_requests if load.HasField("queued_requests") else None,
-        used_kv_blocks=load.used_kv_blocks if load.HasField("used_kv_blocks") else None,
-        total_kv_blocks=load.total_kv_blocks if load.HasField("total_kv_blocks") else None,
-        waiting_tokens=load.waiting_tokens if load.HasField("waiting_tokens") else None,
+        running_requests=reported(load, "running_requests"),
+        queued_requests=reported(load, "queued_requests"),
+        active_kv_sessions=reported(load, "active_kv_sessions"),
+        used_kv_blocks=reported(load, "used_kv_blocks"),
+        total_kv_blocks=reported(load, "total_kv_blocks"),
+        running_tokens=reported(load, "running_tokens"),
+        waiting_tokens=reported(load, "waiting_tokens"),
         used_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["used_kv_blocks"])),
         total_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["total_kv_blocks"])),
         kv_block_sizes=tuple(size for s in sizes if (size := _count(s))),
@@ -170,6 +173,75 @@ BLIND_WARNING_INTERVAL_S = 10.0
 
 # The pooling tasks, as ModelInfo.tasks names their capabilities.
 POOLING_TASKS = ("embed", "classify", "score")
+# ModelInfo's limits of a request (its optional counts, by path): an engine refuses one past
+# them.
+REQUEST_LIMITS = (
+    "max_context_length",
+    "max_output_tokens",
+    "generation.max_num_sequences",
+    "generation.prompt_logprobs.max_top_n",
+    "generation.output_logprobs.max_top_n",
+    # A pooling task's, of the engines that have the task (`constrains`).
+    "tasks.embed.max_batch_size",
+    "tasks.embed.max_output_values_per_item",
+    "tasks.classify.max_batch_size",
+    "tasks.classify.max_output_values_per_item",
+    "tasks.score.max_groups",
+    "tasks.score.max_candidates_per_group",
+    "tasks.score.max_output_values_per_candidate",
+    "tasks.score.max_label_token_ids",
+)
+# ModelInfo's flags of request options (its optional bools, by path) that an engine refuses
+# a request using when it reports false. `supports_lora` is not one: a request naming an
+# adapter is routed to engines holding it.
+CAPABILITY_FLAGS = (
+    "supports_text_input",
+    "supports_token_ids_input",
+    "supports_multimodal",
+    "generation.prompt_logprobs.supported",
+    "generation.output_logprobs.supported",
+    "generation.guided_decoding.supported",
+    "generation.supports_priority",
+    "generation.supports_stop_in_output",
+    "generation.supports_cache_salt",
+    "generation.supports_prefix_cache_bypass",
+    "tasks.embed.supports_priority",
+    "tasks.embed.supports_normalization",
+    "tasks.embed.supports_dimension_override",
+    "tasks.classify.supports_priority",
+    "tasks.score.supports_priority",
+    "tasks.score.supports_label_token_scoring",
+    "tasks.score.supports_instruction",
+)
+
+
+def field_holder(model: Message, flag: str) -> tuple[Message | None, str]:
+    """The message of `model` holding the field at path `flag` (of CAPABILITY_FLAGS or
+    REQUEST_LIMITS; None: a message on its way is absent) and the field's name."""
+    *path, name = flag.split(".")
+    holder: Message | None = model
+    for part in path:
+        holder = getattr(holder, part) if holder is not None and holder.HasField(part) else None
+    return holder, name
+
+
+def constrains(facts: ModelFacts, path: str) -> bool:
+    """Whether an engine's value at `path` (of REQUEST_LIMITS or CAPABILITY_FLAGS) bounds the
+    fleet's: a pooling task's only on an engine that has the task (no other is sent it)."""
+    parts = path.split(".")
+    return parts[0] != "tasks" or parts[1] in facts.tasks
+
+
+def reported(model: Message, path: str) -> Any:
+    """The value at `path` (of CAPABILITY_FLAGS or REQUEST_LIMITS) in `model`; None when it,
+    or a message on its way, is absent (not reported)."""
+    holder, name = field_holder(model, path)
+    return getattr(holder, name) if holder is not None and holder.HasField(name) else None
+
+
+def unsupported(model: pb.ModelInfo) -> frozenset[str]:
+    """The CAPABILITY_FLAGS GetModelInfo reports false (absent: not reported)."""
+    return frozenset(flag for flag in CAPABILITY_FLAGS if reported(model, flag) is False)
 
 
 def supported_tasks(model: pb.ModelInfo) -> frozenset[str]:
@@ -187,11 +259,16 @@ def generates(model: pb.ModelInfo) -> bool:
 def model_facts(model: pb.ModelInfo) -> ModelFacts:
     """What the controller keeps of one model's GetModelInfo (absent scalars stay unknown)."""
     return ModelFacts(
-        block_size=model.kv_block_size if model.HasField("kv_block_size") else None,
-        total_kv_blocks=model.total_kv_blocks if model.HasField("total_kv_blocks") else None,
-        supports_lora=model.supports_lora if model.HasField("supports_lora") else None,
+        block_size=reported(model, "kv_block_size"),
+        total_kv_blocks=reported(model, "total_kv_blocks"),
+        supports_lora=reported(model, "supports_lora"),
         tasks=supported_tasks(model),
         generates=generates(model),
+        limits=tuple(
+            (path, value) for path in REQUEST_LIMITS if (value := reported(model, path)) is not None
+        ),
+        max_running_requests=reported(model, "max_running_requests"),
+        unsupported=unsupported(model),
     )
 
 

@@ -1,11 +1,11 @@
 """The version of the fleet view a controller's gateway serves: what its GetEngineInfo and
 GetModelInfo tell a controller fronting it as an engine (the models the fleet serves, each
-one's facts as its engines report them: block size, pooling tasks, generation, LoRA support;
-the controllers it fronts), as a short digest sent in GetLoad's `attributes` and in
-GetEngineInfo's trailing metadata under `FLEET_VIEW_KEY`. It moves only when that view
-does, not with load or health: an upper controller reads the identity again when it moves
-(`Fleet._poll`), so an engine of a new model joining the lower fleet, or the last engine of
-a model leaving it, reaches the upper's routing at its next GetLoad poll."""
+one's facts as its engines report them: block size, pooling tasks, generation, LoRA support,
+request limits and options; the controllers it fronts), as a short digest sent in GetLoad's
+`attributes` and in GetEngineInfo's trailing metadata under `FLEET_VIEW_KEY`. It moves only
+when that view does, not with load or health: an upper controller reads the identity again
+when it moves (`Fleet._poll`), so an engine of a new model joining the lower fleet, or the
+last engine of a model leaving it, reaches the upper's routing at its next GetLoad poll."""
 
 from __future__ import annotations
 
@@ -36,7 +36,12 @@ def _described(identity: EngineIdentity) -> str:
     for model in identity.models:
         facts = identity.facts_of(model)
         tasks = ",".join(sorted(facts.tasks))
-        parts.append(f"{model}:{facts.block_size}:{facts.supports_lora}:{facts.generates}:{tasks}")
+        limits = ",".join(f"{path}={value}" for path, value in facts.limits)
+        unsupported = ",".join(sorted(facts.unsupported))
+        parts.append(
+            f"{model}:{facts.block_size}:{facts.supports_lora}:{facts.generates}:{tasks}:{limits}"
+            f":{unsupported}"
+        )
     if identity.is_controller:
         fronted = sorted(identity.fronted_controller_ids | {identity.instance_id})
         parts.append("fronts:" + ",".join(fronted))

@@ -89,7 +89,14 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, POOLING_TASKS, Fleet
+from controller.fleet import (
+    KV_BLOCK_SIZE_ATTRIBUTE,
+    KV_TOKEN_ATTRIBUTES,
+    POOLING_TASKS,
+    Fleet,
+    constrains,
+    field_holder,
+)
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
@@ -171,16 +178,19 @@ _HEALTH_PB = {
 _SUMMED_LOAD = (
     "running_requests",
     "queued_requests",
+    "active_kv_sessions",
     "used_kv_blocks",
     "total_kv_blocks",
+    "running_tokens",
     "waiting_tokens",
 )
 # The figures of them counted in KV blocks: summed only over engines of one block size.
 _KV_BLOCK_FIELDS = tuple(KV_TOKEN_ATTRIBUTES)
 # The largest value each of them holds on the wire (uint32 or uint64): a sum past it (an
 # engine reporting nonsense, 2^64 - 1 blocks in use) is sent as that, not as a failed GetLoad.
+_UINT64_MAX = (1 << 64) - 1
 _LOAD_FIELD_MAX = {
-    name: (1 << 32) - 1 if field.type == FieldDescriptor.TYPE_UINT32 else (1 << 64) - 1
+    name: (1 << 32) - 1 if field.type == FieldDescriptor.TYPE_UINT32 else _UINT64_MAX
     for name, field in pb.LoadInfo.DESCRIPTOR.fields_by_name.items()
     if name in _SUMMED_LOAD
 }
@@ -779,6 +789,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     message="aborted at the handoff to a decode engine",
                 )
             return reply
+        if target == "kv_session" and not request.kv_session.session_id:
+            # Malformed whoever holds sessions (an empty fleet too): as an engine refuses it.
+            await abort_with(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "kv_session.session_id is empty"
+            )
         # Every request also means those still being planned here, which no engine holds yet:
         # they end before any engine is called, as one aborted by id does.
         unrouted = self.relay.abort_all_unrouted() if target == "all_requests" else 0
@@ -1367,9 +1382,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
         """One check per engine, the fleet's state (`fleet_health_state`), and what the request
-        asks as an engine answers it: NOT_FOUND for a model no engine serves (while the fleet
-        has no engine at all, which cannot tell, a NOT_READY `model` check instead: a
-        readiness probe naming the model is told "not yet", not "never"), a `role` check
+        asks as an engine answers it: with a `model`, the state and checks of the engines
+        serving it only (a readiness probe naming the model learns whether it is served);
+        NOT_FOUND for a model no engine serves (while the fleet has no engine at all, which
+        cannot tell, a NOT_READY `model` check instead: a readiness probe naming the model is
+        told "not yet", not "never"), a `role` check
         (the gateway is AGGREGATED; another role fails it), and with
         `include_inference_probe` an `inference_probe` check (`_inference_probe`). A failed
         role or probe makes the state NOT_READY, as on an engine. A shared or remote index
@@ -1385,7 +1402,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             except UnknownModelError as exc:
                 await abort_with(context, status_of(exc), str(exc))
-        records = self.controller.fleet.registry.records()
+        registry = self.controller.fleet.registry
+        # Named, a model is what the answer is of, as an engine's is of the model it serves:
+        # the engines that serve it, or may (not read yet); none, the whole fleet.
+        records = registry.may_serve_records(request.model) if request.model else registry.records()
         checks.extend(
             pb.HealthCheck(
                 name=f"engine:{r.address}",
@@ -1548,11 +1568,17 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if not request.model:  # as an engine answers
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "model is required")
         await _require_model(self.controller, request.model, context)
-        # A generating engine answers first: a pooling-only one's answer has no `generation`.
         registry = self.controller.fleet.registry
         records = registry.routable(request.model)
+        # A generating engine answers where one serves the model: a pooling-only one's answer
+        # has no `generation`, which says the model is not generated (a controller fronting
+        # this one, reading it, would refuse the model's Generates until its view moved).
+        answering, generating = records, False
+        if any(_generates(r, request.model) for r in registry.may_serve_records(request.model)):
+            answering = [r for r in records if _generates(r, request.model)]
+            generating = True
         refusals = []
-        for r in sorted(records, key=lambda r: not _generates(r, request.model)):
+        for r in answering:
             try:
                 reply = await self._model_info(r, request)
             except grpc.aio.AioRpcError as failure:
@@ -1561,13 +1587,53 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             await self._add_served_elsewhere(reply, r, records, request)
+            _as_the_fleets(reply, registry.records(), request.model)
             return reply
-        why = "; ".join(refusals) if refusals else registry.engine_states(request.model)
+        states = registry.generating_states if generating else registry.engine_states
+        why = "; ".join(refusals) if refusals else states(request.model)
         await abort_with(
             context,
             grpc.StatusCode.UNAVAILABLE,
             f"no engine serving {request.model!r} can answer now: {why}",
         )
+
+
+def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str) -> None:
+    """Make the answering engine's ModelInfo the fleet's, of the engines serving `model` (read,
+    compatible; routable or not): a request may be routed to any of them. Its request limits
+    (REQUEST_LIMITS) are the smallest any of them reports, so that one within them is not
+    refused wherever it goes, as on one engine (seed: ModelInfo advertises limits for the
+    request options), and a request option (CAPABILITY_FLAGS) is supported only when none of
+    them says it is not; its capacity, `total_kv_blocks` and `max_running_requests`, their
+    sum (KV blocks only while they are of one size, else absent, as GetLoad's). Absent when
+    none reports it."""
+    serving = [
+        r.identity.facts_of(model)
+        for r in records
+        if r.identity is not None
+        and r.state is not EngineState.INCOMPATIBLE
+        and r.identity.serves(model)
+    ]
+    for facts in serving:
+        for path, limit in facts.limits:
+            holder, name = field_holder(reply, path)
+            if holder is None or not constrains(facts, path):
+                continue
+            if not holder.HasField(name) or limit < getattr(holder, name):
+                setattr(holder, name, limit)
+        # A request option it refuses is not advertised: it would be refused there.
+        for flag in facts.unsupported:
+            holder, name = field_holder(reply, flag)
+            if holder is not None and constrains(facts, flag):
+                setattr(holder, name, False)
+    seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
+    if seats:
+        reply.max_running_requests = min(sum(seats), _UINT64_MAX)
+    kv = [f for f in serving if f.total_kv_blocks is not None]
+    if len({f.block_size for f in kv}) > 1:  # blocks of 16 and of 32 do not add up
+        reply.ClearField("total_kv_blocks")
+    elif kv:
+        reply.total_kv_blocks = min(sum(f.total_kv_blocks or 0 for f in kv), _UINT64_MAX)
 
 
 async def _end_aborted_task(request_id: str, context: Context) -> NoReturn:

@@ -293,6 +293,13 @@ class ModelFacts:
     tasks: frozenset[str] = frozenset()
     # False: served for pooling only (tasks advertised, no `generation`): no Generate.
     generates: bool = True
+    # The limits past which it refuses a request: (REQUEST_LIMITS path, value) for each it
+    # reports.
+    limits: tuple[tuple[str, int], ...] = ()
+    # Requests it runs at once (the KV capacity is `total_kv_blocks`).
+    max_running_requests: int | None = None
+    # The request options it says it does not support (CAPABILITY_FLAGS reported false).
+    unsupported: frozenset[str] = frozenset()
 
 
 _UNKNOWN_MODEL = ModelFacts()
@@ -831,16 +838,20 @@ class Registry:
             )
 
     def why_unavailable(self, model: str) -> str:
-        """Why no engine takes a Generate for `model` ("": the default model) now: each engine
-        that serves it, or may (not reached yet), with its state (or "pooling only")."""
+        """Why no engine takes a Generate for `model` ("": the default model) now."""
+        what = f"model {model!r}" if model else "the default model"
+        return f"no engine available for {what}: " + self.generating_states(model)
+
+    def generating_states(self, model: str) -> str:
+        """Each engine that serves `model`, or may (not reached yet), with its state, or
+        "pooling only" for one that does not generate it."""
 
         def state_of(r: EngineRecord) -> str:
             if r.identity is None or r.identity.facts_of(model).generates:
                 return r.availability
             return "pooling only"
 
-        what = f"model {model!r}" if model else "the default model"
-        return f"no engine available for {what}: " + self.engine_states(model, state_of)
+        return self.engine_states(model, state_of)
 
     def engine_states(
         self, model: str, state_of: Callable[[EngineRecord], str] = lambda r: r.availability

@@ -49,8 +49,10 @@ class LoadSnapshot:
 
     running_requests: int | None = None
     queued_requests: int | None = None
+    active_kv_sessions: int | None = None
     used_kv_blocks: int | None = None
     total_kv_blocks: int | None = None
+    running_tokens: int | None = None
     waiting_tokens: int | None = None
     used_kv_tokens: int | None = None
     total_kv_tokens: int | None = None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 
 from controller.metrics import ControllerMetrics
 from controller.outcomes import ENGINE_METADATA_KEY, OUTCOME_METADATA_KEY
@@ -26,11 +27,13 @@ from tests.controller.conftest import (
     Fleet,
     close_fleet,
     ended_while_queued,
+    engines_of_kinds,
     generate_request,
     make_fleet,
     start_sim_engine,
     vllm_ended_while_queued,
 )
+from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_fleet_events import scrape
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
@@ -597,7 +600,12 @@ async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> No
         )
         assert await status_of(fleet.gateway.GetModelInfo(request)) == expected
     sim = pb.GetModelInfoRequest(model="sim")
-    assert await fleet.gateway.GetModelInfo(sim) == await engine_answer(engine, "GetModelInfo", sim)
+    # The engine's answer, with the capacity of the fleet's three engines alike.
+    expected = await engine_answer(engine, "GetModelInfo", sim)
+    assert isinstance(expected, pb.ModelInfo)
+    expected.total_kv_blocks *= 3
+    expected.max_running_requests *= 3
+    assert await fleet.gateway.GetModelInfo(sim) == expected
     for e in fleet.engines:
         await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(e)))
     with pytest.raises(grpc.aio.AioRpcError) as unavailable:
@@ -863,6 +871,28 @@ async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
     workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
     assert sorted(w.instance_id for w in workers.workers) == ["e0", "e1", "e2"]
     assert sum(w.indexed_blocks for w in workers.workers) >= 4
+
+
+async def test_the_fleets_load_sums_every_figure_its_engines_report(fleet: Fleet) -> None:
+    """GetLoad has each load figure every engine reports, as their sum (a present zero is a
+    measured zero, seed): `active_kv_sessions` and `running_tokens` too, which were absent,
+    "unavailable", though every engine reported them."""
+    summed = ("running_requests", "queued_requests", "active_kv_sessions", "used_kv_blocks",
+              "total_kv_blocks", "running_tokens", "waiting_tokens")  # fmt: skip
+    engines: list[Message] = []
+    for e in fleet.engines:
+        async with grpc.aio.insecure_channel(fleet.address(e)) as direct:
+            engines.append(await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest()))
+    assert all(load.HasField(name) for load in engines for name in summed)
+
+    async def sums() -> bool:
+        load: Message = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        return all(
+            load.HasField(name) and getattr(load, name) == sum(getattr(e, name) for e in engines)
+            for name in summed
+        )
+
+    await eventually(sums, what="the fleet's load is its engines' sum")
 
 
 async def test_health_answers_model_role_and_inference_probe_as_an_engine_does(
@@ -1446,5 +1476,169 @@ async def test_session_affinity_by_metadata_key() -> None:
         for i in range(3):
             await generate(fleet, generate_request(f"n{i}", [i] * 40))
         assert len(set(chosen[6:])) == 3
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_model_info_has_the_limits_every_engine_accepts_and_the_fleets_capacity() -> None:
+    """Engines of one model with different limits (a shorter context, fewer sequences):
+    GetModelInfo advertises the smallest, whichever engine answers it, so a request within
+    what it advertises is served on every engine the router may choose, as on one engine. It
+    used to be the answering engine's own: with the small engine cordoned, 8192 and 64 were
+    advertised, and a request within them routed to the small one was refused. Its capacity
+    is the fleet's, the sum (it was one engine's: a controller fronting this one took this
+    fleet's cache for one engine's)."""
+    big = await start_sim_engine("big", max_model_len=8192, max_num_seqs=64)
+    small = await start_sim_engine("small", max_model_len=1024, max_num_seqs=8)
+    fleet = await make_fleet(engines=[big, small])
+    try:
+        for cordoned, routed in ((small, big), (big, small)):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned.instance_id))
+            await fleet.wait_routable(1)
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            assert info.max_context_length == 1024 and info.max_output_tokens == 1023
+            assert info.generation.max_num_sequences == 8
+            # Its capacity is the fleet's: both engines' KV blocks and seats.
+            assert (info.total_kv_blocks, info.max_running_requests) == (2 * 256, 64 + 8)
+            # At the limits advertised, on the engine that takes traffic now.
+            request = generate_request(
+                f"at-limits-{routed.instance_id}", list(range(1, info.max_context_length)), 1
+            )
+            request.sampling.num_sequences = info.generation.max_num_sequences
+            call = fleet.gateway.Generate(request)
+            reply = [r async for r in call]
+            route = read_route(await call.trailing_metadata())
+            assert route is not None and route["instance_id"] == routed.instance_id
+            assert sum(r.HasField("finished") for r in reply) == 8
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned.instance_id))
+            await fleet.wait_routable(2)
+    finally:
+        await close_fleet(fleet)
+
+
+class OlderBuild(Forwarding):
+    """An engine of an older build: it does not take `kv.cache_salt`, nor more than 20 output
+    logprob candidates (vLLM's default `--max-logprobs`), and says so."""
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        info.generation.supports_cache_salt = False
+        info.generation.output_logprobs.max_top_n = 20
+        return info
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
+        if request.kv.HasField("cache_salt"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache_salt is not supported")
+        async for response in self.inner.Generate(request):
+            yield response
+
+
+async def test_model_info_advertises_a_request_option_only_when_every_engine_takes_it() -> None:
+    """A fleet in a rolling upgrade: one engine takes `kv.cache_salt`, one of the older build
+    says it does not (and refuses it), and takes fewer logprob candidates. GetModelInfo says
+    `supports_cache_salt: false` and the smaller `max_top_n`, whichever engine answers, as
+    the seed has clients use an option only when advertised; it used to be the answering
+    engine's, true from the new one, and a client salting its requests had those the router
+    sent to the old one refused."""
+    new = await start_sim_engine("new")
+    old = await start_fronted_engine("old", OlderBuild)
+    fleet = await make_fleet(engines=engines_of_kinds(new, old))
+    try:
+        salted = generate_request("salted", [1, 2, 3])
+        salted.kv.cache_salt = "tenant-a"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await engine_answer_or_raise(fleet.address(old), salted)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for cordoned in ("old", "new"):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(1)
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            assert info.generation.HasField("supports_cache_salt")
+            assert not info.generation.supports_cache_salt
+            assert info.generation.supports_priority  # what both take stays advertised
+            assert info.generation.output_logprobs.max_top_n == 20  # and the smaller limit
+            assert info.generation.prompt_logprobs.max_top_n > 20
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(2)
+    finally:
+        await close_fleet(fleet)
+
+
+async def engine_answer_or_raise(
+    address: str, request: pb.GenerateRequest
+) -> list[pb.GenerateResponse]:
+    async with grpc.aio.insecure_channel(address) as direct:
+        return [r async for r in pb_grpc.OpenEngineStub(direct).Generate(request)]
+
+
+@pytest.mark.parametrize("num_engines", [0, 2])
+async def test_abort_of_a_kv_session_with_no_id_is_invalid_as_on_an_engine(
+    num_engines: int,
+) -> None:
+    """An Abort naming a KV session without its `session_id` is malformed: INVALID_ARGUMENT
+    with an engine's words, before any engine is asked. It used to be sent to every engine
+    (their refusals joined in one message) and, with no engine registered yet, answered
+    UNAVAILABLE, a status a client retries, for a request that can never succeed."""
+    fleet = await make_fleet(num_engines)
+    try:
+        malformed = pb.AbortRequest(kv_session=pb.KvSessionRef())
+        if fleet.engines:
+            engine = fleet.address(fleet.engines[0])
+            assert await engine_answer(engine, "Abort", malformed) == (
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fleet.gateway.Abort(malformed)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == "kv_session.session_id is empty"
+    finally:
+        await close_fleet(fleet)
+
+
+def embedding(max_batch_size: int, normalizes: bool) -> type[Forwarding]:
+    """An engine that embeds (as it says: Embed itself is not played here), in batches of at
+    most `max_batch_size`, normalizing or not."""
+
+    class Embedding(Forwarding):
+        async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> Any:
+            info = await self.inner.GetModelInfo(request)
+            info.tasks.embed.CopyFrom(
+                pb.EmbedCapabilities(
+                    supported=True,
+                    input_types=[pb.TASK_INPUT_TYPE_TOKEN_IDS],
+                    max_batch_size=max_batch_size,
+                    supports_normalization=normalizes,
+                    supports_priority=True,
+                )
+            )
+            return info
+
+    return Embedding
+
+
+async def test_model_info_advertises_what_every_engine_with_a_task_takes_of_it() -> None:
+    """Two engines embed, one in batches of 32 normalizing, one in batches of 8 and not; a
+    third does not embed. The fleet's `tasks.embed` says batches of 8, no normalization,
+    whichever engine answers (Embed goes to either), and what both take (priority) stays;
+    the engine without the task bounds nothing of it. It used to be the answering engine's,
+    and a batch of 32 sent to the other was refused."""
+    engines = engines_of_kinds(
+        await start_fronted_engine("big", embedding(32, True)),
+        await start_fronted_engine("small", embedding(8, False)),
+        await start_sim_engine("plain"),
+    )
+    fleet = await make_fleet(engines=engines)
+    try:
+        for cordoned in ("small", "big"):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(2)
+            embed = (
+                await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            ).tasks.embed
+            assert embed.supported and embed.max_batch_size == 8
+            assert embed.HasField("supports_normalization") and not embed.supports_normalization
+            assert embed.supports_priority
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(3)
     finally:
         await close_fleet(fleet)

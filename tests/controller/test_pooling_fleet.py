@@ -24,6 +24,7 @@ from tests.controller.test_gateway import engine_answer, record_routes
 from tests.controller.test_gateway_scripted import cli
 from tests.engine.test_server_pooling import LABELS
 from tests.engine.test_server_pooling_runner import write_headless_classifier
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -219,6 +220,41 @@ async def test_the_fleets_model_info_advertises_every_task_the_gateway_serves(
     assert info.tasks.classify == pooling.tasks.classify
     assert info.generation == generating.generation
     assert info.tasks.embed == generating.tasks.embed  # the answering engine's own
+
+
+async def test_the_fleets_model_info_is_a_generating_engines_or_none(mixed_fleet: Fleet) -> None:
+    """With the generating engine out of routing, the pooling-only engine's ModelInfo (no
+    `generation`) would say that the model is not generated: GetModelInfo is UNAVAILABLE,
+    saying why, and a controller fronting this one reads the model's facts once a generating
+    engine answers, and routes its Generates here. It used to answer the pooling engine's,
+    and the upper controller, reading it, refused every Generate for the model
+    (FAILED_PRECONDITION, "pooling-only") after the generating engine was back."""
+    registry = mixed_fleet.app.controller.fleet.registry
+    registry.set_cordoned("gen", True)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await mixed_fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "gen cordoned, pool pooling only" in (err.value.details() or "")
+    upper = await make_fleet(0)
+    try:
+        await upper.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=mixed_fleet.target, kv_events="none")
+        )
+        lower = upper.app.controller.fleet.registry.get(mixed_fleet.target)
+        # The upper has read the model's facts, or been told they cannot be read now.
+        await eventually(lambda: lower.identity is not None or "can answer now" in lower.last_error)
+        registry.set_cordoned("gen", False)
+        await upper.wait_routable(1)
+        request = pb.GenerateRequest(
+            request_id="via-upper",
+            model=MODEL,
+            token_ids=pb.TokenIds(ids=[5, 6, 7]),
+            stopping=pb.StoppingOptions(max_tokens=2, ignore_eos=True),
+        )
+        responses = [r async for r in upper.gateway.Generate(request)]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    finally:
+        await close_fleet(upper)
 
 
 async def test_vllm_generate_is_not_serving_while_only_pooling_engines_are_routable(

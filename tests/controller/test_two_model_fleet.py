@@ -290,6 +290,30 @@ async def test_draining_the_only_engine_of_a_model_says_so_everywhere(two_models
     assert route is not None and route["instance_id"] in {"a0", "a1"}
 
 
+async def test_health_naming_a_model_is_of_that_models_engines(two_models: Fleet) -> None:
+    """Health with a `model` answers for it, as an engine's Health is of the model it
+    serves: with `b0`, the only engine of `b`, cordoned, `b` is NOT_READY (every Generate
+    for it is UNAVAILABLE) and `a` READY, each with its own engines' checks; the fleet
+    (no model) is DEGRADED. Both used to say the fleet's DEGRADED: a readiness probe naming
+    `b` kept sending it traffic that no engine took."""
+    fleet = two_models
+    await fleet.admin.Cordon(apb.EngineRef(engine="b0"))
+    await fleet.wait_routable(2)
+
+    async def health(model: str) -> tuple[int, list[str]]:
+        reply = await fleet.gateway.Health(pb.HealthRequest(model=model))
+        return reply.state, [c.name.removeprefix("engine:") for c in reply.checks]
+
+    a = sorted(fleet.address(e) for e in fleet.engines[:2])
+    b0 = fleet.address(fleet.engines[2])
+    assert await health("b") == (pb.HEALTH_STATE_NOT_READY, [b0])
+    assert await health("a") == (pb.HEALTH_STATE_READY, a)
+    assert await health("") == (pb.HEALTH_STATE_DEGRADED, sorted([*a, b0]))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate_routed(fleet, request_for("b", "cordoned"))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path) -> None:
     """`lora load` for the whole fleet went to every LoRA-capable engine, whatever model it
     serves: `x`, trained for `a`, was attached to `b0` too, and to a `b` engine registered
