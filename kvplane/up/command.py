@@ -148,6 +148,7 @@ def _report_exit(member: Member) -> None:
         "%s exited unexpectedly with %s; its log %s ends: %s",
         member.name, exit_how(process.returncode), log_path, log_tail(log_path),
     )  # fmt: skip
+    member.end_said = True  # not again by the stop
 
 
 def _announce(fleet: Fleet) -> None:

@@ -313,7 +313,9 @@ class Fleet:
                 _kill_group(member.process)
 
     async def first_exit(self) -> Member:
-        """The first started member whose process ends (the caller says how it ended)."""
+        """The first started member whose process ends. Its caller says how it ended, and
+        sets its `end_said`: one cancelled before it could (a stop signal at that moment)
+        leaves it to the stop."""
         waits = {
             asyncio.ensure_future(m.process.wait()): m
             for m in self.members
@@ -324,9 +326,7 @@ class Fleet:
         finally:
             for wait in waits:
                 wait.cancel()
-        member = waits[done.pop()]
-        member.end_said = True
-        return member
+        return waits[done.pop()]
 
     async def stop(self) -> None:
         """Stop every member: the planners first, then the engines and controllers at once

@@ -352,9 +352,14 @@ def _prefill_backlog(
     KV pulled from a prefill engine (in its prefix cache, found at admission), so it computes
     only what that KV lacks: its queued requests times the prompt tokens its pool computes
     per request (the running mean), at most the waiting tokens (all of them until the mean
-    is measured)."""
+    is measured, or while the engine does not report its request counts: its
+    queued_requests is then no count)."""
     waiting = engine.load.waiting_prefill_tokens
-    if role is not EngineRole.DECODE or mean_prompt_tokens is None:
+    if (
+        role is not EngineRole.DECODE
+        or mean_prompt_tokens is None
+        or not engine.load.requests_known
+    ):
         return waiting
     return min(waiting, engine.load.queued_requests * mean_prompt_tokens)
 

@@ -1079,17 +1079,43 @@ async def test_the_stop_says_how_each_member_ended_one_already_gone_too(
     ]
 
 
+async def _stand_in_fleet(tmp_path: Path) -> Fleet:
+    """SIM_FLEET's members as stand-in processes (`sleep`, in sessions of their own, as up
+    starts its members): running at once, nothing to start, drain or serve."""
+    fleet = Fleet(FleetConfig.model_validate(yaml.safe_load(SIM_FLEET)), tmp_path)
+    for member in fleet.members:
+        member.process = await asyncio.create_subprocess_exec("sleep", "60", start_new_session=True)
+    return fleet
+
+
+async def test_an_exit_seen_but_not_yet_reported_is_said_by_the_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`first_exit` names the member that ended; `kvplane up` cancelled before it reported it
+    (a stop signal in the same moment) left how it ended unsaid by anyone: the stop skipped
+    it as said. Now the stop says it (stand-in processes: they start in no time)."""
+    fleet = await _stand_in_fleet(tmp_path)
+    gone = fleet.member("engine-0")
+    assert gone.process is not None
+    os.kill(gone.process.pid, signal.SIGKILL)
+    assert await fleet.first_exit() is gone  # and not reported: its caller was cancelled
+    with caplog.at_level("INFO", logger="kvplane.up.fleet"):
+        await fleet.stop()
+    stopped = [m for m in caplog.messages if " stopped with " in m]
+    assert sorted(stopped) == [
+        "controller stopped with code -15 (SIGTERM)",
+        "engine-0 stopped with code -9 (SIGKILL)",
+        "engine-1 stopped with code -15 (SIGTERM)",
+    ]
+
+
 async def test_members_killed_then_stopped_keep_their_exit_status(tmp_path: Path) -> None:
     """A member killed (a second Ctrl-C) that ends just as the stop signals it still reports
     its SIGKILL: the stop's SIGTERM does not collect its exit status before asyncio does
     (which then said "Unknown child process pid N, will report returncode 255"). That race
     is narrow, so it is run many times, with stand-in processes (they start in no time)."""
     for _ in range(30):
-        fleet = Fleet(FleetConfig.model_validate(yaml.safe_load(SIM_FLEET)), tmp_path)
-        for member in fleet.members:
-            member.process = await asyncio.create_subprocess_exec(
-                "sleep", "60", start_new_session=True
-            )
+        fleet = await _stand_in_fleet(tmp_path)
         fleet.kill_all()
         await fleet.stop()
         assert [m.process.returncode for m in fleet.members if m.process is not None] == [
@@ -1176,6 +1202,7 @@ def test_ctrl_c_while_the_fleet_stops_after_a_member_exited_kills_every_member(
         assert proc.wait(timeout=60) == 1
         rest = seen + proc.stderr.read()
         assert "engine-1 exited unexpectedly with code -9 (SIGKILL)" in rest, rest
+        assert "engine-1 stopped with" not in rest, rest  # said once
         assert "interrupted while stopping: killing every member now" in rest, rest
         assert "controller stopped with code -9 (SIGKILL)" in rest, rest
         assert wait_gone([pid for _, pid in members.values()], 5) == []

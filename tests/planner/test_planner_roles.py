@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -205,12 +205,21 @@ def test_a_decode_pool_is_sized_by_its_decode_passes_and_kv() -> None:
     assert decisions == [ScalePool("decode", 5, Reason.FORECAST_NEEDS_MORE)]
 
 
-def test_a_decode_pool_s_queued_prompts_pulled_whole_do_not_hold_off_its_scale_down() -> None:
-    """GetLoad's waiting tokens count a queued prompt whole; a decode engine pulled its KV
-    and computes only the 8-token tail. Two such engines, each with 20 prompts of 3,000
-    tokens queued: 60,000 tokens x 0.02 ms would be 1.2 s of prefill, over the 1 s TTFT
-    target (an SLA at risk, no scale-down), while they compute 20 x 8 tokens, 3.2 ms. The
-    pool needs one engine (its KV 5% used, 8-token tails), so one is drained."""
+# A decode engine's load: 20 prompts of 3,000 tokens queued, its KV 1% used.
+DECODE_TOTAL_BLOCKS = 100_000
+PULLED_QUEUED = EngineLoad(
+    running_requests=10,
+    queued_requests=20,
+    waiting_prefill_tokens=20 * 3_000,
+    used_kv_blocks=1_000,
+    total_kv_blocks=DECODE_TOTAL_BLOCKS,
+)
+
+
+def two_decode_engines_ticked(load: EngineLoad) -> list[Decision]:
+    """The decisions of two ticks of a decode pool (at most 4 engines, no scale-down window
+    nor cooldown) of two engines with `load`, each computing 140 passes a tick, timed as the
+    priors predict, 20 prompts' 8-token tails among them."""
     planner = Planner(
         PlannerConfig(
             sla=SlaTargets(ttft_ms=1000, itl_ms=40),
@@ -219,19 +228,31 @@ def test_a_decode_pool_s_queued_prompts_pulled_whole_do_not_hold_off_its_scale_d
             capacity=AS_MEASURED,
         )
     )
-    total_blocks = 100_000
-    queued = EngineLoad(
-        running_requests=10,
-        queued_requests=20,
-        waiting_prefill_tokens=20 * 3_000,
-        used_kv_blocks=1_000,
-        total_kv_blocks=total_blocks,
-    )
-    engines = tuple(EngineObservation(f"d{i}", "decode", SERVING, queued, DECODE) for i in (0, 1))
-    # 140 passes a tick, timed as the priors predict, 20 prompts' 8-token tails among them.
-    duration_s = (140 * (15.0 + 40.0 * 1_000 / total_blocks) + 0.02 * 160) / 1000.0
+    engines = tuple(EngineObservation(f"d{i}", "decode", SERVING, load, DECODE) for i in (0, 1))
+    usage = load.used_kv_blocks / DECODE_TOTAL_BLOCKS
+    duration_s = (140 * (15.0 + 40.0 * usage) + 0.02 * 160) / 1000.0
     batches = tuple(ForwardPasses(e.engine_id, 140, duration_s, 160, 20) for e in engines)
-    decisions = [
+    return [
         d for now_s in (0, TICK_S) for d in planner.decide(Observations(engines, batches), now_s)
     ]
-    assert decisions == [DrainEngine("d0", "decode", TICK_S + 300, Reason.OVERPROVISIONED)]
+
+
+def test_a_decode_pool_s_queued_prompts_pulled_whole_do_not_hold_off_its_scale_down() -> None:
+    """GetLoad's waiting tokens count a queued prompt whole; a decode engine pulled its KV
+    and computes only the 8-token tail. Two such engines, each with 20 prompts of 3,000
+    tokens queued: 60,000 tokens x 0.02 ms would be 1.2 s of prefill, over the 1 s TTFT
+    target (an SLA at risk, no scale-down), while they compute 20 x 8 tokens, 3.2 ms. The
+    pool needs one engine (its KV 5% used, 8-token tails), so one is drained."""
+    assert two_decode_engines_ticked(PULLED_QUEUED) == [
+        DrainEngine("d0", "decode", TICK_S + 300, Reason.OVERPROVISIONED)
+    ]
+
+
+def test_an_uncounted_decode_engine_s_queued_prefill_is_its_waiting_tokens() -> None:
+    """A decode engine whose GetLoad has no request counts (`requests_known` False: its
+    queued_requests is a stale 0, not a count) has its waiting tokens as its queued prefill,
+    not none: the same engines as above, their 60,000 tokens x 0.02 ms, 1.2 s of prefill,
+    over the 1 s TTFT target, so the pool is not scaled down (the tails' estimate needs the
+    number of queued requests)."""
+    uncounted = replace(PULLED_QUEUED, running_requests=0, queued_requests=0)
+    assert two_decode_engines_ticked(replace(uncounted, requests_known=False)) == []
