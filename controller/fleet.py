@@ -181,7 +181,7 @@ REQUEST_LIMITS = (
     "generation.max_num_sequences",
     "generation.prompt_logprobs.max_top_n",
     "generation.output_logprobs.max_top_n",
-    # A pooling task's, of the engines that have the task (`constrains`).
+    # A pooling task's, of the engines that have the task (`ModelFacts.constrains`).
     "tasks.embed.max_batch_size",
     "tasks.embed.max_output_values_per_item",
     "tasks.classify.max_batch_size",
@@ -223,13 +223,6 @@ def field_holder(model: Message, flag: str) -> tuple[Message | None, str]:
     for part in path:
         holder = getattr(holder, part) if holder is not None and holder.HasField(part) else None
     return holder, name
-
-
-def constrains(facts: ModelFacts, path: str) -> bool:
-    """Whether an engine's value at `path` (of REQUEST_LIMITS or CAPABILITY_FLAGS) bounds the
-    fleet's: a pooling task's only on an engine that has the task (no other is sent it)."""
-    parts = path.split(".")
-    return parts[0] != "tasks" or parts[1] in facts.tasks
 
 
 def reported(model: Message, path: str) -> Any:
