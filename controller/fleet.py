@@ -478,6 +478,21 @@ ENGINE_SETTINGS = ClientSettings(
 )
 
 
+def _capacity(record: EngineRecord) -> int | None:
+    """The engine's KV capacity in blocks as the router counts it (`Candidate.capacity_blocks`):
+    an engine's GetModelInfo `total_kv_blocks` (its cache, fixed while its process lives); a
+    fronted controller's last GetLoad sum first (its fleet's: it moves at every poll as
+    engines join and leave that fleet, and counts every model's engines, as its used blocks
+    and the index's count of its cached blocks do; its GetModelInfo's is its default
+    model's), else that."""
+    identity = record.identity
+    if identity is None:
+        return None
+    if identity.is_controller and record.load.total_kv_blocks is not None:
+        return record.load.total_kv_blocks
+    return identity.total_kv_blocks
+
+
 class Fleet:
     def __init__(
         self,
@@ -925,7 +940,7 @@ class Fleet:
             record.address,
             hit=hit,
             load=record.load,
-            total_kv_blocks=identity.total_kv_blocks if identity else None,
+            total_kv_blocks=_capacity(record),
             block_size=identity.block_size if identity else None,
             cached_blocks=self.indexed_blocks.get(record.address),
             predicts_cache=record.kv_events == KvEventsMode.approximate.value,

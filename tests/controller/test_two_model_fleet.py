@@ -740,3 +740,31 @@ async def test_an_upper_controller_follows_the_capacity_an_engine_like_the_other
         info = await upper.gateway.GetModelInfo(pb.GetModelInfoRequest(model="a"))
         assert (info.total_kv_blocks, info.max_running_requests) == alone
         assert record.num_flaps == 0
+
+
+async def test_the_upper_router_counts_a_fronted_fleets_whole_kv_capacity() -> None:
+    """A lower controller fronting an engine of `a` and one of `b`: its KV (GetLoad's used
+    blocks, the blocks cached there) is both engines', but the upper's router took its
+    capacity from GetModelInfo, the default model's (`a`'s engine only), and read the
+    lower's cache twice as full as it was. A fronted controller's capacity is its live
+    GetLoad sum, which also follows its fleet at every poll."""
+    lower = await make_fleet(
+        engines=[
+            await start_sim_engine("a0", served_model_name="a"),
+            await start_sim_engine("b0", served_model_name="b"),
+        ]
+    )
+    upper: Fleet = await make_fleet(engines=[])
+    try:
+        await lower.wait_routable(2)
+        await front(upper, lower, 1)
+        fleet = upper.app.controller.fleet
+        record = fleet.registry.get(lower.target)
+        load = await lower.gateway.GetLoad(pb.GetLoadRequest())
+        a_only = await lower.gateway.GetModelInfo(pb.GetModelInfoRequest(model="a"))
+        assert load.total_kv_blocks == 2 * a_only.total_kv_blocks
+        await fleet.wait_for(lambda: record.load.total_kv_blocks == load.total_kv_blocks, 15)
+        assert fleet.candidate(record).capacity_blocks == load.total_kv_blocks
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
