@@ -234,7 +234,9 @@ async def test_the_fleets_model_info_is_a_generating_engines_or_none(mixed_fleet
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await mixed_fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "gen cordoned, pool pooling only" in (err.value.details() or "")
+    # Each engine with its state, in the order they registered in (the fixture's: either).
+    states = (err.value.details() or "").split(": ", 1)[-1]
+    assert sorted(states.split(", ")) == ["gen cordoned", "pool pooling only"], states
     upper = await make_fleet(0)
     try:
         await upper.admin.RegisterEngine(
