@@ -112,6 +112,7 @@ from controller.registry import (
     EngineRecord,
     EngineState,
     LoraRoutingError,
+    ModelFacts,
     ModelRequiredError,
     NoEngineRegisteredError,
     UnknownEngineError,
@@ -1569,13 +1570,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         await _require_model(self.controller, request.model, context)
         registry = self.controller.fleet.registry
         records = registry.routable(request.model)
+        fleet = fleet_facts(registry.records(), request.model)
         # A generating engine answers where one serves the model: a pooling-only one's answer
         # has no `generation`, which says the model is not generated (a controller fronting
         # this one, reading it, would refuse the model's Generates until its view moved).
-        answering, generating = records, False
-        if any(_generates(r, request.model) for r in registry.may_serve_records(request.model)):
-            answering = [r for r in records if _generates(r, request.model)]
-            generating = True
+        # Where one does is the read engines' to say: one not read yet (never reached) may
+        # serve any model, and would have every pooling-only model refused while it is away;
+        # the fleet view moves when one generating the model is read.
+        generating = fleet.generates
+        answering = [r for r in records if _generates(r, request.model)] if generating else records
         refusals = []
         for r in answering:
             try:
@@ -1586,7 +1589,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             await self._add_served_elsewhere(reply, r, records, request)
-            _as_the_fleets(reply, registry.records(), request.model)
+            _as_the_fleets(reply, fleet)
             return reply
         states = registry.generating_states if generating else registry.engine_states
         why = "; ".join(refusals) if refusals else states(request.model)
@@ -1597,16 +1600,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
 
 
-def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str) -> None:
-    """Make the answering engine's ModelInfo the fleet's (`fleet_facts`, of the engines
-    serving `model`: a request may be routed to any of them): its request limits the
+def _as_the_fleets(reply: pb.ModelInfo, fleet: ModelFacts) -> None:
+    """Make the answering engine's ModelInfo the fleet's (`fleet`: `fleet_facts`, of the
+    engines serving the model: a request may be routed to any of them): its request limits the
     smallest, so that one within them is not refused wherever it goes, as on one engine
     (seed: ModelInfo advertises limits for the request options), a request option supported
     only when none of them says it is not, its capacity, `total_kv_blocks` and
     `max_running_requests`, their sum (absent when none reports it, or KV blocks of
     several sizes, as GetLoad's). The fleet view (`fleet_view`) is a digest of the same
     facts: a controller fronting this one reads them again when they move."""
-    fleet = fleet_facts(records, model)
     for path, limit in fleet.limits:
         holder, name = field_holder(reply, path)
         if holder is not None and (not holder.HasField(name) or limit < getattr(holder, name)):
