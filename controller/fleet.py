@@ -181,7 +181,7 @@ REQUEST_LIMITS = (
     "generation.max_num_sequences",
     "generation.prompt_logprobs.max_top_n",
     "generation.output_logprobs.max_top_n",
-    # A pooling task's, of the engines that have the task (`constrains`).
+    # A pooling task's, of the engines that have the task (`ModelFacts.constrains`).
     "tasks.embed.max_batch_size",
     "tasks.embed.max_output_values_per_item",
     "tasks.classify.max_batch_size",
@@ -223,13 +223,6 @@ def field_holder(model: Message, flag: str) -> tuple[Message | None, str]:
     for part in path:
         holder = getattr(holder, part) if holder is not None and holder.HasField(part) else None
     return holder, name
-
-
-def constrains(facts: ModelFacts, path: str) -> bool:
-    """Whether an engine's value at `path` (of REQUEST_LIMITS or CAPABILITY_FLAGS) bounds the
-    fleet's: a pooling task's only on an engine that has the task (no other is sent it)."""
-    parts = path.split(".")
-    return parts[0] != "tasks" or parts[1] in facts.tasks
 
 
 def reported(model: Message, path: str) -> Any:
@@ -483,6 +476,21 @@ ENGINE_SETTINGS = ClientSettings(
     "engine_token_file",
     "engine_tls.server_name",
 )
+
+
+def _capacity(record: EngineRecord) -> int | None:
+    """The engine's KV capacity in blocks as the router counts it (`Candidate.capacity_blocks`):
+    an engine's GetModelInfo `total_kv_blocks` (its cache, fixed while its process lives); a
+    fronted controller's last GetLoad sum first (its fleet's: it moves at every poll as
+    engines join and leave that fleet, and counts every model's engines, as its used blocks
+    and the index's count of its cached blocks do; its GetModelInfo's is its default
+    model's), else that."""
+    identity = record.identity
+    if identity is None:
+        return None
+    if identity.is_controller and record.load.total_kv_blocks is not None:
+        return record.load.total_kv_blocks
+    return identity.total_kv_blocks
 
 
 class Fleet:
@@ -932,7 +940,7 @@ class Fleet:
             record.address,
             hit=hit,
             load=record.load,
-            total_kv_blocks=identity.total_kv_blocks if identity else None,
+            total_kv_blocks=_capacity(record),
             block_size=identity.block_size if identity else None,
             cached_blocks=self.indexed_blocks.get(record.address),
             predicts_cache=record.kv_events == KvEventsMode.approximate.value,

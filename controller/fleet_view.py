@@ -1,48 +1,92 @@
-"""The version of the fleet view a controller's gateway serves: what its GetEngineInfo and
-GetModelInfo tell a controller fronting it as an engine (the models the fleet serves, each
-one's facts as its engines report them: block size, pooling tasks, generation, LoRA support,
-request limits and options; the controllers it fronts), as a short digest sent in GetLoad's
-`attributes` and in GetEngineInfo's trailing metadata under `FLEET_VIEW_KEY`. It moves only
-when that view does, not with load or health: an upper controller reads the identity again
-when it moves (`Fleet._poll`), so an engine of a new model joining the lower fleet, or the
-last engine of a model leaving it, reaches the upper's routing at its next GetLoad poll."""
+"""What a controller's gateway tells of its fleet to a controller fronting it as an engine:
+each model's facts over the engines serving it (`fleet_facts`: what GetModelInfo answers
+with: the smallest request limits, the options all take, the summed capacity, ...), and
+the version of that view (`fleet_view`: the models the fleet serves, each one's summarised
+facts and its engines' own, the controllers it fronts), as a short digest sent in
+GetLoad's `attributes` and in GetEngineInfo's trailing metadata under `FLEET_VIEW_KEY`. It
+moves only when that view does, not with load or health: an upper controller reads the
+identity again when it moves (`Fleet._poll`), so an engine of a new model joining the
+lower fleet, the last engine of a model leaving it, or an engine like the others joining
+it (the summed capacity moves) reaches the upper's routing at its next GetLoad poll."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import fields
 
-from controller.registry import EngineIdentity, EngineRecord, EngineState
+from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts
 
 FLEET_VIEW_KEY = "kvplane-fleet-view"
 
 
 def fleet_view(records: Iterable[EngineRecord]) -> str:
     """The digest of what the fleet's engines (those read and not incompatible, as
-    GetEngineInfo lists them) tell of themselves."""
-    described = sorted(
-        {
-            _described(r.identity)
-            for r in records
-            if r.identity is not None and r.state is not EngineState.INCOMPATIBLE
-        }
+    GetEngineInfo lists them) tell of themselves, one by one (any of them may answer
+    GetModelInfo) and summed up per model (`fleet_facts`: an engine like the others joining
+    moves the sums only)."""
+    read = [
+        r for r in records if r.identity is not None and r.state is not EngineState.INCOMPATIBLE
+    ]
+    described = sorted({_described(r.identity) for r in read if r.identity is not None})
+    models = sorted({m for r in read if r.identity is not None for m in r.identity.models})
+    summed = [f"fleet {model}:{_facts_text(fleet_facts(read, model))}" for model in models]
+    return hashlib.sha256("\n".join(described + summed).encode()).hexdigest()[:16]
+
+
+def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
+    """The fleet's facts of `model` over the engines serving it (read, compatible; routable
+    or not: a request may be routed to any of them), as the gateway's GetModelInfo answers
+    them: each request limit (REQUEST_LIMITS) the smallest any reports, so that a request
+    within them is not refused wherever it goes; a request option (CAPABILITY_FLAGS)
+    unsupported when one says so (a pooling task's, of those with the task:
+    `ModelFacts.constrains`); the capacity, `total_kv_blocks` and `max_running_requests`,
+    their sum (KV blocks only while they are of one size, else None); the block size while
+    they agree on one; the pooling tasks any has; generated when any generates it; LoRA
+    supported when an engine generating it says so (False when every one says not). None
+    where none reports it."""
+    serving = [
+        r.identity.facts_of(model)
+        for r in records
+        if r.identity is not None
+        and r.state is not EngineState.INCOMPATIBLE
+        and r.identity.serves(model)
+    ]
+    limits: dict[str, int] = {}
+    for facts in serving:
+        for path, limit in facts.limits:
+            if facts.constrains(path) and (path not in limits or limit < limits[path]):
+                limits[path] = limit
+    seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
+    kv = [f.total_kv_blocks for f in serving if f.total_kv_blocks is not None]
+    kv_sizes = {f.block_size for f in serving if f.total_kv_blocks is not None}
+    sizes = {f.block_size for f in serving if f.block_size is not None}
+    lora = {f.supports_lora for f in serving if f.generates}
+    return ModelFacts(
+        block_size=next(iter(sizes)) if len(sizes) == 1 else None,
+        total_kv_blocks=sum(kv) if kv and len(kv_sizes) == 1 else None,
+        supports_lora=True if True in lora else (False if lora == {False} else None),
+        tasks=frozenset().union(*(f.tasks for f in serving)),
+        generates=any(f.generates for f in serving),
+        limits=tuple(sorted(limits.items())),
+        max_running_requests=sum(seats) if seats else None,
+        unsupported=frozenset(
+            flag for f in serving for flag in f.unsupported if f.constrains(flag)
+        ),
     )
-    return hashlib.sha256("\n".join(described).encode()).hexdigest()[:16]
 
 
 def _described(identity: EngineIdentity) -> str:
-    """One engine's part of the view, in a canonical text (no set order in it)."""
-    parts = []
-    for model in identity.models:
-        facts = identity.facts_of(model)
-        tasks = ",".join(sorted(facts.tasks))
-        limits = ",".join(f"{path}={value}" for path, value in facts.limits)
-        unsupported = ",".join(sorted(facts.unsupported))
-        parts.append(
-            f"{model}:{facts.block_size}:{facts.supports_lora}:{facts.generates}:{tasks}:{limits}"
-            f":{unsupported}"
-        )
+    """One engine's part of the view, in a canonical text."""
+    parts = [f"{model}:{_facts_text(identity.facts_of(model))}" for model in identity.models]
     if identity.is_controller:
         fronted = sorted(identity.fronted_controller_ids | {identity.instance_id})
         parts.append("fronts:" + ",".join(fronted))
     return " ".join(parts)
+
+
+def _facts_text(facts: ModelFacts) -> str:
+    """Every fact of one model, in a canonical text (no set order in it): a fact added to
+    ModelFacts is part of the view without more ado."""
+    values = (getattr(facts, f.name) for f in fields(facts))
+    return ":".join(str(sorted(v)) if isinstance(v, frozenset) else str(v) for v in values)

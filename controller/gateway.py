@@ -94,10 +94,9 @@ from controller.fleet import (
     KV_TOKEN_ATTRIBUTES,
     POOLING_TASKS,
     Fleet,
-    constrains,
     field_holder,
 )
-from controller.fleet_view import FLEET_VIEW_KEY, fleet_view
+from controller.fleet_view import FLEET_VIEW_KEY, fleet_facts, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
 from controller.outcomes import (
@@ -113,6 +112,7 @@ from controller.registry import (
     EngineRecord,
     EngineState,
     LoraRoutingError,
+    ModelFacts,
     ModelRequiredError,
     NoEngineRegisteredError,
     UnknownEngineError,
@@ -1570,13 +1570,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         await _require_model(self.controller, request.model, context)
         registry = self.controller.fleet.registry
         records = registry.routable(request.model)
+        fleet = fleet_facts(registry.records(), request.model)
         # A generating engine answers where one serves the model: a pooling-only one's answer
         # has no `generation`, which says the model is not generated (a controller fronting
         # this one, reading it, would refuse the model's Generates until its view moved).
-        answering, generating = records, False
-        if any(_generates(r, request.model) for r in registry.may_serve_records(request.model)):
-            answering = [r for r in records if _generates(r, request.model)]
-            generating = True
+        # Where one does is the read engines' to say: one not read yet (never reached) may
+        # serve any model, and would have every pooling-only model refused while it is away;
+        # the fleet view moves when one generating the model is read.
+        generating = fleet.generates
+        answering = [r for r in records if _generates(r, request.model)] if generating else records
         refusals = []
         for r in answering:
             try:
@@ -1587,7 +1589,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             await self._add_served_elsewhere(reply, r, records, request)
-            _as_the_fleets(reply, registry.records(), request.model)
+            _as_the_fleets(reply, fleet)
             return reply
         states = registry.generating_states if generating else registry.engine_states
         why = "; ".join(refusals) if refusals else states(request.model)
@@ -1598,42 +1600,30 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
 
 
-def _as_the_fleets(reply: pb.ModelInfo, records: list[EngineRecord], model: str) -> None:
-    """Make the answering engine's ModelInfo the fleet's, of the engines serving `model` (read,
-    compatible; routable or not): a request may be routed to any of them. Its request limits
-    (REQUEST_LIMITS) are the smallest any of them reports, so that one within them is not
-    refused wherever it goes, as on one engine (seed: ModelInfo advertises limits for the
-    request options), and a request option (CAPABILITY_FLAGS) is supported only when none of
-    them says it is not; its capacity, `total_kv_blocks` and `max_running_requests`, their
-    sum (KV blocks only while they are of one size, else absent, as GetLoad's). Absent when
-    none reports it."""
-    serving = [
-        r.identity.facts_of(model)
-        for r in records
-        if r.identity is not None
-        and r.state is not EngineState.INCOMPATIBLE
-        and r.identity.serves(model)
-    ]
-    for facts in serving:
-        for path, limit in facts.limits:
-            holder, name = field_holder(reply, path)
-            if holder is None or not constrains(facts, path):
-                continue
-            if not holder.HasField(name) or limit < getattr(holder, name):
-                setattr(holder, name, limit)
-        # A request option it refuses is not advertised: it would be refused there.
-        for flag in facts.unsupported:
-            holder, name = field_holder(reply, flag)
-            if holder is not None and constrains(facts, flag):
-                setattr(holder, name, False)
-    seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
-    if seats:
-        reply.max_running_requests = min(sum(seats), _UINT64_MAX)
-    kv = [f for f in serving if f.total_kv_blocks is not None]
-    if len({f.block_size for f in kv}) > 1:  # blocks of 16 and of 32 do not add up
-        reply.ClearField("total_kv_blocks")
-    elif kv:
-        reply.total_kv_blocks = min(sum(f.total_kv_blocks or 0 for f in kv), _UINT64_MAX)
+def _as_the_fleets(reply: pb.ModelInfo, fleet: ModelFacts) -> None:
+    """Make the answering engine's ModelInfo the fleet's (`fleet`: `fleet_facts`, of the
+    engines serving the model: a request may be routed to any of them): its request limits the
+    smallest, so that one within them is not refused wherever it goes, as on one engine
+    (seed: ModelInfo advertises limits for the request options), a request option supported
+    only when none of them says it is not, its capacity, `total_kv_blocks` and
+    `max_running_requests`, their sum (absent when none reports it, or KV blocks of
+    several sizes, as GetLoad's). The fleet view (`fleet_view`) is a digest of the same
+    facts: a controller fronting this one reads them again when they move."""
+    for path, limit in fleet.limits:
+        holder, name = field_holder(reply, path)
+        if holder is not None and (not holder.HasField(name) or limit < getattr(holder, name)):
+            setattr(holder, name, limit)
+    # A request option one refuses is not advertised: it would be refused there.
+    for flag in fleet.unsupported:
+        holder, name = field_holder(reply, flag)
+        if holder is not None:
+            setattr(holder, name, False)
+    for capacity in ("max_running_requests", "total_kv_blocks"):
+        summed = getattr(fleet, capacity)
+        if summed is None:
+            reply.ClearField(capacity)
+        else:
+            setattr(reply, capacity, min(summed, _UINT64_MAX))
 
 
 async def _end_aborted_task(request_id: str, context: Context) -> NoReturn:

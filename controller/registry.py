@@ -301,6 +301,12 @@ class ModelFacts:
     # The request options it says it does not support (CAPABILITY_FLAGS reported false).
     unsupported: frozenset[str] = frozenset()
 
+    def constrains(self, path: str) -> bool:
+        """Whether its value at `path` (of REQUEST_LIMITS or CAPABILITY_FLAGS) bounds the
+        fleet's: a pooling task's only if it has the task (no other engine is sent it)."""
+        parts = path.split(".")
+        return parts[0] != "tasks" or parts[1] in self.tasks
+
 
 _UNKNOWN_MODEL = ModelFacts()
 

@@ -92,7 +92,8 @@ class Candidate(NamedTuple):
     hit: PrefixHit = PrefixHit()
     load: LoadSnapshot = LoadSnapshot()
     inflight: InFlight = InFlight()
-    # Capacity in blocks (GetModelInfo.total_kv_blocks) and tokens per block; None when unknown.
+    # Capacity in blocks (GetModelInfo.total_kv_blocks; a fronted controller's live GetLoad
+    # sum: `controller.fleet._capacity`) and tokens per block; None when unknown.
     total_kv_blocks: int | None = None
     block_size: int | None = None
     # Blocks the index places on the engine (cached, in use or not); None when unknown.
@@ -162,7 +163,7 @@ class Candidate(NamedTuple):
 
     @property
     def capacity_blocks(self) -> int | None:
-        """The engine's KV capacity in blocks: GetModelInfo's, else its last GetLoad's."""
+        """The engine's KV capacity in blocks: `total_kv_blocks`, else its last GetLoad's."""
         return self.total_kv_blocks or self.load.total_kv_blocks
 
     @property

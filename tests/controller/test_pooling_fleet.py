@@ -25,6 +25,7 @@ from tests.controller.test_gateway_scripted import cli
 from tests.engine.test_server_pooling import LABELS
 from tests.engine.test_server_pooling_runner import write_headless_classifier
 from tests.polling import eventually
+from tests.redis_servers import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -234,7 +235,9 @@ async def test_the_fleets_model_info_is_a_generating_engines_or_none(mixed_fleet
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await mixed_fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "gen cordoned, pool pooling only" in (err.value.details() or "")
+    # Each engine with its state, in the order they registered in (the fixture's: either).
+    states = (err.value.details() or "").split(": ", 1)[-1]
+    assert sorted(states.split(", ")) == ["gen cordoned", "pool pooling only"], states
     upper = await make_fleet(0)
     try:
         await upper.admin.RegisterEngine(
@@ -286,3 +289,38 @@ async def test_vllm_generate_is_not_serving_while_only_pooling_engines_are_routa
         assert health.state == pb.HEALTH_STATE_READY
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_pooling_model_is_read_through_a_fronted_fleet_with_an_engine_never_reached(
+    tmp_path: Path,
+) -> None:
+    """A lower controller with a pooling-only engine of MODEL and a second engine registered
+    that never answered (its models unknown: it may serve any). GetModelInfo counted that
+    engine as one that may generate MODEL and so asked only generating engines: none is
+    routable, and it was UNAVAILABLE for as long as the engine stayed away ("pool pooling
+    only, 127.0.0.1:P unreachable"); a controller fronting the lower one could not read its
+    identity and never routed there. Whether a model is generated is the read engines' to
+    say (`fleet_facts`: the fleet view moves when one that generates it is read)."""
+    headless = write_headless_classifier(tmp_path)
+    lower = await make_fleet(engines=[await start_engine(engine_config(headless, "pool"))])
+    upper = await make_fleet(0)
+    try:
+        await lower.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=f"127.0.0.1:{free_port()}", kv_events="none")
+        )
+        info = await lower.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
+        assert not info.HasField("generation") and info.tasks.classify.supported
+        await upper.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=lower.target, kv_events="none")
+        )
+        await upper.wait_routable(1)
+        classified = await upper.gateway.Classify(
+            pb.ClassifyRequest(
+                context=pb.TaskRequestContext(request_id="via-upper", model=MODEL),
+                inputs=[pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))],
+            )
+        )
+        assert list(classified.outputs[0].labels) == LABELS
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)

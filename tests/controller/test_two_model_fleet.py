@@ -703,3 +703,68 @@ async def test_an_adapter_of_no_known_model_reaches_a_fronted_controller_once_na
         await close_fleet(upper)
         for lower in lowers:
             await close_fleet(lower)
+
+
+async def test_an_upper_controller_follows_the_capacity_an_engine_like_the_others_adds() -> None:
+    """An upper controller fronting a lower one with an engine of `a`: a second engine of
+    `a` just like it joins the lower fleet, whose GetModelInfo sums the capacity
+    (`total_kv_blocks`, `max_running_requests`). The fleet view was a digest of the set of
+    distinct engine descriptions, which the twin did not move: the upper kept one engine's
+    capacity (and advertised it in its own GetModelInfo) for as long as the lower ran. The
+    view now moves with the summed facts: the upper reads them again, on join and leave."""
+    a1 = await start_sim_engine("a1", served_model_name="a")
+    a1_address = f"127.0.0.1:{a1.port}"
+    async with fronting_a_fleet_of_a(a1) as (upper, lower, record):
+        one = await lower.gateway.GetModelInfo(pb.GetModelInfoRequest(model="a"))
+        fleet = upper.app.controller.fleet
+
+        def capacity() -> tuple[int | None, int | None]:
+            facts = record.identity.facts_of("a") if record.identity is not None else None
+            return (facts.total_kv_blocks, facts.max_running_requests) if facts else (None, None)
+
+        assert capacity() == (one.total_kv_blocks, one.max_running_requests)
+        await lower.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=a1_address, kv_events="none")
+        )
+        await lower.wait_routable(2)
+        two = await lower.gateway.GetModelInfo(pb.GetModelInfoRequest(model="a"))
+        summed = (2 * one.total_kv_blocks, 2 * one.max_running_requests)
+        assert (two.total_kv_blocks, two.max_running_requests) == summed
+        await fleet.wait_for(lambda: capacity() == summed, 15)
+        info = await upper.gateway.GetModelInfo(pb.GetModelInfoRequest(model="a"))
+        assert (info.total_kv_blocks, info.max_running_requests) == summed
+
+        await lower.admin.RemoveEngine(apb.EngineRef(engine=a1_address))
+        alone = (one.total_kv_blocks, one.max_running_requests)
+        await fleet.wait_for(lambda: capacity() == alone, 15)
+        info = await upper.gateway.GetModelInfo(pb.GetModelInfoRequest(model="a"))
+        assert (info.total_kv_blocks, info.max_running_requests) == alone
+        assert record.num_flaps == 0
+
+
+async def test_the_upper_router_counts_a_fronted_fleets_whole_kv_capacity() -> None:
+    """A lower controller fronting an engine of `a` and one of `b`: its KV (GetLoad's used
+    blocks, the blocks cached there) is both engines', but the upper's router took its
+    capacity from GetModelInfo, the default model's (`a`'s engine only), and read the
+    lower's cache twice as full as it was. A fronted controller's capacity is its live
+    GetLoad sum, which also follows its fleet at every poll."""
+    lower = await make_fleet(
+        engines=[
+            await start_sim_engine("a0", served_model_name="a"),
+            await start_sim_engine("b0", served_model_name="b"),
+        ]
+    )
+    upper: Fleet = await make_fleet(engines=[])
+    try:
+        await lower.wait_routable(2)
+        await front(upper, lower, 1)
+        fleet = upper.app.controller.fleet
+        record = fleet.registry.get(lower.target)
+        load = await lower.gateway.GetLoad(pb.GetLoadRequest())
+        a_only = await lower.gateway.GetModelInfo(pb.GetModelInfoRequest(model="a"))
+        assert load.total_kv_blocks == 2 * a_only.total_kv_blocks
+        await fleet.wait_for(lambda: record.load.total_kv_blocks == load.total_kv_blocks, 15)
+        assert fleet.candidate(record).capacity_blocks == load.total_kv_blocks
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
