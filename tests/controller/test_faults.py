@@ -18,6 +18,7 @@ import pytest
 from controller.config import ControllerConfig
 from controller.fleet import Fleet as ControllerFleet
 from controller.registry import EngineState
+from controller.remote_index import RECONNECT_MAX_S
 from controller.router import LoadSnapshot
 from engine.config import EngineConfig, KvEventsConfig
 from engine.core.api import BlockStored
@@ -645,22 +646,22 @@ async def test_an_engine_restarted_while_no_controller_watched_is_resynced_at_fi
 
 
 async def test_the_controllers_channels_reconnect_within_the_health_backoff() -> None:
-    """The channels to engines and to a remote indexer retry a lost connection as the polls
-    retry an unreachable engine (`health.backoff_initial_s` doubling to `backoff_max_s`), not
-    at gRPC's own pace (up to 120 s: an indexer back after a minute's outage was asked in
-    vain for 15 s more, every prompt routed by load meanwhile)."""
+    """The channels to engines retry a lost connection as the polls retry an unreachable
+    engine (`health.backoff_initial_s` doubling to `backoff_max_s`), not at gRPC's own pace
+    (up to 120 s); the remote indexer's, asked by every routed request, at most
+    `RECONNECT_MAX_S` apart (an indexer back after a minute's outage was asked in vain for
+    15 s more, every prompt routed by load meanwhile)."""
     config = ControllerConfig.model_validate(
         {"health": {"backoff_initial_s": 0.25, "backoff_max_s": 3.0}, "index": {"remote": "h:1"}}
     )
     fleet = ControllerFleet(config, None)
-    backoff = {
-        "grpc.initial_reconnect_backoff_ms": 250,
-        "grpc.max_reconnect_backoff_ms": 3000,
-    }
+    names = ("grpc.initial_reconnect_backoff_ms", "grpc.max_reconnect_backoff_ms")
     assert fleet.remote is not None
     try:
-        for channels in (fleet._engine_channels, fleet.remote.channels):
-            assert {k: v for k, v in channels.options if k in backoff} == backoff
+        engines = {k: v for k, v in fleet._engine_channels.options if k in names}
+        indexer = {k: v for k, v in fleet.remote.channels.options if k in names}
+        assert engines == dict(zip(names, (250, 3000), strict=True))
+        assert indexer == dict(zip(names, (250, round(RECONNECT_MAX_S * 1000)), strict=True))
     finally:
         await fleet.close()
 
