@@ -22,7 +22,7 @@ until it is registered again), `d:<address>` the engine process last drained thr
 replica (a token of the drain and the process's instance id: another replica whose polls see
 the engine leave ready without having seen it say DRAINING reads it then, and takes that
 leave for the drain, not a flap, once per drain; cleared when the engine is removed or
-registered; a drain Redis does not take goes on unshared), `l:<name>` the fleet's LoRA intent
+registered, or did not take the drain; a drain Redis does not take goes on unshared), `l:<name>` the fleet's LoRA intent
 for an adapter (controller.lora_intent: what is restored on an engine's new process), as the
 replica a LoadLora or UnloadLora went through holds it after the call (JSON: its id, path,
 loads and the engines a fleet-wide load is kept off; no field: loaded nowhere; an unload of
@@ -65,6 +65,11 @@ log = logging.getLogger(__name__)
 
 _REGISTERED, _OWNER, _CORDONED, _REMOVED, _DRAINED = "a:", "o:", "c:", "x:", "d:"
 _LORA, _MARKER = "l:", "v"
+# Deletes hash field ARGV[1] of KEYS[1] if it holds ARGV[2].
+_DELETE_IF_EQUAL = (
+    "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
+    "return redis.call('HDEL', KEYS[1], ARGV[1]) end return 0"
+)
 # An `l:<name>` field's key for an adapter unloaded that the hash had no load of.
 _UNLOADED = "unloaded"
 
@@ -172,15 +177,16 @@ class Membership:
                 await self._write({}, [field])
             return self.fleet.registry.set_cordoned(record.address, cordoned)
 
-    async def record_drain(self, record: EngineRecord) -> None:
+    async def record_drain(self, record: EngineRecord) -> str | None:
         """DrainEngine through this replica: the drained process (its instance id, and a
         token of this drain) goes into the shared hash, for the other replicas to read when
         the engine leaves ready (`_drained`), which their polls may see without its DRAINING
         (drained and stopped within a poll interval): a drain, not a flap. The drain goes
         on when Redis does not take it (the engine's own, not the membership's): the others
-        may then count its leave as a flap, as before."""
+        may then count its leave as a flap, as before. Returns the drain as recorded (None:
+        not), for `withdraw_drain`."""
         if self._client is None:
-            return
+            return None
         drain = f"{uuid.uuid4().hex}:{record.engine_id}"
         async with self._lock:
             try:
@@ -189,6 +195,24 @@ class Membership:
                 log.warning("the drain of engine %s is not shared with the other controller "
                             "replicas (their polls count its leave as a flap): %s",
                             record.address, exc)  # fmt: skip
+                return None
+        return drain
+
+    async def withdraw_drain(self, address: str, drain: str | None) -> None:
+        """The engine at `address` did not take the drain `record_drain` recorded (`drain`):
+        out of the shared hash, unless another was recorded since. Left there, another
+        replica would take the process's next leave from ready (a hang, say) for that drain:
+        no flap, and out of its routing as draining for as long as the process lives, while
+        this replica routes to it again. Redis not answering, it stays (a warning says so)."""
+        if self._client is None or drain is None:
+            return
+        try:
+            await self._client.eval(_DELETE_IF_EQUAL, 1, self._key, _DRAINED + address, drain)
+        except (RedisError, OSError) as exc:
+            log.warning("the drain of engine %s that it did not take is still shared with the "
+                        "other controller replicas (its next leave from ready is no flap "
+                        "there, and may keep it out of their routing): %s",
+                        address, exc)  # fmt: skip
 
     async def _drained(self, address: str) -> tuple[str, str] | None:
         """The last drain recorded for the engine at `address` (`record_drain`): its token
