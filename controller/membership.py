@@ -22,14 +22,15 @@ until it is registered again), `d:<address>` the engine process last drained thr
 replica (a token of the drain and the process's instance id: another replica whose polls see
 the engine leave ready without having seen it say DRAINING reads it then, and takes that
 leave for the drain, not a flap, once per drain; cleared when the engine is removed or
-registered, or did not take the drain; a drain Redis does not take goes on unshared), `l:<name>` the fleet's LoRA intent
-for an adapter (controller.lora_intent: what is restored on an engine's new process), as the
-replica a LoadLora or UnloadLora went through holds it after the call (JSON: its id, path,
-loads and the engines a fleet-wide load is kept off; no field: loaded nowhere; an unload of
-an adapter the hash had no load of, found on the engines, `{"unloaded": <token>}`, so that
-the replicas that found it drop it too, until it is loaded again); each replica
-reads the hash before a LoRA call, writes the field after it, and takes a field that changed
-since its last read into its own intent (one gone: unloaded), and `v`, the hash's generation:
+registered, or did not take the drain; a drain Redis does not take goes on unshared),
+`l:<name>` the fleet's LoRA intent for an adapter (controller.lora_intent: what is restored
+on an engine's new process), as the replica a LoadLora or UnloadLora went through holds it
+after the call (JSON: its id, path, loads and the engines a fleet-wide load is kept off; no
+field: loaded nowhere; an unload of an adapter the hash had no load of, found on the
+engines, `{"unloaded": <token>}`, so that the replicas that found it drop it too, until it
+is loaded again); each replica reads the hash before a LoRA call, writes the field after
+it, and takes a field that changed since its last read into its own intent (one gone:
+unloaded), and `v`, the hash's generation:
 set (to a fresh token) by whoever writes a hash Redis does not hold, kept by every change
 after. A hash without it was
 lost by Redis (or never written): the replica writes its own membership back instead of
@@ -115,6 +116,8 @@ class Membership:
         self._task = asyncio.create_task(self._follow(), name="shared membership")
 
     async def close(self) -> None:
+        # (The fleet's polls go on until it closes: their leaves are judged without it.)
+        self.fleet.shared_drains = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

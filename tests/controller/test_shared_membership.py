@@ -414,3 +414,24 @@ async def test_a_drain_the_engine_did_not_take_is_no_drain_to_the_other_replica(
         await close_replica(b)
         await close_fleet(a)
         await engine.close()
+
+
+async def test_an_engine_leaving_ready_after_the_membership_closed_is_still_followed(
+    redis: RedisServer,
+) -> None:
+    """A controller closing closes its shared membership before its fleet, whose polls go
+    on meanwhile (removals awaited, the engines closed one by one): an engine that stops
+    then is seen leave ready, judged without the other replicas' drains. Before, its poll
+    asked the closed membership for them, failed an assertion and died, and the engine
+    stayed routed to until the fleet closed."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    address = a.address(engine)
+    registry = a.app.controller.fleet.registry
+    try:
+        await eventually(lambda: routes_to(a, address), 20, "a to route to the engine")
+        await a.app.controller.membership.close()
+        await engine.close()
+        await eventually(lambda: not registry.get(address).routable, 20, "the engine's leave")
+    finally:
+        await close_fleet(a)
