@@ -153,7 +153,14 @@ class AdminServicer(apb_grpc.AdminServicer):
             await abort_with(context, status_of(exc), str(exc))
         # Out of routing now, not at the next health poll; the other replicas told.
         await fleet.request_drain(record.address)
-        await self.controller.membership.record_drain(record)
+        shared = await self.controller.membership.record_drain(record)
+
+        async def withdraw() -> None:
+            """The engine did not take the drain: its next health answer decides, on every
+            replica."""
+            fleet.registry.withdraw_drain(record.address)
+            await self.controller.membership.withdraw_drain(record.address, shared)
+
         drain = pb.DrainRequest(
             stop_accepting_new_requests=True, abort_after_deadline=request.abort_after_deadline
         )
@@ -182,7 +189,7 @@ class AdminServicer(apb_grpc.AdminServicer):
         except TimeoutError:
             call.cancel()
             # It may still take the drain when it wakes: its next health answer decides.
-            fleet.registry.withdraw_drain(record.address)
+            await withdraw()
             await abort_with(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
@@ -193,8 +200,8 @@ class AdminServicer(apb_grpc.AdminServicer):
             # it left or was unreachable too long; the drain goes on at the engine, out of
             # the controller's sight.)
             failure = engine_failure(caught, record.address, fleet)
-            if not started:  # the engine did not take it: its next health answer decides
-                fleet.registry.withdraw_drain(record.address)
+            if not started:  # the engine did not take it
+                await withdraw()
             await abort_with(
                 context, failure.code(), naming_engine(failure, record.address, "Drain", fleet)
             )

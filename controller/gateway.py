@@ -1083,6 +1083,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             on_one = await self._named_engine_address(context)
             await self.controller.membership.catch_up()  # the other replicas' LoRA changes
             addresses = [r.address for r in fleet.registry.records()]
+            held = fleet.lora_intent.shared(request.lora_name) is not None
             fleet.lora_intent.unloaded(request.lora_name, on_one, addresses)
             try:
                 replies = await self._lora_fan_out(
@@ -1095,7 +1096,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     changes=True,
                 )
             finally:
-                await self.controller.membership.share_lora(request.lora_name)
+                await self.controller.membership.share_lora(request.lora_name, unloaded=held)
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
 
     def _lora_timeout_s(self, context: Context, *, listing: bool = False) -> float:

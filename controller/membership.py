@@ -22,12 +22,15 @@ until it is registered again), `d:<address>` the engine process last drained thr
 replica (a token of the drain and the process's instance id: another replica whose polls see
 the engine leave ready without having seen it say DRAINING reads it then, and takes that
 leave for the drain, not a flap, once per drain; cleared when the engine is removed or
-registered; a drain Redis does not take goes on unshared), `l:<name>` the fleet's LoRA intent
-for an adapter (controller.lora_intent: what is restored on an engine's new process), as the
-replica a LoadLora or UnloadLora went through holds it after the call (JSON: its id, path,
-loads and the engines a fleet-wide load is kept off; no field: loaded nowhere); each replica
-reads the hash before a LoRA call, writes the field after it, and takes a field that changed
-since its last read into its own intent (one gone: unloaded), and `v`, the hash's generation:
+registered, or did not take the drain; a drain Redis does not take goes on unshared),
+`l:<name>` the fleet's LoRA intent for an adapter (controller.lora_intent: what is restored
+on an engine's new process), as the replica a LoadLora or UnloadLora went through holds it
+after the call (JSON: its id, path, loads and the engines a fleet-wide load is kept off; no
+field: loaded nowhere; an unload of an adapter the hash had no load of, found on the
+engines, `{"unloaded": <token>}`, so that the replicas that found it drop it too, until it
+is loaded again); each replica reads the hash before a LoRA call, writes the field after
+it, and takes a field that changed since its last read into its own intent (one gone:
+unloaded), and `v`, the hash's generation:
 set (to a fresh token) by whoever writes a hash Redis does not hold, kept by every change
 after. A hash without it was
 lost by Redis (or never written): the replica writes its own membership back instead of
@@ -63,6 +66,13 @@ log = logging.getLogger(__name__)
 
 _REGISTERED, _OWNER, _CORDONED, _REMOVED, _DRAINED = "a:", "o:", "c:", "x:", "d:"
 _LORA, _MARKER = "l:", "v"
+# Deletes hash field ARGV[1] of KEYS[1] if it holds ARGV[2].
+_DELETE_IF_EQUAL = (
+    "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
+    "return redis.call('HDEL', KEYS[1], ARGV[1]) end return 0"
+)
+# An `l:<name>` field's key for an adapter unloaded that the hash had no load of.
+_UNLOADED = "unloaded"
 
 
 class MembershipUnavailableError(KvplaneError):
@@ -106,6 +116,8 @@ class Membership:
         self._task = asyncio.create_task(self._follow(), name="shared membership")
 
     async def close(self) -> None:
+        # (The fleet's polls go on until it closes: their leaves are judged without it.)
+        self.fleet.shared_drains = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -168,15 +180,16 @@ class Membership:
                 await self._write({}, [field])
             return self.fleet.registry.set_cordoned(record.address, cordoned)
 
-    async def record_drain(self, record: EngineRecord) -> None:
+    async def record_drain(self, record: EngineRecord) -> str | None:
         """DrainEngine through this replica: the drained process (its instance id, and a
         token of this drain) goes into the shared hash, for the other replicas to read when
         the engine leaves ready (`_drained`), which their polls may see without its DRAINING
         (drained and stopped within a poll interval): a drain, not a flap. The drain goes
         on when Redis does not take it (the engine's own, not the membership's): the others
-        may then count its leave as a flap, as before."""
+        may then count its leave as a flap, as before. Returns the drain as recorded (None:
+        not), for `withdraw_drain`."""
         if self._client is None:
-            return
+            return None
         drain = f"{uuid.uuid4().hex}:{record.engine_id}"
         async with self._lock:
             try:
@@ -185,6 +198,24 @@ class Membership:
                 log.warning("the drain of engine %s is not shared with the other controller "
                             "replicas (their polls count its leave as a flap): %s",
                             record.address, exc)  # fmt: skip
+                return None
+        return drain
+
+    async def withdraw_drain(self, address: str, drain: str | None) -> None:
+        """The engine at `address` did not take the drain `record_drain` recorded (`drain`):
+        out of the shared hash, unless another was recorded since. Left there, another
+        replica would take the process's next leave from ready (a hang, say) for that drain:
+        no flap, and out of its routing as draining for as long as the process lives, while
+        this replica routes to it again. Redis not answering, it stays (a warning says so)."""
+        if self._client is None or drain is None:
+            return
+        try:
+            await self._client.eval(_DELETE_IF_EQUAL, 1, self._key, _DRAINED + address, drain)
+        except (RedisError, OSError) as exc:
+            log.warning("the drain of engine %s that it did not take is still shared with the "
+                        "other controller replicas (its next leave from ready is no flap "
+                        "there, and may keep it out of their routing): %s",
+                        address, exc)  # fmt: skip
 
     async def _drained(self, address: str) -> tuple[str, str] | None:
         """The last drain recorded for the engine at `address` (`record_drain`): its token
@@ -204,23 +235,33 @@ class Membership:
         token, _, instance_id = _text(value).partition(":")
         return token, instance_id
 
-    async def share_lora(self, lora_name: str) -> None:
+    async def share_lora(self, lora_name: str, *, unloaded: bool = False) -> None:
         """A LoadLora or UnloadLora through this replica (under the fleet's `lora_changes`)
         changed the fleet's LoRA intent for `lora_name`: what it now holds for it goes into
         the shared hash (`l:<name>`; loaded nowhere, the field goes), which every replica
-        takes into its intent at its next read. The change stands here when Redis does not
-        take it (the engines have it): the others keep their intent for it, a warning says
-        so."""
+        takes into its intent at its next read. `unloaded`: an UnloadLora of an adapter the
+        intent held; one the hash has no load of is then written as unloaded (the other
+        replicas may hold it as found on the engines, which no field told them of). The
+        change stands here when Redis does not take it (the engines have it): the others
+        keep their intent for it, a warning says so."""
         if self._client is None:
             return
         async with self._lock:
-            await self._share_loras([lora_name])
+            await self._share_loras([lora_name], unloaded=unloaded)
 
-    async def _share_loras(self, names: list[str]) -> None:
+    async def _share_loras(self, names: list[str], *, unloaded: bool = False) -> None:
         """(Under the lock.) Write what the fleet's LoRA intent holds for `names` where it
         differs from the hash as last read or written here."""
         intent = self.fleet.lora_intent
         values = {name: _encode_lora(intent.shared(name)) for name in names}
+        for name, value in values.items():
+            last = self._loras.get(name)
+            if value is None and (last is None or _is_unload(last)):
+                # No load of it in the hash: the other replicas may hold it all the same,
+                # found on the engines (a controller rebuilds its intent from them), and
+                # an absent field would tell them nothing. An unload through this replica
+                # says so (`_UNLOADED`, a fresh token); what was there stays otherwise.
+                values[name] = json.dumps({_UNLOADED: uuid.uuid4().hex}) if unloaded else last
         changed = {name: v for name, v in values.items() if v != self._loras.get(name)}
         if not changed:
             return
@@ -329,16 +370,17 @@ class Membership:
         if generation is None or (self._generation is not None and generation != self._generation):
             await self._write_back()
             fields = await self._read()
-        self._generation = fields.get(_MARKER)
-        return await self._apply(fields)
+        first, self._generation = self._generation is None, fields.get(_MARKER)
+        return await self._apply(fields, first)
 
     async def _read(self) -> dict[str, str]:
         assert self._client is not None
         raw = await self._client.hgetall(self._key)
         return {_text(k): _text(v) for k, v in raw.items()}
 
-    async def _apply(self, fields: dict[str, str]) -> dict[str, asyncio.Task[None]]:
-        """Take the hash's `fields` here; returns the removals begun, by address."""
+    async def _apply(self, fields: dict[str, str], first: bool) -> dict[str, asyncio.Task[None]]:
+        """Take the hash's `fields` here (`first`: this replica's first read); returns the
+        removals begun, by address."""
         registry = self.fleet.registry
         removals: dict[str, asyncio.Task[None]] = {}
         registered = {
@@ -369,12 +411,13 @@ class Membership:
             cordoned = _CORDONED + record.address in fields
             if record.cordoned != cordoned:
                 registry.set_cordoned(record.address, cordoned)
-        self._apply_loras(fields)
+        self._apply_loras(fields, first)
         return removals
 
-    def _apply_loras(self, fields: dict[str, str]) -> None:
+    def _apply_loras(self, fields: dict[str, str], first: bool) -> None:
         """Take into the fleet's LoRA intent the adapters loaded or unloaded through other
-        replicas since the last read (`share_lora`)."""
+        replicas since the last read (`share_lora`); at the `first` read, not the unloads
+        written before: what this replica found on the engines was loaded since."""
         intent = self.fleet.lora_intent
         shared = {f.removeprefix(_LORA): v for f, v in fields.items() if f[:2] == _LORA}
         for name in [n for n in self._loras if n not in shared]:
@@ -385,13 +428,16 @@ class Membership:
             if self._loras.get(name) == value:
                 continue
             self._loras[name] = value
+            if first and _is_unload(value):
+                continue
             try:
                 adopted = _decode_lora(name, value)
             except (ValueError, TypeError, KeyError) as exc:  # (another release's, say)
                 log.warning("LoRA adapter %r of the shared membership not understood: %s",
                             name, exc)  # fmt: skip
                 continue
-            log.info("LoRA adapter %r changed through another controller replica", name)
+            change = "changed" if adopted is not None else "unloaded"
+            log.info("LoRA adapter %r %s through another controller replica", name, change)
             intent.adopt(name, adopted)
 
     async def _write_back(self) -> None:
@@ -435,7 +481,19 @@ def _encode_lora(shared: SharedLora | None) -> str | None:
     )
 
 
-def _decode_lora(name: str, value: str) -> SharedLora:
+def _is_unload(value: str) -> bool:
+    """Whether an `l:<name>` field's value is an unload (`_UNLOADED`)."""
+    try:
+        record = json.loads(value)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and _UNLOADED in record
+
+
+def _decode_lora(name: str, value: str) -> SharedLora | None:
+    """An `l:<name>` field's adapter; None for an unload (`_UNLOADED`)."""
+    if _is_unload(value):
+        return None
     record = json.loads(value)
     return SharedLora(
         LoraSpec(int(record["id"]), name, str(record["path"])),

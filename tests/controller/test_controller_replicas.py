@@ -25,6 +25,7 @@ from indexer.batch import Batch
 from indexer.keys import block_keys
 from indexer.writer_lease import lease_holder
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
     generate_request,
@@ -77,7 +78,7 @@ async def index_exact(reader: Fleet, engines: list[EngineApp]) -> None:
         await eventually(exact, 20, f"the index to hold exactly {address}'s blocks")
 
 
-async def close_replica(fleet: Fleet) -> None:
+async def close_replica(fleet: EngineFleet[Any]) -> None:
     """Close a replica sharing its engines with another (they are closed with that one)."""
     await fleet.channel.close()
     await fleet.app.close(0.2)

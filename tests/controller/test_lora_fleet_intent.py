@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -712,12 +713,47 @@ async def test_an_adapter_unloaded_through_one_replica_is_not_restored_by_the_ot
     try:
         x, y = adapter(tmp_path, "x", 1), adapter(tmp_path, "y", 2)
         await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
-        await b.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
-        await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=y))
-        restarted = await a.restart_engine(e1, "e1-1", lora=LORA)
-        only_y = {"y": y.source_path}
-        await eventually(lambda: restored(a, restarted, only_y), 15, "y restored on e1, not x")
-        assert await engine_adapters(restarted) == only_y
+        await unload_x_through_b_and_restart_e1(a, b, e1, y)
     finally:
         await close_replica(b)
         await close_fleet(a)
+
+
+async def test_an_adapter_found_on_the_engines_and_unloaded_through_one_replica_is_not_restored(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """x was loaded on every engine before the replicas started (or before they last
+    restarted: a controller rebuilds its intent from the engines), so both find it there and
+    hold it for the fleet, with nothing of it in the membership hash. Unloaded through b, it
+    is not loaded back on e1 restarted by a. Before, b's unload left no field (it deletes the
+    field of an adapter loaded nowhere, and there was none), a's intent kept x, and a loaded
+    it on e1's new process."""
+    engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(2)]
+    x, y = adapter(tmp_path, "x", 1), adapter(tmp_path, "y", 2)
+    for engine in engines:
+        await load_on(engine, x)
+    a = await make_fleet(engines=engines, index=shared_index(redis))
+    b = await make_fleet(engines=engines, index=shared_index(redis))
+    e1 = a.address(engines[1])
+    try:
+        for replica in (a, b):
+            await eventually(functools.partial(holds_x, replica), 15, "x found on the fleet")
+        await unload_x_through_b_and_restart_e1(a, b, e1, y)
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+
+
+async def holds_x(fleet: Fleet) -> bool:
+    """Whether the replica's LoRA intent holds adapter x for the whole fleet."""
+    return ("x", None) in fleet.app.controller.fleet.lora_intent.loads
+
+
+async def unload_x_through_b_and_restart_e1(a: Fleet, b: Fleet, e1: str, y: pb.LoraAdapter) -> None:
+    """Unload x through b, load `y` through a, restart e1: a gives it y back, not x."""
+    await b.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+    await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=y))
+    restarted = await a.restart_engine(e1, "e1-1", lora=LORA)
+    only_y = {"y": y.source_path}
+    await eventually(lambda: restored(a, restarted, only_y), 15, "y restored on e1, not x")
+    assert await engine_adapters(restarted) == only_y

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,9 +19,10 @@ from controller.registry import EngineState, Registry
 from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
-from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.conftest import EngineFleet, Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.controller.test_controller_replicas import close_replica, shared_index
 from tests.controller.test_flapping_engines import LONG_HOLD_DOWN
+from tests.controller.test_stalled_engines import EngineProcess
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
 
@@ -31,7 +34,7 @@ async def workers(fleet: Fleet) -> dict[str, apb.WorkerInfo]:
     return {w.address: w for w in reply.workers}
 
 
-async def routes_to(fleet: Fleet, address: str) -> bool:
+async def routes_to(fleet: EngineFleet[Any], address: str) -> bool:
     """Whether the replica's router would send a prompt to the engine (its only one)."""
     try:
         reply = await fleet.admin.Route(
@@ -369,3 +372,66 @@ def ready_as(registry: Registry, address: str, instance_id: str) -> bool:
         EngineState.READY,
         EngineState.HELD_DOWN,
     )
+
+
+async def test_a_drain_the_engine_did_not_take_is_no_drain_to_the_other_replica(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """The engine hangs (SIGSTOP: its connections stay open); a DrainEngine through a gets no
+    answer in time (UNAVAILABLE), and a takes the drain back. b's polls time out meanwhile:
+    the engine leaves ready there, a flap of its own, not the drain, which the engine never
+    took. Once it answers again, both route to it. Before, the drain stayed in the shared
+    membership: b took the leave for it and kept the engine out of routing as draining,
+    for as long as the process lived."""
+    engine = await EngineProcess.start(tmp_path, "e0")
+    quick = {"poll_interval_s": 0.2, "rpc_timeout_s": 1.0}
+    a = await make_fleet(engines=[engine], index=shared_index(redis), health=quick)
+    b = await make_fleet(engines=[engine], index=shared_index(redis), health=quick)
+    address = f"127.0.0.1:{engine.port}"
+    records = [fleet.app.controller.fleet.registry for fleet in (a, b)]
+    try:
+        for fleet in (a, b):
+            await eventually(functools.partial(routes_to, fleet, address), 20, "routed to")
+        engine.stop()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in a.admin.DrainEngine(apb.DrainEngineRequest(engine=address)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            await eventually(lambda: not records[1].get(address).routable, 20, "b's leave")
+        finally:
+            engine.resume()
+        answered = (EngineState.READY, EngineState.DRAINING)
+        await eventually(lambda: records[0].get(address).state in answered, 20, "a's view")
+        if records[0].get(address).state is EngineState.DRAINING:
+            # It took the Drain it woke up to (a race of its own): a drain on both.
+            draining = EngineState.DRAINING
+            await eventually(lambda: records[1].get(address).state is draining, 20, "b's")
+            return
+        await eventually(lambda: records[1].get(address).routable, 20, "b to route to it")
+        assert records[1].get(address).num_flaps == 1
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+        await engine.close()
+
+
+async def test_an_engine_leaving_ready_after_the_membership_closed_is_still_followed(
+    redis: RedisServer,
+) -> None:
+    """A controller closing closes its shared membership before its fleet, whose polls go
+    on meanwhile (removals awaited, the engines closed one by one): an engine that stops
+    then is seen leave ready, judged without the other replicas' drains. Before, its poll
+    asked the closed membership for them, failed an assertion and died, and the engine
+    stayed routed to until the fleet closed."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    address = a.address(engine)
+    registry = a.app.controller.fleet.registry
+    try:
+        await eventually(lambda: routes_to(a, address), 20, "a to route to the engine")
+        await a.app.controller.membership.close()
+        await engine.close()
+        await eventually(lambda: not registry.get(address).routable, 20, "the engine's leave")
+    finally:
+        await close_fleet(a)
