@@ -1534,3 +1534,25 @@ async def test_a_planner_restarted_after_sigkill_takes_its_dead_engines_out(
     assert (workdir / "default-1.log").exists()
     # Stopped cleanly, it leaves no port file: nothing for the next start to take out.
     assert not list(workdir.glob("*.port"))
+
+
+async def test_a_controller_whose_connection_went_silent_is_asked_on_a_new_one() -> None:
+    """The planner's connection to its controller goes silent without a reset (a host gone,
+    a blackholed path: a forwarder that drops what it reads, both ways), while the
+    controller answers new connections: the tick's ListWorkers that times out has the next
+    one made on a new connection, which the controller answers. Before, every tick asked on
+    the silent connection, each timing out, until the kernel gave up on it (some 15
+    minutes): the planner could not see its engines, nor register one."""
+    app = await start_controller(ControllerConfig.model_validate({"listen": "127.0.0.1:0"}))
+    forwarder = await TcpForwarder.start(f"127.0.0.1:{app.port}")
+    admin = ControllerAdmin(forwarder.address)
+    try:
+        assert await admin.registered_by("planner") == []
+        forwarder.silence()
+        assert await admin.registered_by("planner") is None  # timed out
+        assert await admin.registered_by("planner") == []
+        assert forwarder.tunnels == 2
+    finally:
+        await admin.close()
+        await forwarder.cut()
+        await app.close(0.2)
