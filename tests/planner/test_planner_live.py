@@ -1556,3 +1556,28 @@ async def test_a_controller_whose_connection_went_silent_is_asked_on_a_new_one()
         await admin.close()
         await forwarder.cut()
         await app.close(0.2)
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_whose_connection_went_silent_is_polled_on_a_new_one(
+    setup: Setup,
+) -> None:
+    """The planner's connection to a serving engine (here through a forwarder) goes silent
+    without a reset, while the engine answers new connections: the GetLoad that times out
+    has the next made on a new connection, which the engine answers, and the engine is
+    kept. Before, every GetLoad went on the silent connection, and after
+    `lost_after_failed_polls` ticks the planner killed the healthy engine and started
+    another."""
+    async with serving(setup, 1, lost_after_failed_polls=2) as (live, (address,)):
+        forwarder = await TcpForwarder.start(address)
+        engine = live.engines[address]
+        engine.dialled = Redialling(INSECURE, forwarder.address, pb_grpc.OpenEngineStub)
+        try:
+            assert await live.tick() == []
+            forwarder.silence()
+            assert await live.tick() == []  # its GetLoad unanswered
+            assert await live.tick() == []  # answered on a new connection: kept
+            assert live.engines[address].failed_polls == 0
+            assert setup.actuator._processes[address].returncode is None
+        finally:
+            await forwarder.cut()
