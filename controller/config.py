@@ -28,6 +28,7 @@ from indexer.config import (
     WriterLeaseSeconds,
 )
 from indexer.zmq_decode import ArrayTail
+from kvplane.channels import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
 from kvplane.config import (
     ClientTlsConfig,
     ServerConfig,
@@ -37,6 +38,7 @@ from kvplane.config import (
     StrictModel,
     parse_dial_target,
 )
+from kvplane.server import MIN_PING_INTERVAL_S
 
 _DEFAULT_WEIGHTS = KvplaneWeights()
 _DEFAULT_BUSY = BusyThresholds()
@@ -250,6 +252,14 @@ class HealthConfig(StrictModel):
     # congested link); well below clients' deadlines, which would otherwise be what ends
     # them. 0 or null: never (streams wait for the engine or the client's deadline).
     abandon_streams_after_s: StrictFloat | None = Field(default=30.0, ge=0)
+    # Keepalive pings on an engine's connections while calls are under way (its KV-event
+    # subscription, relayed streams): one without an answer within keepalive_timeout_s ends
+    # them (a subscription is made again), so a connection gone silent without a reset is
+    # noticed within keepalive_s + keepalive_timeout_s. Not below 300 unless every engine
+    # takes pings that often (kvplane's own take one a second): a server with gRPC's
+    # defaults (vLLM's) answers them with GOAWAY `too_many_pings`, ending its calls.
+    keepalive_s: StrictFloat = Field(default=KEEPALIVE_TIME_S, ge=MIN_PING_INTERVAL_S)
+    keepalive_timeout_s: StrictFloat = Field(default=KEEPALIVE_TIMEOUT_S, gt=0)
     # Outlier ejection (controller/registry.py): an engine whose requests fail this many times
     # in a row (INTERNAL, UNKNOWN, DATA_LOSS) while its health says ready leaves
     # routing for eject_for_s, doubling with each ejection in a row up to eject_max_s; at

@@ -28,7 +28,11 @@ Calls to an engine end with its channel: a removed engine's channel is closed, a
 the channel of one unreachable (its polls unanswered; an error answer is an answer) for
 `health.abandon_streams_after_s` (then dialled afresh), whose calls would otherwise wait
 for it or for their clients' deadlines; `why_calls_ended` tells the gateway which
-(`controller.relay.engine_failure`).
+(`controller.relay.engine_failure`). A poll that times out has the engine dialled afresh, a
+new connection for the calls to come (the one gone silent may be dead without a reset, as
+behind a blackholed path); the calls under way stay on the old one, and end if it is dead
+(keepalive pings while calls are under way: within `health.keepalive_s` and
+`keepalive_timeout_s`).
 
 On a shared Redis index, several controller replicas may follow one fleet: each polls every
 engine, but an engine's KV events are followed into the index (and its entries dropped on a
@@ -568,12 +572,14 @@ class Fleet:
         # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions):
         # reconnecting as an unreachable engine is retried, so that a server back after a long
         # outage is reached within `backoff_max_s` (the remote index reconnects sooner, see
-        # `RemoteIndex`). Engines' replies of any size are taken: the gateway relays them
-        # unchanged (a stream with every candidate's logprob can pass 4 MiB a message), and
-        # its client sets its own limit.
+        # `RemoteIndex`); pinging while calls are under way, so that a subscription on a
+        # connection gone silent ends (`health.keepalive_s`). Engines' replies of any size
+        # are taken: the gateway relays them unchanged (a stream with every candidate's
+        # logprob can pass 4 MiB a message), and its client sets its own limit.
         self._engine_channels = (
             ClientChannels.load(config.engine_tls, "engine_tls")
             .reconnecting(health.backoff_initial_s, health.backoff_max_s)
+            .keeping_alive(health.keepalive_s, health.keepalive_timeout_s)
             .receiving_any_size()
             .with_token_file(config.engine_token_file, "engine_token_file")
         )
@@ -1079,6 +1085,11 @@ class Fleet:
                 details = self.engine_failure_details(exc.code(), exc.details() or "")
                 error = f"{exc.code().name}: {details}"
                 failure = poll_failure(exc.code().name)
+                if failure is PollFailure.TIMED_OUT:
+                    # Its connection may be dead without a reset (a blackholed path): polled
+                    # on it, the engine would stay unreachable until the kernel gave up on it
+                    # (some 15 minutes); a new one reaches it at once if it answers.
+                    engine.dialled.dial_afresh()
                 await self._excuse_shared_drain(engine, failure.state)
                 delay = self.registry.on_poll_failed(address, now, error, failure)
                 said = failure.state.value

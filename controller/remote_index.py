@@ -109,12 +109,7 @@ class RemoteIndex:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         initial_s, _ = backoff_s
-        # Each channel with subchannels of its own: gRPC shares a connection between the
-        # channels of one process to one address by default, so a channel dialled afresh
-        # (`_ask`) would go on using the connection gone silent.
-        self.channels = channels.reconnecting(
-            min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S
-        ).with_options(("grpc.use_local_subchannel_pool", 1))
+        self.channels = channels.reconnecting(min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S)
         self.target = target
         self._dialled: Redialling[ipb_grpc.KvIndexAsyncStub] = Redialling(
             self.channels, target, ipb_grpc.KvIndexStub

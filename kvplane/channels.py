@@ -7,7 +7,11 @@ here, so the credentials are built in one place.
 one-line TlsFileError, a ConfigError saying which file); each channel it opens is dialled with
 the files as they are then (`kvplane.client_tls`: a renewed client certificate or CA is used
 from the next channel; a long-running client's `Redialling` dials again before its next
-call). `with_metadata` adds metadata (a bearer token) to every call of its channels that
+call). A `Redialling`'s channels each have a connection of its own, so that a client whose
+call its server let time out can dial afresh (`Redialling.dial_afresh`: the connection may be
+dead without a reset). Every channel pings a connection that has calls under way
+(`KEEPALIVE_TIME_S`), so that a subscription on one gone silent ends instead of waiting for
+ever. `with_metadata` adds metadata (a bearer token) to every call of its channels that
 brings no `authorization` of its own (an interceptor, installed only then);
 `with_token_file` adds the bearer token a client's setting names, its file followed as it
 changes (`kvplane.token_file`: a token rotated on disk is sent from the next call).
@@ -58,7 +62,42 @@ Metadata = tuple[tuple[str, str], ...]
 # minutes more. Every channel retries at least every 5 s (a few connection attempts a minute
 # to a peer that stays down); a client with its own schedule sets it with `reconnecting`.
 MAX_RECONNECT_BACKOFF_MS = 5000
-_BOUNDED_RECONNECT: ChannelOptions = (("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),)
+
+# Keepalive pings, so that a call under way on a connection gone silent without a reset (its
+# peer's host gone, a NAT entry expired, a blackholed path) fails (UNAVAILABLE) within
+# KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, instead of waiting until the kernel gives up on the
+# connection (some 15 minutes): a subscription that never ends (KV events, runtime events)
+# noticed nothing before, and was never made again. Pinged only while calls are under way
+# (gRPC's `keepalive_permit_without_calls` left off): a call made on an idle connection that
+# went silent fails on its own deadline, and a `Redialling` client dials afresh then.
+# Every 5 minutes: a server with gRPC's defaults (vLLM's gRPC server among them) takes a
+# ping less than 5 minutes after the last, with nothing sent meanwhile, as a strike, and
+# after two answers the third with GOAWAY `too_many_pings`, ending every call on the
+# connection (a subscription to a quiet engine sends nothing for that long); kvplane's own
+# servers take one a second (`kvplane.server.MIN_PING_INTERVAL_S`), for a client that sets
+# its own with `keeping_alive`.
+KEEPALIVE_TIME_S = 300.0
+KEEPALIVE_TIMEOUT_S = 20.0
+
+
+def _keepalive(time_s: float, timeout_s: float) -> ChannelOptions:
+    timeout_ms = max(1, round(timeout_s * 1000))
+    return (
+        ("grpc.keepalive_time_ms", max(1, round(time_s * 1000))),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # (gRPC 1.85 waits for a keepalive ping's answer as for any ping, 60 s by default,
+        # whatever `keepalive_timeout_ms` says.)
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        # Any number of pings on a call that sends nothing (gRPC stops after two otherwise,
+        # and a subscription sends nothing after its request).
+        ("grpc.http2.max_pings_without_data", 0),
+    )
+
+
+_DEFAULT_OPTIONS: ChannelOptions = (
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    *_keepalive(KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S),
+)
 _Stub = TypeVar("_Stub")
 
 
@@ -68,7 +107,7 @@ class ClientChannels:
 
     # The TLS files the channels are dialled with (None: insecure), read again as they change.
     tls_files: ClientTlsFiles | None = None
-    options: ChannelOptions = _BOUNDED_RECONNECT
+    options: ChannelOptions = _DEFAULT_OPTIONS
     # Sent with every call that has no authorization of its own (a bearer token).
     metadata: Metadata = ()
     # The file of the bearer token every call carries (in place of `metadata`), read again
@@ -84,7 +123,7 @@ class ClientChannels:
         ("engine_tls") prefixes the error of a missing or unusable file (a TlsFileError)."""
         if tls is None:
             return cls()
-        options = _BOUNDED_RECONNECT
+        options = _DEFAULT_OPTIONS
         if tls.server_name is not None:
             options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
         return cls(ClientTlsFiles(tls, where), options)
@@ -126,6 +165,12 @@ class ClientChannels:
             ("grpc.initial_reconnect_backoff_ms", min(initial_ms, max_ms)),
             ("grpc.max_reconnect_backoff_ms", max_ms),
         )
+
+    def keeping_alive(self, time_s: float, timeout_s: float) -> ClientChannels:
+        """The same, pinging a connection with calls under way every `time_s` and ending them
+        (UNAVAILABLE) when a ping has no answer within `timeout_s`: sooner than the default
+        (`KEEPALIVE_TIME_S`) for servers known to take pings that often."""
+        return self.with_options(*_keepalive(time_s, timeout_s))
 
     def receiving_any_size(self) -> ClientChannels:
         """The same, taking replies of any size (gRPC's default stops at 4 MiB): a relay passes
@@ -223,7 +268,10 @@ class Redialling(Generic[_Stub]):
         target: str,
         stub: Callable[[grpc.aio.Channel], _Stub],
     ) -> None:
-        self._channels = channels
+        # Each channel with a connection of its own (gRPC shares one between the channels of
+        # a process to one address by default): `dial_afresh` would go on using the
+        # connection gone silent otherwise.
+        self._channels = channels.with_options(("grpc.use_local_subchannel_pool", 1))
         self.target = target
         self._make_stub = stub
         # Old channels closing as their calls end (`_follow_files`), each with its task.
@@ -272,13 +320,12 @@ class Redialling(Generic[_Stub]):
         self.dial_afresh()
 
     def dial_afresh(self) -> None:
-        """Make new calls on a new channel; the calls under way end on the old one, which is
-        closed once they have. A new connection only where each channel has subchannels of its
-        own (`grpc.use_local_subchannel_pool`): gRPC shares them between a process's channels
-        to one address by default. For a server that let a deadline pass: its
+        """Make new calls on a new channel, a new connection; the calls under way end on the
+        old one, which is closed once they have. For a server that let a deadline pass: its
         connection may be gone without a reset (its host vanished, a NAT entry expired), and
-        gRPC, with no keepalive, goes on sending there until the kernel gives up (some 15
-        minutes), while a new connection reaches the server at once if it is back."""
+        gRPC goes on sending there until the kernel gives up (some 15 minutes; keepalive pings
+        only while calls are under way, and minutes apart, `KEEPALIVE_TIME_S`), while a new
+        connection reaches the server at once if it is back."""
         old = self._dial_again()
         self._retiring[old] = asyncio.create_task(
             self._retire(old), name=f"close a channel to {self.target}"
@@ -314,17 +361,22 @@ class Redialling(Generic[_Stub]):
             await self._dial_again().close()
 
     async def _close_retiring(self) -> None:
-        """Close the old channels at once, ending their calls; cancelled meanwhile, all the
-        same (their closes waited for with `asyncio.wait`: awaiting a task cancelled here
-        raises CancelledError, and swallowing it swallowed this caller's own cancellation)."""
+        """Close the old channels at once, ending their calls: each one's close, waiting for
+        them, goes on once they are cancelled. Not by cancelling the close: grpc.aio marks a
+        channel closing before it waits, and a later close of a channel so marked returns at
+        once, leaving its calls running (a relayed stream on a channel retired after a poll
+        timed out outlived its engine's abandonment so). Cancelled meanwhile, all the same
+        (their closes waited for with `asyncio.wait`: awaiting a task cancelled here raises
+        CancelledError, and swallowing it swallowed this caller's own cancellation)."""
         retiring, self._retiring = list(self._retiring.items()), {}
-        for _, task in retiring:
-            task.cancel()
+        for old, _ in retiring:
+            _cancel_calls(old)
         try:
             if retiring:
                 await asyncio.wait([task for _, task in retiring])
         finally:
-            for old, _ in retiring:
+            for old, task in retiring:
+                task.cancel()  # (done by now, unless this caller was cancelled)
                 await old.close()
 
     async def close(self) -> None:
@@ -333,6 +385,13 @@ class Redialling(Generic[_Stub]):
             await self._close_retiring()
         finally:
             await self._channel.close()
+
+
+def _cancel_calls(channel: grpc.aio.Channel) -> None:
+    """Cancel every call under way on `channel`, from grpc.aio's own record of them (it has
+    no public one; a close's grace cannot be cut short once it runs)."""
+    for call in list(getattr(channel, "_active_calls", ())):
+        call.cancel()
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 `create_server(config, services)` builds a `grpc.aio` server with the given servicers, the
 standard health service and reflection, optional TLS/mTLS (its files followed as they change,
 `kvplane.server_tls`) and an optional bearer token (likewise, `kvplane.token_file`); it binds
-and returns `(server, port)` so tests can bind port 0. `serve_until_signal` runs a started
+and returns `(server, port)` so tests can bind port 0; it takes its clients' keepalive pings
+as often as every second (`MIN_PING_INTERVAL_S`). `serve_until_signal` runs a started
 server until SIGTERM/SIGINT and stops it gracefully. Servicers stay thin over a core object and
 report domain errors through `abort_with`, never as a traceback.
 """
@@ -38,6 +39,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 AUTH_METADATA_KEY = "authorization"
+
+# Keepalive pings taken from a client as often as every second, calls under way or not: gRPC's
+# defaults take one less than 5 minutes after the last (2 hours with no call under way), with
+# nothing sent meanwhile, as a strike, and answer the third with GOAWAY `too_many_pings`,
+# ending every call on the connection (a KV-event subscription to a quiet engine sends nothing
+# for minutes). Kvplane's clients ping every `kvplane.channels.KEEPALIVE_TIME_S` unless told
+# otherwise (the controller's `health.keepalive_s`); a ping costs the server a frame.
+MIN_PING_INTERVAL_S = 1.0
+_KEEPALIVE_TAKEN = (
+    ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_PING_INTERVAL_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
 
 
 def bearer_token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -145,7 +158,7 @@ async def create_server(
         interceptors.append(BearerTokenInterceptor(token, protected))
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[("grpc.so_reuseport", 0), *options],
+        options=[("grpc.so_reuseport", 0), *_KEEPALIVE_TAKEN, *options],
     )
     if health_servicer is None:
         health_servicer = health.aio.HealthServicer()

@@ -136,6 +136,7 @@ class ControllerAdmin:
                 )
             except grpc.aio.AioRpcError as exc:
                 await self._dialled.after_failure()
+                self._dial_afresh_after(exc)
                 # Down for longer than the call waited: asked again at once. Refused (its
                 # token, an older controller): asked again later; the ticks' ListWorkers
                 # reconciles meanwhile.
@@ -363,7 +364,21 @@ class ControllerAdmin:
         return rpc_error(exc) + hint
 
     async def _list(self) -> apb.ListWorkersResponse:
-        return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)
+        """ListWorkers, every tick's call: one the controller lets time out has the calls
+        after it made on a new connection (`_dial_afresh_after`)."""
+        try:
+            return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            self._dial_afresh_after(exc)
+            raise
+
+    def _dial_afresh_after(self, exc: grpc.aio.AioRpcError) -> None:
+        """After a call the controller let time out: its connection may be dead without a
+        reset (the controller's host gone, a blackholed path), and every call on it would
+        time out until the kernel gave up on it (some 15 minutes); the next goes on a new
+        one, which reaches the controller at once if it answers."""
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            self._dialled.dial_afresh()
 
 
 def _refused_owner(exc: grpc.aio.AioRpcError) -> bool:

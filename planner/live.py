@@ -521,6 +521,11 @@ class LivePlanner:
             )
         except grpc.aio.AioRpcError as exc:
             await engine.dialled.after_failure()
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Its connection may be dead without a reset (a blackholed path): polled on
+                # it, a healthy engine would be lost, killed and replaced; the next GetLoad
+                # goes on a new one.
+                engine.dialled.dial_afresh()
             details = exc.details() or ""
             hint = setting_hint(self._channels, exc.code(), details, ENGINE_SETTINGS)
             log.warning("GetLoad %s: %s%s", engine.engine_id, details or exc.code().name, hint)

@@ -25,6 +25,7 @@ class TcpForwarder:
         self._writers: set[asyncio.StreamWriter] = set()
         self._serving: set[asyncio.Task[None]] = set()  # one per connection
         self.tunnels = 0  # connections forwarded so far
+        self.bytes_from_clients = 0  # what the clients sent through it so far
         # `lose_next_reply` / `lose_next_request`: the marker, whether the request still
         # reaches the server, how many more requests to lose, and the event set once lost.
         self._doomed_by: bytes | None = None
@@ -131,6 +132,7 @@ class TcpForwarder:
 
             def request(data: bytes) -> bool:
                 nonlocal doomed
+                self.bytes_from_clients += len(data)
                 after_server = self._doomed_after_server
                 if not self._dooms(data):
                     return True

@@ -14,20 +14,28 @@ BACKOFF = "grpc.max_reconnect_backoff_ms"
 
 def test_every_client_channel_bounds_its_reconnect_backoff() -> None:
     """Insecure or TLS, with a token or not: the planner's, a bridge's, a decode engine's
-    channels retry a lost peer at least every 5 s, not gRPC's 120 s."""
+    channels retry a lost peer at least every 5 s, not gRPC's 120 s, and ping a connection
+    with calls under way every 5 minutes (as often as a server with gRPC's defaults takes),
+    waiting 20 s for the answer (not gRPC's 60 s for any ping)."""
     tls = ClientChannels.load(ClientTlsConfig(server_name="engine-0"))
     for channels in (INSECURE, ClientChannels.load(None), tls, INSECURE.with_metadata(())):
-        assert dict(channels.options)[BACKOFF] == MAX_RECONNECT_BACKOFF_MS == 5000
+        options = dict(channels.options)
+        assert options[BACKOFF] == MAX_RECONNECT_BACKOFF_MS == 5000
+        assert options["grpc.keepalive_time_ms"] == 300_000
+        assert options["grpc.keepalive_timeout_ms"] == options["grpc.http2.ping_timeout_ms"]
+        assert options["grpc.http2.ping_timeout_ms"] == 20_000
     assert dict(tls.options)["grpc.ssl_target_name_override"] == "engine-0"
 
 
 def test_a_clients_own_options_replace_the_defaults_and_the_earlier_ones() -> None:
-    """`reconnecting` (the controller's health backoff) sets the bound; set twice, the last
-    wins; every option is given once (which of two duplicates gRPC takes is not said)."""
+    """`reconnecting` (the controller's health backoff) sets the bound, `keeping_alive` the
+    pings (its `health.keepalive_s`); set twice, the last wins; every option is given once
+    (which of two duplicates gRPC takes is not said)."""
     channels = (
         INSECURE.reconnecting(0.25, 3.0)
         .receiving_any_size()
         .reconnecting(0.5, 30.0)
+        .keeping_alive(10.0, 2.5)
         .with_options(("grpc.max_receive_message_length", 1 << 24))
     )
     names = [name for name, _ in channels.options]
@@ -36,4 +44,8 @@ def test_a_clients_own_options_replace_the_defaults_and_the_earlier_ones() -> No
         BACKOFF: 30_000,
         "grpc.initial_reconnect_backoff_ms": 500,
         "grpc.max_receive_message_length": 1 << 24,
+        "grpc.keepalive_time_ms": 10_000,
+        "grpc.keepalive_timeout_ms": 2_500,
+        "grpc.http2.ping_timeout_ms": 2_500,
+        "grpc.http2.max_pings_without_data": 0,
     }

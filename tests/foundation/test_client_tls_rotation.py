@@ -335,6 +335,26 @@ async def test_a_close_cancelled_as_it_ends_an_old_channel_is_cancelled(
         await dialled.close()
 
 
+async def test_a_redial_ends_the_streams_on_an_old_channel_too(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """A client dials afresh while a stream runs (the controller after a poll that timed
+    out; a rotation likewise), then dials again ending every call (`redial`: the engine
+    unreachable too long): the stream on the old channel ends too, cancelled. (The old
+    channel's close, cancelled as it waited for its calls, left it marked closing, and
+    closing it again did nothing: the stream ran on until its deadline.)"""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    try:
+        stream = dialled.stub.Count(b"", timeout=30)
+        assert await stream.read() == b"1"
+        dialled.dial_afresh()
+        assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
+        await dialled.redial()
+        assert await stream.code() is grpc.StatusCode.CANCELLED
+    finally:
+        await dialled.close()
+
+
 @contextlib.asynccontextmanager
 async def reading_events(
     dialled: Redialling[PeerStub], message_id: Callable[[bytes], str] = bytes.decode

@@ -1708,3 +1708,50 @@ async def test_a_planner_restarted_after_sigkill_takes_its_dead_engines_out(
     assert (workdir / "default-1.log").exists()
     # Stopped cleanly, it leaves no port file: nothing for the next start to take out.
     assert not list(workdir.glob("*.port"))
+
+
+async def test_a_controller_whose_connection_went_silent_is_asked_on_a_new_one() -> None:
+    """The planner's connection to its controller goes silent without a reset (a host gone,
+    a blackholed path: a forwarder that drops what it reads, both ways), while the
+    controller answers new connections: the tick's ListWorkers that times out has the next
+    one made on a new connection, which the controller answers. Before, every tick asked on
+    the silent connection, each timing out, until the kernel gave up on it (some 15
+    minutes): the planner could not see its engines, nor register one."""
+    app = await start_controller(ControllerConfig.model_validate({"listen": "127.0.0.1:0"}))
+    forwarder = await TcpForwarder.start(f"127.0.0.1:{app.port}")
+    admin = ControllerAdmin(forwarder.address)
+    try:
+        assert await admin.registered_by("planner") == []
+        forwarder.silence()
+        assert await admin.registered_by("planner") is None  # timed out
+        assert await admin.registered_by("planner") == []
+        assert forwarder.tunnels == 2
+    finally:
+        await admin.close()
+        await forwarder.cut()
+        await app.close(0.2)
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_whose_connection_went_silent_is_polled_on_a_new_one(
+    setup: Setup,
+) -> None:
+    """The planner's connection to a serving engine (here through a forwarder) goes silent
+    without a reset, while the engine answers new connections: the GetLoad that times out
+    has the next made on a new connection, which the engine answers, and the engine is
+    kept. Before, every GetLoad went on the silent connection, and after
+    `lost_after_failed_polls` ticks the planner killed the healthy engine and started
+    another."""
+    async with serving(setup, 1, lost_after_failed_polls=2) as (live, (address,)):
+        forwarder = await TcpForwarder.start(address)
+        engine = live.engines[address]
+        engine.dialled = Redialling(INSECURE, forwarder.address, pb_grpc.OpenEngineStub)
+        try:
+            assert await live.tick() == []
+            forwarder.silence()
+            assert await live.tick() == []  # its GetLoad unanswered
+            assert await live.tick() == []  # answered on a new connection: kept
+            assert live.engines[address].failed_polls == 0
+            assert setup.actuator._processes[address].returncode is None
+        finally:
+            await forwarder.cut()
