@@ -35,8 +35,8 @@ What it decides:
   restart, unrecoverable gap).
 - **Shape.** Adjacent REPORTs to one tier merge when they chain (each later block's parent is
   the one before it, so a merge never loses a parent link), except a store of the merged
-  chain's own parent or of one of its blocks (one REPORT may not close a parent cycle, as in SGLang's indexer);
-  adjacent REVOKEs to one tier merge.
+  chain's own parent or of one of its blocks (one REPORT may not close a parent cycle, as
+  in SGLang's indexer); adjacent REVOKEs to one tier merge.
   Batches are split at 256 actions / 16,384 hashes (the seed's limits), all with the same seq.
 """
 
