@@ -35,8 +35,8 @@ What it decides:
   restart, unrecoverable gap).
 - **Shape.** Adjacent REPORTs to one tier merge when they chain (each later block's parent is
   the one before it, so a merge never loses a parent link), except a store of the merged
-  chain's own parent (one REPORT may not close a parent cycle, as in SGLang's indexer);
-  adjacent REVOKEs to one tier merge.
+  chain's own parent or of one of its blocks (one REPORT may not close a parent cycle, as
+  in SGLang's indexer); adjacent REVOKEs to one tier merge.
   Batches are split at 256 actions / 16,384 hashes (the seed's limits), all with the same seq.
 """
 
@@ -475,6 +475,8 @@ class _Run:
     block_sizes: list[int] = field(default_factory=list)
     parent: BlockKey | None = None
     component_masks: list[int] = field(default_factory=list)
+    # A REPORT's parent and hashes: a block among them appended again would close a loop.
+    chain: set[BlockKey] = field(default_factory=set)
 
     def action(self) -> Action:
         return Action(
@@ -496,7 +498,11 @@ def _append_report(
     *,
     mask: int | None = None,
 ) -> None:
-    """Append a REPORT of `key`; `mask` None = a legacy whole block (no masks on the wire)."""
+    """Append a REPORT of `key`; `mask` None = a legacy whole block (no masks on the wire).
+    A merge may not close a parent cycle (the index refuses one REPORT that does, as SGLang's
+    does): a store of a block already in the run, or of its parent, starts a REPORT of its
+    own (a block stated as the child of its descendant, then re-reported: a hybrid model's
+    masks restated)."""
     last = out[-1] if out else None
     if (
         last is not None
@@ -505,12 +511,15 @@ def _append_report(
         and last.hashes[-1] == parent
         and bool(last.block_sizes) == (block_size > 0)
         and bool(last.component_masks) == (mask is not None)
-        and key != last.parent  # would close a loop (a block of the run is live: no REPORT)
+        and key not in last.chain
     ):
         last.hashes.append(key)
     else:
         last = _Run(ActionType.REPORT, tier, [key], [], parent)
+        if parent is not None:
+            last.chain.add(parent)
         out.append(last)
+    last.chain.add(key)
     if block_size > 0:
         last.block_sizes.append(block_size)
     if mask is not None:

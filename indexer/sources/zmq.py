@@ -528,7 +528,8 @@ class ZmqSource:
         if ends:
             self._replay_failed_on_connection = False  # (the connection it failed on)
         # Connections made after the last end (one that came and went is no publisher now).
-        if len(events) > (ends[-1] + 1 if ends else 0):
+        connected_since = len(events) > (ends[-1] + 1 if ends else 0)
+        if connected_since:
             self._new_connection = True
             # A replay that failed before this connection (the start's, made while the SUB
             # was connecting) did not fail on it: its first message asks the replay again.
@@ -564,7 +565,9 @@ class ZmqSource:
                 self._resync_wanted.set()
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
-        if ends and not self.settings.bind and self._monitor is not None:
+        # (An end followed by a connection read with it: the SUB is connected again, however
+        # that end came.)
+        if ends and not connected_since and not self.settings.bind and self._monitor is not None:
             self._on_end_before_handshake(self._monitor[1])
 
     def _on_end_before_handshake(self, open_connections: _OpenConnections) -> None:

@@ -819,6 +819,30 @@ async def test_another_kvplane_versions_library_beside_this_one_changes_nothing(
         await backend.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_block_an_older_version_stored_as_its_own_parent_is_dumped_as_a_root(
+    redis_server: RedisServer,
+) -> None:
+    """A process of a version before REPORTs stating a block as its own parent were refused
+    (library v5) stored one in the shared partition. This version's dump of the worker
+    (DumpIndex, a resync's snapshot) stated it as such, and its own check then refused the
+    whole dump; the block is stated as a root instead, as the index now takes it."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url)
+    looping = Action(ActionType.REPORT, Tier.HBM, (1, 2), parent=1)  # 1's parent: 1
+    try:
+        await backend.apply(Batch("w", (Action(ActionType.REPORT, Tier.HBM, (5,)),), "addr-w"))
+        await backend._apply_grouped(Batch("w", (looping,), "addr-w"))  # as v5 wrote it
+        dumped = [batch async for batch in backend.snapshot("w")]
+    finally:
+        await backend.close()
+    memory = MemoryBackend()
+    for batch in dumped:
+        await memory.apply(batch)
+    assert [p.key for p in memory.index.placements("w")] == [1, 2, 5]
+    assert [memory.index.parent(k) for k in (1, 2, 5)] == [None, 1, None]
+
+
 def _copy(kind: ActionType, key: int) -> Batch:
     """One more (REPORT) or one fewer (REVOKE) physical copy of block `key` on w0."""
     return Batch("w0", (Action(kind, Tier.HBM, (key,), copies=True),), "addr-w0")

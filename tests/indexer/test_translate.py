@@ -319,6 +319,35 @@ def test_stores_that_chain_into_a_loop_are_not_merged_into_one_report() -> None:
         validate_batch(batch)
 
 
+def test_restated_masks_of_a_looping_chain_are_not_merged_into_one_report() -> None:
+    """A store that states a block of its own run again (2 -> 1 -> 2: block 2 the child of
+    its child) takes no REPORT then (2 is live), but a hybrid model's masks restated after it
+    (group 0 named: the full-attention bit moves) re-report 2 under its parent 1 right after
+    the run 2, 1: merged, that REPORT was (2, 1, 2), which the index refuses (a parent cycle),
+    with the rest of its batch. The restatement starts a REPORT of its own, which it takes."""
+    events: list[EngineEvent] = [
+        BlockStored(
+            (2, 1, 2),
+            medium="GPU",
+            group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=64,
+        ),
+        BlockStored((1,), medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention"),
+    ]
+    batches = _translator().translate(events)
+    assert _actions(batches) == [
+        Action(REPORT, Tier.HBM, (2, 1), (FULL | SWA, FULL | SWA), (), None),
+        Action(REPORT, Tier.HBM, (2,), (SWA,), (), 1),
+        Action(REPORT, Tier.HBM, (1,), (SWA,), (), 2),
+        Action(REPORT, Tier.HBM, (1,), (FULL | SWA,), (), 2),
+    ]
+    index = PrefixIndex()
+    for batch in batches:
+        index.apply(batch)
+    assert {p.key: p.component_mask for p in index.placements("w0")} == {1: FULL | SWA, 2: SWA}
+
+
 def test_oversized_batches_split_within_the_seed_limits_with_the_same_seq() -> None:
     translator = _translator()
     big = translator.translate([BlockStored(tuple(range(1, 40_001)), medium="GPU")], seq=3)

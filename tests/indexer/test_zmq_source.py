@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import msgpack
@@ -1312,6 +1313,89 @@ async def test_a_stopped_publisher_is_dialled_again_by_zmq_not_by_restarting_the
         process.send_signal(signal.SIGCONT)
         process.kill()
         await process.wait()
+
+
+class GatedSink:
+    """An index that, once `gate` is cleared, holds the source's next apply until it is set
+    again (`held` is set meanwhile): the source reads no monitor event while it waits."""
+
+    def __init__(self, backend: MemoryBackend) -> None:
+        self.backend = backend
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.held = asyncio.Event()
+
+    async def apply(self, batch: Batch) -> None:
+        if not self.gate.is_set():
+            self.held.set()
+            await self.gate.wait()
+        await self.backend.apply(batch)
+
+
+async def _server_when_free(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    host: str,
+    port: int,
+) -> asyncio.Server:
+    """A TCP server on a port a ZMQ socket just closed (its I/O thread closes its listener
+    soon, not at once)."""
+    for _ in range(100):
+        try:
+            return await asyncio.start_server(handle, host, port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.01)
+    raise RuntimeError(f"{host}:{port} still in use after the ZMQ socket closed")
+
+
+async def test_a_publisher_back_in_the_read_that_ends_a_silent_handshake_leaves_the_link_up(
+    context: zmq.asyncio.Context,
+) -> None:
+    """While the source waits for a slow index, its publisher leaves, a process that accepts
+    connections and says nothing (a stopped one) holds the port until its handshake times
+    out, and a publisher takes the port again: one read of the monitor then brings the
+    silent handshake's end and the publisher's handshake after it. The end was acted on as
+    the last event: the link went down ("ZMQ dials again") and stayed down while the stream
+    flowed (`kvplane_indexer_source_up` 0 until some later reconnection). Now the connection
+    after it counts: the link is up."""
+    index = PrefixIndex()
+    sink = GatedSink(MemoryBackend(index))
+    publisher = FakeKvPublisher(context)
+    heartbeat = Heartbeat(interval_s=0.1, timeout_s=0.5)
+    source = _source(publisher.endpoint, context, sink, heartbeat=heartbeat)
+    host, port = publisher.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    silent_ended = asyncio.Event()
+
+    async def say_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(4096):  # the SUB's greeting, then its end at the timeout
+            pass
+        writer.close()
+        silent_ended.set()
+
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1)))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+            sink.gate.clear()
+            await publisher.publish(_message(1, _stored(2, parent=1)))
+            await asyncio.wait_for(sink.held.wait(), WAIT_S)
+            publisher.close_pub()
+            silent = await _server_when_free(say_nothing, host, int(port))
+            await asyncio.wait_for(silent_ended.wait(), WAIT_S)
+            silent.close()
+            await silent.wait_closed()
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()  # the SUB's handshake succeeded
+            sink.gate.set()
+            await publisher.publish(_message(2, _stored(3, parent=2)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+            assert source.link.up, source.link.reason
+            assert source.counters.num_restarts == 0
+    finally:
+        await publisher.close()
+    assert _keys(index) == {3}  # cleared at the publisher's end, rebuilt from seq 2
 
 
 async def test_a_replay_holds_at_most_replay_bytes_of_replies(
