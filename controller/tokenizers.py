@@ -1,10 +1,11 @@
 """Which tokenizer turns a text prompt into the tokens the router hashes: its model's own
 (`tokenizers: {MODEL: tokenizer.json}`), else the controller-wide default (`tokenizer:`), else
-none. `builtin` names the builtin model's tokenizer (what engines serving `model: builtin` use;
-the model is built on first use, as engines do). Engines do not hand out their tokenizer
-(OpenEngine's GetModelInfo says whether a model takes text, not how it splits it), so a text
-prompt of a model with no tokenizer configured is routed without prefix knowledge, by load
-only; token-id prompts never need one.
+none. A request naming no model is tokenised as the fleet's default model (`Controller.plan`),
+the model the engine that serves it runs. `builtin` names the builtin model's tokenizer (what
+engines serving `model: builtin` use; the model is built on first use, as engines do). Engines
+do not hand out their tokenizer (OpenEngine's GetModelInfo says whether a model takes text, not
+how it splits it), so a text prompt of a model with no tokenizer configured is routed without
+prefix knowledge, by load only; token-id prompts never need one.
 """
 
 from __future__ import annotations

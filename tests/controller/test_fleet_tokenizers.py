@@ -64,10 +64,14 @@ async def test_each_model_uses_its_own_tokenizer(tmp_path: Path) -> None:
                 await asyncio.sleep(0.02)
         assert sim.tokenized and sim.num_prompt_tokens == 65 and sim.num_blocks == 4
 
-        # No model named: the default tokenizer, one token per character; nothing cached.
+        # No model named: the fleet's default model's tokenizer (sim's, that of the engine
+        # serving it), not the controller-wide one (one token per character, which would
+        # match nothing the engines hold); the router sees the cache.
         default = await match("")
-        assert default.tokenized and default.num_prompt_tokens == len(TEXT)
-        assert all(m.device_blocks == 0 for m in default.matches)
+        assert default.tokenized and default.num_prompt_tokens == 65
+        assert any(m.device_blocks == 4 for m in default.matches)
+        route = await fleet.admin.Route(apb.PromptQuery(prompt=TEXT))
+        assert route.tokenized and route.predicted_cached_tokens == 64
 
         # A prompt over the inline limit is tokenised in a worker thread, with the same result.
         long_text = " ".join([TEXT] * 10)
