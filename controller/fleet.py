@@ -266,6 +266,7 @@ def model_facts(model: pb.ModelInfo) -> ModelFacts:
         ),
         max_running_requests=reported(model, "max_running_requests"),
         unsupported=unsupported(model),
+        served_name=model.served_model_name,
     )
 
 

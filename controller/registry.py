@@ -300,6 +300,9 @@ class ModelFacts:
     max_running_requests: int | None = None
     # The request options it says it does not support (CAPABILITY_FLAGS reported false).
     unsupported: frozenset[str] = frozenset()
+    # The model's own name (served_model_name): the name asked for, or the model an alias
+    # stands for; "" when not said.
+    served_name: str = ""
 
     def constrains(self, path: str) -> bool:
         """Whether its value at `path` (of REQUEST_LIMITS or CAPABILITY_FLAGS) bounds the
@@ -577,6 +580,9 @@ class Registry:
         # model asks it twice (its model check, its session key), each time a scan of every
         # engine and a sort.
         self._base_models_memo: dict[tuple[bool, bool], tuple[str, ...]] = {}
+        # `served_name` by model, as of `_memo_version` too: asked by every text prompt of a
+        # model the controller has no tokenizer of its own for.
+        self._served_name_memo: dict[str, str | None] = {}
         self._memo_version = -1
         # The latest time a poll or a request's outcome was recorded at: what a held-down
         # engine's error is written as of when the cap holds it out between its own polls.
@@ -729,6 +735,7 @@ class Registry:
         if self._memo_version != self.version:
             self._routable_memo.clear()
             self._base_models_memo.clear()
+            self._served_name_memo.clear()
             self._memo_version = self.version
 
     def any_routable(
@@ -780,6 +787,26 @@ class Registry:
                 r.identity is None or r.identity.serves(model)
             ):
                 yield r
+
+    def served_name(self, model: str) -> str | None:
+        """The name of the model that `model` names on the engines serving it: itself, or
+        for one of its aliases (`served_model_aliases`) the model it stands for, as the first
+        engine whose GetModelInfo said so tells; None when none did."""
+        self._drop_stale_memos()
+        if model in self._served_name_memo:
+            return self._served_name_memo[model]
+        name = next(
+            (
+                served
+                for r in self._may_serve(model)
+                if r.identity is not None and (served := r.identity.facts_of(model).served_name)
+            ),
+            None,
+        )
+        if len(self._served_name_memo) >= ROUTABLE_MEMO_SIZE:
+            self._served_name_memo.clear()
+        self._served_name_memo[model] = name
+        return name
 
     def default_model(self, *, generating: bool = False) -> str | None:
         """The model the compatible engines serve a request naming none: each its first

@@ -207,7 +207,7 @@ class Controller:
         tokens: Sequence[int] | None = query.token_ids
         tokenized = tokens is not None
         if tokens is None and query.prompt is not None:
-            tokens = await self.tokenize(query.prompt, query.model)
+            tokens = await self.tokenize(query.prompt, self._tokenizer_name(query))
             tokenized = tokens is not None
         if tokens is not None and query.truncate_prompt_tokens:
             tokens = tokens[-query.truncate_prompt_tokens :]
@@ -243,8 +243,27 @@ class Controller:
         checked (`check_model`; an engine of another model read while it was planned)."""
         if not query.session_key:
             return query.session_key
-        model = query.model or self.fleet.registry.default_model(generating=True)
+        model = self._served_model(query)
         return f"{model}\n{query.session_key}" if model else query.session_key
+
+    def _served_model(self, query: PromptInput) -> str:
+        """The model whose engines serve `query`: the one it names, else the fleet's default
+        model (`Registry.default_model`; "" while no engine's models are known). A text
+        prompt naming no model is tokenised with this model's tokenizer, the one the engine
+        that serves it uses (the controller-wide `tokenizer:` split it otherwise, into tokens
+        that never match what the engines hold). ModelRequiredError when the engines' default
+        models differ (`_session_of`)."""
+        return query.model or self.fleet.registry.default_model(generating=True) or ""
+
+    def _tokenizer_name(self, query: PromptInput) -> str:
+        """The model name whose tokenizer (`tokenizers:`) splits `query`'s text prompt as the
+        engine serving it does: its model's (`_served_model`), else, for an alias of a model
+        (`served_model_aliases`), the model's it stands for; otherwise its model's name (the
+        controller-wide `tokenizer:`)."""
+        model = self._served_model(query)
+        if self._tokenizers.has_own(model):
+            return model
+        return self.fleet.registry.served_name(model) or model
 
     def check_model(self, model: str, *, generating: bool = False) -> None:
         """Raise UnknownModelError when no engine of the fleet serves `model`, whatever its

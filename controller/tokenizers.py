@@ -1,10 +1,12 @@
 """Which tokenizer turns a text prompt into the tokens the router hashes: its model's own
 (`tokenizers: {MODEL: tokenizer.json}`), else the controller-wide default (`tokenizer:`), else
-none. `builtin` names the builtin model's tokenizer (what engines serving `model: builtin` use;
-the model is built on first use, as engines do). Engines do not hand out their tokenizer
-(OpenEngine's GetModelInfo says whether a model takes text, not how it splits it), so a text
-prompt of a model with no tokenizer configured is routed without prefix knowledge, by load
-only; token-id prompts never need one.
+none. A request naming no model is tokenised as the fleet's default model (`Controller.plan`),
+the model the engine that serves it runs; one naming an alias of a model, as that model
+(`Registry.served_name`). `builtin` names the builtin model's tokenizer (what engines serving
+`model: builtin` use; the model is built on first use, as engines do). Engines do not hand out
+their tokenizer (OpenEngine's GetModelInfo says whether a model takes text, not how it splits
+it), so a text prompt of a model with no tokenizer configured is routed without prefix
+knowledge, by load only; token-id prompts never need one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class ModelTokenizers:
             {model: loaded[path] for model, path in by_model.items()},
             loaded[default] if default is not None else None,
         )
+
+    def has_own(self, model: str) -> bool:
+        """Whether `tokenizers:` names `model` (rather than it taking the default)."""
+        return model in self._by_model
 
     def encode(self, prompt: str, model: str) -> list[int] | None:
         """`prompt` in `model`'s tokens; None when no tokenizer is configured for it."""

@@ -17,7 +17,14 @@ from controller.service import INLINE_TOKENIZE_MAX_CHARS
 from kvplane.cli import app
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
-from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,10 +71,14 @@ async def test_each_model_uses_its_own_tokenizer(tmp_path: Path) -> None:
                 await asyncio.sleep(0.02)
         assert sim.tokenized and sim.num_prompt_tokens == 65 and sim.num_blocks == 4
 
-        # No model named: the default tokenizer, one token per character; nothing cached.
+        # No model named: the fleet's default model's tokenizer (sim's, that of the engine
+        # serving it), not the controller-wide one (one token per character, which would
+        # match nothing the engines hold); the router sees the cache.
         default = await match("")
-        assert default.tokenized and default.num_prompt_tokens == len(TEXT)
-        assert all(m.device_blocks == 0 for m in default.matches)
+        assert default.tokenized and default.num_prompt_tokens == 65
+        assert any(m.device_blocks == 4 for m in default.matches)
+        route = await fleet.admin.Route(apb.PromptQuery(prompt=TEXT))
+        assert route.tokenized and route.predicted_cached_tokens == 64
 
         # A prompt over the inline limit is tokenised in a worker thread, with the same result.
         long_text = " ".join([TEXT] * 10)
@@ -75,6 +86,33 @@ async def test_each_model_uses_its_own_tokenizer(tmp_path: Path) -> None:
         long = await fleet.admin.Match(apb.PromptQuery(prompt=long_text, model="sim"))
         assert long.tokenized and long.num_prompt_tokens == 650
         assert any(m.device_blocks == 4 for m in long.matches)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_alias_is_tokenised_as_the_model_it_names(tmp_path: Path) -> None:
+    """A request naming an alias of a model (`served_model_aliases`) is split by that model's
+    tokenizer, as the engines serving it split it, not by the controller-wide one: the router
+    sees what they hold."""
+    engines = [await start_sim_engine(f"e{i}", served_model_aliases=["sim-v1"]) for i in (0, 1)]
+    fleet = await make_fleet(
+        engines=engines,
+        tokenizers={"sim": str(word_tokenizer(tmp_path / "sim.json"))},
+        tokenizer=str(char_tokenizer(tmp_path / "default.json")),
+    )
+    try:
+        [r async for r in fleet.gateway.Generate(generate_request("a", [*range(64), 1]))]
+
+        async def held() -> bool:
+            reply = await fleet.admin.Match(apb.PromptQuery(prompt=TEXT, model="sim"))
+            return any(m.device_blocks == 4 for m in reply.matches)
+
+        await eventually(held)
+        alias = await fleet.admin.Match(apb.PromptQuery(prompt=TEXT, model="sim-v1"))
+        assert alias.tokenized and alias.num_prompt_tokens == 65
+        assert any(m.device_blocks == 4 for m in alias.matches)
+        route = await fleet.admin.Route(apb.PromptQuery(prompt=TEXT, model="sim-v1"))
+        assert route.predicted_cached_tokens == 64
     finally:
         await close_fleet(fleet)
 
