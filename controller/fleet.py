@@ -553,6 +553,11 @@ class Fleet:
         # an engine never ends up holding an adapter the fleet just unloaded.
         self.lora_intent = LoraIntent()
         self.lora_changes = asyncio.Lock()
+        # Cleared by `controller.membership` until its first read of the shared hash: an
+        # engine's adapters are listed for the intent only after it, so that an unload the
+        # hash held then is older than what a listing finds (`hold_lora_listings`).
+        self._lora_listings_open = asyncio.Event()
+        self._lora_listings_open.set()
         # The drains made through other controller replicas, read when an engine leaves
         # ready (set by `controller.membership` on a shared Redis; None: this replica's only).
         self.shared_drains: SharedDrains | None = None
@@ -1199,6 +1204,7 @@ class Fleet:
             model_facts=facts,
             fronted_controller_ids=frozenset(fronts),
         )
+        await self._lora_listings_open.wait()
         listed_at = engine.lora_task_changes
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity
@@ -1266,6 +1272,20 @@ class Fleet:
                         "holds: one name is one adapter across the fleet; requests naming it "
                         "are not routed there until it is unloaded there (lora unload "
                         "--engine)", address, found, known)  # fmt: skip
+
+    def hold_lora_listings(self, held: bool) -> None:
+        """Whether the engines met from now on wait to have their adapters listed (and taken
+        into the LoRA intent): held by `controller.membership` until its first read of the
+        fleet's LoRA intent shared by the controller replicas, which takes an unload written
+        there before as older than what this replica's listings find."""
+        if held:
+            self._lora_listings_open.clear()
+        else:
+            self._lora_listings_open.set()
+
+    @property
+    def lora_listings_held(self) -> bool:
+        return not self._lora_listings_open.is_set()
 
     def _lora_conflicts(self, adapters: Sequence[LoraSpec] | None) -> frozenset[str]:
         """The names of `adapters` held with another id or path than the adapter the fleet

@@ -99,20 +99,28 @@ class Membership:
         self._loras: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self._read_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, time.monotonic, log)
+        # The engines' adapters are listed after the first read (`start`): an unload the hash
+        # holds then was written before any adapter this replica finds (`_apply_loras`).
+        fleet.hold_lora_listings(_shares(config))
 
     @property
     def shared(self) -> bool:
         return self._client is not None
 
     async def start(self) -> None:
-        index = self._config.index
-        if index.remote is not None or not index.backend.startswith("redis"):
+        if not _shares(self._config):
             return
+        index = self._config.index
         options = RedisOptions(**index.backend_options())
-        self._client, _ = connect(index.backend, options)
-        self._key = options.partition_key("fm")
-        self.fleet.shared_drains = self._drained
-        await self._refresh_or_warn()
+        try:
+            self._client, _ = connect(index.backend, options)
+            self._key = options.partition_key("fm")
+            self.fleet.shared_drains = self._drained
+            await self._refresh_or_warn()
+        finally:
+            # (A first read Redis did not answer: the listings go on, and that read, when
+            # one answers, takes the unloads it finds for older than what they found.)
+            self.fleet.hold_lora_listings(False)
         self._task = asyncio.create_task(self._follow(), name="shared membership")
 
     async def close(self) -> None:
@@ -414,7 +422,8 @@ class Membership:
     def _apply_loras(self, fields: dict[str, str], first: bool) -> None:
         """Take into the fleet's LoRA intent the adapters loaded or unloaded through other
         replicas since the last read (`share_lora`); at the `first` read, not the unloads
-        written before: what this replica found on the engines was loaded since."""
+        written before: the engines' adapters are listed after it (`start`), so what this
+        replica finds there was loaded since."""
         intent = self.fleet.lora_intent
         shared = {f.removeprefix(_LORA): v for f, v in fields.items() if f[:2] == _LORA}
         for name in [n for n in self._loras if n not in shared]:
@@ -453,6 +462,11 @@ class Membership:
         )
         fields.update({_LORA + name: value for name, value in self._loras.items()})
         await self._write(fields, [])
+
+
+def _shares(config: ControllerConfig) -> bool:
+    """Whether the replica shares its membership: its index is on Redis."""
+    return config.index.remote is None and config.index.backend.startswith("redis")
 
 
 def _unavailable(exc: Exception) -> MembershipUnavailableError:
