@@ -538,11 +538,10 @@ class Fleet:
         )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
-        # Addresses whose RemoveEngine is still dropping what the engine left (its tasks,
-        # index entries, in-flight accounting): registered again meanwhile, the new engine's
-        # entries and accounting would be dropped with the old ones.
-        self._removing: set[str] = set()
-        self._removals: set[asyncio.Task[None]] = set()  # their tasks (`remove_engine`)
+        # The removals still dropping what the engine left (its tasks, index entries,
+        # in-flight accounting), by address: registered again meanwhile, the new engine's
+        # entries and accounting would be dropped with the old ones (`removal`).
+        self._removals: dict[str, asyncio.Task[None]] = {}
         # The removed engines whose removal task has not closed them yet: `close` closes
         # those of a removal task it ended first (one not started yet closes nothing).
         self._leaving: set[_Engine] = set()
@@ -559,6 +558,11 @@ class Fleet:
         # an engine never ends up holding an adapter the fleet just unloaded.
         self.lora_intent = LoraIntent()
         self.lora_changes = asyncio.Lock()
+        # Cleared by `controller.membership` until its first read of the shared hash: an
+        # engine's adapters are listed for the intent only after it, so that an unload the
+        # hash held then is older than what a listing finds (`hold_lora_listings`).
+        self._lora_listings_open = asyncio.Event()
+        self._lora_listings_open.set()
         # The drains made through other controller replicas, read when an engine leaves
         # ready (set by `controller.membership` on a shared Redis; None: this replica's only).
         self.shared_drains: SharedDrains | None = None
@@ -631,7 +635,7 @@ class Fleet:
         array_tail: ArrayTail | None = None,
         owner: str = "",
     ) -> EngineRecord:
-        if address in self._removing:
+        if address in self._removals:
             raise DuplicateEngineError(
                 f"engine {address} is being removed; register it again once that is done"
             )
@@ -675,16 +679,19 @@ class Fleet:
         engine = self._engines.pop(record.address, None)
         if engine is not None:
             self._leaving.add(engine)
-        self._removing.add(record.address)
         # In a task of its own, shielded: a caller that stops waiting (RemoveEngine's client
         # gives up) must not leave the engine's entries and accounting behind, which nothing
         # would drop later (the engine has left the registry).
         task = asyncio.create_task(
             self._drop_removed(record.address, engine), name=f"remove {record.address}"
         )
-        self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
+        self._removals[record.address] = task
         return record, task
+
+    def removal(self, address: str) -> asyncio.Task[None] | None:
+        """The removal of the engine at `address` still running (`begin_removal`), if any:
+        whichever removed it (RemoveEngine, another replica's removal read by this one)."""
+        return self._removals.get(address)
 
     async def _drop_removed(self, address: str, engine: _Engine | None) -> None:
         """Everything a removed engine left: its tasks and channel (which ends its calls),
@@ -702,7 +709,7 @@ class Fleet:
             if self._on_engine_gone is not None:
                 self._on_engine_gone(address)
         finally:
-            self._removing.discard(address)
+            del self._removals[address]
         await self._notify()
 
     async def _drop_indexed(self, address: str) -> None:
@@ -816,10 +823,11 @@ class Fleet:
     async def close(self) -> None:
         if self._relisting is not None:
             self._relisting.cancel()
-        for task in self._removals:
+        removals = list(self._removals.values())
+        for task in removals:
             task.cancel()
-        if self._removals:
-            await asyncio.wait(self._removals)
+        if removals:
+            await asyncio.wait(removals)
         engines = [*self._engines.values(), *self._leaving]
         self._engines.clear()
         self._leaving.clear()
@@ -1208,6 +1216,7 @@ class Fleet:
             model_facts=facts,
             fronted_controller_ids=frozenset(fronts),
         )
+        await self._lora_listings_open.wait()
         listed_at = engine.lora_task_changes
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity
@@ -1275,6 +1284,20 @@ class Fleet:
                         "holds: one name is one adapter across the fleet; requests naming it "
                         "are not routed there until it is unloaded there (lora unload "
                         "--engine)", address, found, known)  # fmt: skip
+
+    def hold_lora_listings(self, held: bool) -> None:
+        """Whether the engines met from now on wait to have their adapters listed (and taken
+        into the LoRA intent): held by `controller.membership` until its first read of the
+        fleet's LoRA intent shared by the controller replicas, which takes an unload written
+        there before as older than what this replica's listings find."""
+        if held:
+            self._lora_listings_open.clear()
+        else:
+            self._lora_listings_open.set()
+
+    @property
+    def lora_listings_held(self) -> bool:
+        return not self._lora_listings_open.is_set()
 
     def _lora_conflicts(self, adapters: Sequence[LoraSpec] | None) -> frozenset[str]:
         """The names of `adapters` held with another id or path than the adapter the fleet

@@ -99,20 +99,28 @@ class Membership:
         self._loras: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self._read_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, time.monotonic, log)
+        # The engines' adapters are listed after the first read (`start`): an unload the hash
+        # holds then was written before any adapter this replica finds (`_apply_loras`).
+        fleet.hold_lora_listings(_shares(config))
 
     @property
     def shared(self) -> bool:
         return self._client is not None
 
     async def start(self) -> None:
-        index = self._config.index
-        if index.remote is not None or not index.backend.startswith("redis"):
+        if not _shares(self._config):
             return
+        index = self._config.index
         options = RedisOptions(**index.backend_options())
-        self._client, _ = connect(index.backend, options)
-        self._key = options.partition_key("fm")
-        self.fleet.shared_drains = self._drained
-        await self._refresh_or_warn()
+        try:
+            self._client, _ = connect(index.backend, options)
+            self._key = options.partition_key("fm")
+            self.fleet.shared_drains = self._drained
+            await self._refresh_or_warn()
+        finally:
+            # (A first read Redis did not answer: the listings go on, and that read, when
+            # one answers, takes the unloads it finds for older than what they found.)
+            self.fleet.hold_lora_listings(False)
         self._task = asyncio.create_task(self._follow(), name="shared membership")
 
     async def close(self) -> None:
@@ -131,9 +139,10 @@ class Membership:
 
     async def register(self, address: str, kv_events: str, owner: str = "") -> EngineRecord:
         async with self._lock:
-            removals = await self._catch_up()
-            if address in removals:  # removed through another replica since the last read
-                await asyncio.shield(removals[address])
+            await self._catch_up()
+            removal = self.fleet.removal(address)
+            if removal is not None:  # removed through any replica (this one's reads included)
+                await asyncio.shield(removal)
             record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
             fields = {_REGISTERED + address: kv_events}
             deleted = [_REMOVED + address, _DRAINED + address]
@@ -162,7 +171,7 @@ class Membership:
                 [_REGISTERED + address, _OWNER + address, _CORDONED + address, _DRAINED + address],
             )
             # Out of the registry now; what it left is dropped out of the lock (a registration
-            # of the address meanwhile is refused as "being removed", not held up).
+            # of the address meanwhile waits for it).
             record, removal = self.fleet.begin_removal(address)
             # Its own adapters (`lora load --engine`) leave the fleet's LoRA intent with it.
             await self._share_loras(list(self._loras))
@@ -304,19 +313,18 @@ class Membership:
             async with self._lock:
                 await self._catch_up()
 
-    async def _catch_up(self) -> dict[str, asyncio.Task[None]]:
+    async def _catch_up(self) -> None:
         """Before a change (under the lock): take what the shared membership says now, so
         that the change is made to the fleet every replica has, not to this replica's view
         of up to a poll interval ago. Without it a call landing on another replica than the
         one before it (each CLI call is a connection of its own behind a load balancer) acted
         on a stale view: `register` then `cordon` X got NOT_FOUND; `remove` then `register` X
         got ALREADY_EXISTS, and X then left every replica at the next read; a cordon of an
-        engine removed meanwhile stayed in the hash, cordoning X registered again later.
-        Returns the removals it began, by address."""
+        engine removed meanwhile stayed in the hash, cordoning X registered again later."""
         if self._client is None:
-            return {}
+            return
         try:
-            return await self._update()
+            await self._update()
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from exc
 
@@ -362,8 +370,8 @@ class Membership:
         async with self._lock:
             await self._update()
 
-    async def _update(self) -> dict[str, asyncio.Task[None]]:
-        """`refresh` under the lock; returns the removals it began, by address."""
+    async def _update(self) -> None:
+        """`refresh` under the lock."""
         assert self._client is not None
         fields = await self._read()
         generation = fields.get(_MARKER)
@@ -371,18 +379,16 @@ class Membership:
             await self._write_back()
             fields = await self._read()
         first, self._generation = self._generation is None, fields.get(_MARKER)
-        return await self._apply(fields, first)
+        await self._apply(fields, first)
 
     async def _read(self) -> dict[str, str]:
         assert self._client is not None
         raw = await self._client.hgetall(self._key)
         return {_text(k): _text(v) for k, v in raw.items()}
 
-    async def _apply(self, fields: dict[str, str], first: bool) -> dict[str, asyncio.Task[None]]:
-        """Take the hash's `fields` here (`first`: this replica's first read); returns the
-        removals begun, by address."""
+    async def _apply(self, fields: dict[str, str], first: bool) -> None:
+        """Take the hash's `fields` here (`first`: this replica's first read)."""
         registry = self.fleet.registry
-        removals: dict[str, asyncio.Task[None]] = {}
         registered = {
             f.removeprefix(_REGISTERED): mode for f, mode in fields.items() if f[:2] == _REGISTERED
         }
@@ -394,7 +400,7 @@ class Membership:
             )
             if gone:
                 log.info("engine %s removed through another controller replica", record.address)
-                removals[record.address] = self.fleet.begin_removal(record.address)[1]
+                self.fleet.begin_removal(record.address)
         for address, mode in registered.items():
             owner = fields.get(_OWNER + address, "")
             known = registry.by_engine_id(address)
@@ -412,12 +418,12 @@ class Membership:
             if record.cordoned != cordoned:
                 registry.set_cordoned(record.address, cordoned)
         self._apply_loras(fields, first)
-        return removals
 
     def _apply_loras(self, fields: dict[str, str], first: bool) -> None:
         """Take into the fleet's LoRA intent the adapters loaded or unloaded through other
         replicas since the last read (`share_lora`); at the `first` read, not the unloads
-        written before: what this replica found on the engines was loaded since."""
+        written before: the engines' adapters are listed after it (`start`), so what this
+        replica finds there was loaded since."""
         intent = self.fleet.lora_intent
         shared = {f.removeprefix(_LORA): v for f, v in fields.items() if f[:2] == _LORA}
         for name in [n for n in self._loras if n not in shared]:
@@ -456,6 +462,11 @@ class Membership:
         )
         fields.update({_LORA + name: value for name, value in self._loras.items()})
         await self._write(fields, [])
+
+
+def _shares(config: ControllerConfig) -> bool:
+    """Whether the replica shares its membership: its index is on Redis."""
+    return config.index.remote is None and config.index.backend.startswith("redis")
 
 
 def _unavailable(exc: Exception) -> MembershipUnavailableError:

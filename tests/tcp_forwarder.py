@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 class TcpForwarder:
@@ -34,6 +34,11 @@ class TcpForwarder:
         self._lost = asyncio.Event()
         # `silence`: the connections up to this one (in `tunnels` order) forward nothing.
         self._silenced_up_to = 0
+        # `hold_requests`: the marker of the requests held, set once one is, and the event
+        # that lets them through.
+        self._held_by: bytes | None = None
+        self.held = asyncio.Event()
+        self._let_through = asyncio.Event()
 
     @classmethod
     async def start(cls, to: str | None = None) -> TcpForwarder:
@@ -80,6 +85,23 @@ class TcpForwarder:
         if self._doomed_times == 0:
             self._doomed_by = None
         return True
+
+    def hold_requests(self, marker: bytes) -> None:
+        """Requests holding `marker` (and what their connection sends after them) wait until
+        `let_through`, as for a server slow to answer them; `held` is set once one does."""
+        self._held_by = marker
+        self.held.clear()
+        self._let_through.clear()
+
+    def let_through(self) -> None:
+        """The requests `hold_requests` held go on, and the next ones are not held."""
+        self._held_by = None
+        self._let_through.set()
+
+    async def _hold(self, data: bytes) -> None:
+        if self._held_by is not None and self._held_by in data:
+            self.held.set()
+            await self._let_through.wait()
 
     async def cut(self) -> None:
         """Refuse new connections and drop every one open."""
@@ -145,7 +167,8 @@ class TcpForwarder:
                 return not doomed
 
             await asyncio.gather(
-                _pipe(reader, up_writer, request, silent), _pipe(up_reader, writer, reply, silent)
+                _pipe(reader, up_writer, request, silent, self._hold),
+                _pipe(up_reader, writer, reply, silent),
             )
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
@@ -161,13 +184,17 @@ async def _pipe(
     writer: asyncio.StreamWriter,
     forwards: Callable[[bytes], bool] = lambda data: True,
     silent: Callable[[], bool] = lambda: False,
+    hold: Callable[[bytes], Awaitable[None]] | None = None,
 ) -> None:
     """Copies `reader` to `writer` until either ends, or until `forwards` refuses a chunk;
-    while `silent()`, what is read is dropped instead."""
+    while `silent()`, what is read is dropped instead. `hold(chunk)`: awaited before a chunk
+    goes on."""
     try:
         while (data := await reader.read(65536)) and forwards(data):
             if silent():
                 continue
+            if hold is not None:
+                await hold(data)
             writer.write(data)
             await writer.drain()
     except OSError:

@@ -19,6 +19,7 @@ import pytest
 
 from controller.outcomes import ENGINE_METADATA_KEY
 from controller.registry import EngineState
+from controller.service import Controller
 from engine.config import LoraConfig
 from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
@@ -38,6 +39,7 @@ from tests.controller.test_gateway_scripted import outcomes
 from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
+from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -744,7 +746,7 @@ async def test_an_adapter_found_on_the_engines_and_unloaded_through_one_replica_
         await close_fleet(a)
 
 
-async def holds_x(fleet: Fleet) -> bool:
+async def holds_x(fleet: EngineFleet[Any]) -> bool:
     """Whether the replica's LoRA intent holds adapter x for the whole fleet."""
     return ("x", None) in fleet.app.controller.fleet.lora_intent.loads
 
@@ -757,3 +759,58 @@ async def unload_x_through_b_and_restart_e1(a: Fleet, b: Fleet, e1: str, y: pb.L
     only_y = {"y": y.source_path}
     await eventually(lambda: restored(a, restarted, only_y), 15, "y restored on e1, not x")
     assert await engine_adapters(restarted) == only_y
+
+
+async def test_a_replica_started_later_lists_the_engines_adapters_after_reading_the_hash(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """x, found on both engines by a, is unloaded through a while b starts. Before, b listed
+    the engines' adapters before its first read of the membership hash: its listings read x
+    before the unload, its first read found the unload, which it took for older than what it
+    found, and b held x for the fleet (it would load it back on an engine that restarts). b
+    now reads the hash first and lists the adapters after it: they find no x."""
+    engines = [await start_fronted_engine(f"e{i}", CutOff, lora=LORA) for i in range(2)]
+    x = adapter(tmp_path, "x", 1)
+    for engine in engines:
+        await load_on(engine.inner, x)
+    a = await make_fleet(engines=engines, index=shared_index(redis))
+    forwarder = await TcpForwarder.start(f"127.0.0.1:{redis.port}")
+    b: Controller | None = None
+    try:
+        await eventually(functools.partial(holds_x, a), 15, "a to find x on the fleet")
+        for engine in engines:  # b's listings read what the engines hold, answered later
+            engine.servicer.listings_held, engine.servicer.listed = True, False
+        forwarder.hold_requests(b"\r\nHGETALL\r\n")  # b's reads of the hash wait
+        config = a.app.controller.config
+        index = config.index.model_copy(
+            update={
+                "backend": f"redis://{forwarder.address}/0",
+                "redis": config.index.redis.model_copy(update={"timeout_s": 60.0}),
+            }
+        )
+        b = Controller(config.model_copy(update={"index": index}))
+        starting = asyncio.ensure_future(b.start())
+        fleet_b = b.fleet
+
+        def listed_or_held() -> bool:
+            listed = all(e.servicer.listed for e in engines)
+            return listed or (forwarder.held.is_set() and fleet_b.lora_listings_held)
+
+        await eventually(listed_or_held, 15, "b's listings, or them held until its read")
+        await a.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        assert [await engine_adapters(e.inner) for e in engines] == [{}, {}]
+        forwarder.let_through()
+        await starting
+        for engine in engines:
+            engine.servicer.listing_released.set()
+        await fleet_b.wait_for(lambda: len(fleet_b.registry.routable()) == 2, 15)
+        assert fleet_b.lora_intent.shared("x") is None
+        assert all(r.lora_adapters == frozenset() for r in fleet_b.registry.records())
+    finally:
+        for engine in engines:
+            engine.servicer.listing_released.set()
+        forwarder.let_through()
+        if b is not None:
+            await b.close()
+        await close_fleet(a)
+        await forwarder.cut()

@@ -435,3 +435,54 @@ async def test_an_engine_leaving_ready_after_the_membership_closed_is_still_foll
         await eventually(lambda: not registry.get(address).routable, 20, "the engine's leave")
     finally:
         await close_fleet(a)
+
+
+async def test_a_registration_arriving_while_a_read_of_the_hash_removes_the_engine_waits_for_it(
+    redis: RedisServer,
+) -> None:
+    """b read the hash (its periodic read) and began removing the engine removed through a:
+    a registration of its address through b, arriving while that removal drops the engine's
+    index entries (held here by Redis refusing writes), waits for it and registers the engine
+    afresh. Before, only a removal the registration's own read began was waited for: it was
+    refused ALREADY_EXISTS "being removed"."""
+    rare: dict[str, Any] = {"poll_interval_s": 3600}  # each reads the hash when told to only
+    a: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=rare)
+    b: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=rare)
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    fleet_b, membership_b = b.app.controller.fleet, b.app.controller.membership
+    register = None
+    try:
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await membership_b.refresh()
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))  # a's lease released
+        lease = fleet_b._engines[address].lease
+        assert lease is not None
+        await eventually(lambda: lease.held, 20, "b to write the engine's entries")
+        redis.command("CLIENT", "PAUSE", 60_000, "WRITE")  # b's removal of its entries waits
+        await membership_b.refresh()  # b's periodic read: the engine is being removed
+        assert address in getattr(fleet_b, "_removing", fleet_b._removals)
+        reads = hash_reads(redis)
+        register = asyncio.ensure_future(
+            b.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        )
+        # The registration read the hash (reads go on): it waits for the removal, or not.
+        await eventually(lambda: register.done() or hash_reads(redis) > reads, 20, "its read")
+        redis.command("CLIENT", "UNPAUSE")
+        await register
+        await eventually(lambda: routes_to(b, address), 20, "b to route to it again")
+        await a.app.controller.membership.refresh()
+        await eventually(lambda: routes_to(a, address), 20, "a to route to it again")
+    finally:
+        redis.command("CLIENT", "UNPAUSE")
+        if register is not None and not register.done():
+            register.cancel()
+        await close_replica(b)
+        await close_fleet(a)
+        await engine.close()
+
+
+def hash_reads(redis: RedisServer) -> int:
+    """How many HGETALL calls Redis has answered (the membership hash's reads)."""
+    stats: dict[str, Any] = redis.command("INFO", "commandstats")
+    return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
