@@ -115,6 +115,7 @@ from controller.registry import (
     ModelFacts,
     ModelRequiredError,
     NoEngineRegisteredError,
+    Role,
     UnknownEngineError,
     UnknownModelError,
 )
@@ -440,15 +441,22 @@ def fleet_health_state(
     from the moment the controller stops accepting new requests (a drain, a shutdown),
     whatever its engines' state; else NOT_READY while no engine is routable (none
     registered, or none that takes traffic), READY when every one is, DEGRADED when some
-    are. With `generating`, of the engines that may take a Generate only, as routing takes
-    them (`Registry.routable(generating=True)`): a pooling-only engine, none of whose models
-    generates, is left out (one whose models are not known yet may generate). The vLLM
-    front end's `grpc.health.v1` status follows that (`VllmGatewayServicer.report_health`),
-    Health itself the whole fleet (it serves Embed, Classify and Score too)."""
+    are. With `generating`, of the engines a Generate needs only, as routing takes them
+    (`Registry.routable(generating=True)`, `Controller.disaggregated`): an aggregated engine,
+    or a decode engine (which prefills by itself when no prefill engine is up). A
+    pooling-only engine, none of whose models generates, is left out (one whose models are
+    not known yet may generate), and so is a prefill engine: prefill engines alone serve no
+    Generate. The vLLM front end's `grpc.health.v1` status follows that
+    (`VllmGatewayServicer.report_health`), Health itself the whole fleet (it serves Embed,
+    Classify and Score too)."""
     if controller.draining:
         return pb.HEALTH_STATE_DRAINING
     if generating:
-        records = [r for r in records if r.identity is None or r.identity.generates]
+        records = [
+            r
+            for r in records
+            if r.identity is None or (r.identity.generates and r.identity.role is not Role.PREFILL)
+        ]
     routable = sum(r.routable for r in records)
     if routable == 0:
         return pb.HEALTH_STATE_NOT_READY

@@ -83,7 +83,9 @@ class RemoteIndex:
     answer ends the pause, an error answered included (the indexer's Redis down, a query
     shed), as does a call that fails at once (the indexer down). Only the asking call's
     silence doubles the pause: the calls that were already waiting when the indexer stopped
-    answering time out together, and count as one.
+    answering time out together, and count as one, also those that time out after that pause
+    ended (an answer on the connection dialled afresh while the old one is silent): they start
+    no pause of their own.
     Each call that starts or lengthens a pause dials the indexer afresh, so that the next one
     asked goes on a new connection: the one that went silent may be dead without a reset (the
     indexer's host gone, moved to another address behind the same name), and would swallow
@@ -122,6 +124,9 @@ class RemoteIndex:
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
+        # Pauses ended so far: a call made before one ended that then times out is of that
+        # pause (it waited on the silence that began it), and starts no other.
+        self._pauses_ended = 0
         # Why the last call asked failed (None: it was answered, or none was asked yet).
         self._failure: str | None = None
         # Engines restarted since the indexer last confirmed dropping their entries.
@@ -139,19 +144,22 @@ class RemoteIndex:
         # (calls made before the pause began time out with the one that began it).
         asks_again = paused
         self._asking_again = self._asking_again or asks_again
+        pauses_ended = self._pauses_ended
         try:
             reply = await call()
         except grpc.aio.AioRpcError as exc:
             await self._dialled.after_failure()
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (
-                asks_again or self._pause_s == 0
+            if (
+                exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                and (asks_again or self._pause_s == 0)
+                and self._pauses_ended == pauses_ended
             ):
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
                 self._dialled.dial_afresh()  # its connection may be dead without a reset
             elif exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._pause_s = 0.0  # answered (an error is an answer), or failed at once
+                self._answered()  # an error is an answer, as is a call that failed at once
             details = failure_details(
                 self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
             )
@@ -161,9 +169,15 @@ class RemoteIndex:
         finally:
             if asks_again:
                 self._asking_again = False
-        self._pause_s = 0.0
+        self._answered()
         self._failure = None
         return reply
+
+    def _answered(self) -> None:
+        """A call was answered: the pause, if any, is over."""
+        if self._pause_s > 0:
+            self._pause_s = 0.0
+            self._pauses_ended += 1
 
     @property
     def described(self) -> str:

@@ -24,8 +24,9 @@ What this API changes on the way:
   gateway's OpenEngine Health judges of the fleet's engines that generate
   (`fleet_health_state(generating=True)`): SERVING while one of them is routable,
   NOT_SERVING while none is (none registered, none taking traffic, or only pooling-only
-  engines, which cannot Generate) and from the moment the controller stops accepting new
-  requests, by a drain or at its shutdown (`report_health`).
+  engines, which cannot Generate, or prefill engines, which need a decode engine) and from
+  the moment the controller stops accepting new requests, by a drain or at its shutdown
+  (`report_health`).
 """
 
 from __future__ import annotations
@@ -144,12 +145,12 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         """Keep `grpc.health.v1`'s status for `vllm.Generate` on `health_servicer` to what
         the fleet's OpenEngine Health says of its engines that generate
         (`fleet_health_state(generating=True)`): SERVING while READY or DEGRADED,
-        NOT_SERVING while no engine that generates is routable (pooling-only engines cannot
-        take a Generate) and once the controller stops accepting new requests (a drain or a
-        shutdown: for good). Set now, before the server
-        starts (a probe never sees SERVING with no engine), then again after each change of
-        the fleet's routing or the drain, for Check and Watch alike. The empty name stays
-        SERVING while the process runs."""
+        NOT_SERVING while no engine that can take a Generate is routable (pooling-only
+        engines cannot, prefill engines not without a decode engine) and once the
+        controller stops accepting new requests (a drain or a shutdown: for good). Set now,
+        before the server starts (a probe never sees SERVING with no engine), then again
+        after each change of the fleet's routing or the drain, for Check and Watch alike.
+        The empty name stays SERVING while the process runs."""
         self._health_servicer = health_servicer
         self.controller.fleet.registry.on_change(self._health_changed)
         self.controller.on_draining(self._health_changed)

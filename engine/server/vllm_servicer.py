@@ -123,13 +123,22 @@ def _structured_output(dec: pb.DecodingParameters, ctx: EngineContext) -> Guided
     return guided_from_proto(oe.GenerateRequest(guided=guided), ctx)
 
 
+def generate_refusal(ctx: EngineContext) -> FeatureDisabledError | RoleMismatchError | None:
+    """Why this engine refuses every vllm.Generate (None: it takes them): a pooling-only
+    model, or a disaggregated role."""
+    if not ctx.model.generates:
+        return FeatureDisabledError(POOLING_ONLY_MESSAGE)
+    if ctx.role != oe.ENGINE_ROLE_AGGREGATED:
+        return RoleMismatchError("vllm.Generate runs on an AGGREGATED engine only")
+    return None
+
+
 def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
     if not ctx.model.serves(request.model):
         raise ModelNotFoundError(f"model {request.model!r} is not served here")
-    if not ctx.model.generates:
-        raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
-    if ctx.role != oe.ENGINE_ROLE_AGGREGATED:
-        raise RoleMismatchError("vllm.Generate runs on an AGGREGATED engine only")
+    refusal = generate_refusal(ctx)
+    if refusal is not None:
+        raise refusal
     dec = request.decoding
     if dec.logit_bias or dec.allowed_token_ids:
         raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
@@ -309,15 +318,12 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
 
     async def update_health(self) -> None:
         """Set `vllm.Generate`'s status to whether the engine takes new Generate requests now
-        (a pooling-only or disaggregated engine never does: `engine_request_from_vllm`)."""
+        (a pooling-only or disaggregated engine never does: `generate_refusal`)."""
         assert self._health_servicer is not None  # set by report_health
         status = health_pb2.HealthCheckResponse.SERVING
-        if not self._service.serving or not self._takes_generate():
+        if not self._service.serving or generate_refusal(self._ctx) is not None:
             status = health_pb2.HealthCheckResponse.NOT_SERVING
         await self._health_servicer.set(SERVICE_NAME, status)
-
-    def _takes_generate(self) -> bool:
-        return self._ctx.model.generates and self._ctx.role == oe.ENGINE_ROLE_AGGREGATED
 
     def service(self) -> Service:
         return Service(

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller import gateway
 from engine.config import KvTransferConfig, LoraConfig
@@ -31,6 +32,8 @@ from tests.controller.test_gateway_scripted import cli
 from tests.engine.engine_server_harness import engine_thread_held
 from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
+from vllm_grpc import vllm_grpc_pb2 as vpb
+from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -372,3 +375,44 @@ async def test_a_session_lost_with_its_prefill_engine_restarted_under_its_instan
         metrics = fleet.app.controller.metrics
         assert metrics.requests.labels("ok")._value.get() == 1
         assert metrics.retries._value.get() == 1
+
+
+async def test_vllm_generate_is_not_serving_while_only_prefill_engines_are_routable() -> None:
+    """A Generate goes to an aggregated engine or through a decode engine, never to prefill
+    engines alone: with the decode engine cordoned, every vllm.Generate is refused
+    (UNAVAILABLE), and `grpc.health.v1` for `vllm.Generate` (what a load balancer in front
+    of the vLLM front end reads) says NOT_SERVING, SERVING again once it is uncordoned.
+    Before, the routable prefill engine kept it SERVING: traffic was sent to a controller
+    that refused all of it."""
+    prefill = await start_sim_engine("p0", role="prefill")
+    decode = await start_sim_engine("d0", role="decode")
+    fleet = await make_fleet(engines=[prefill, decode])
+    health = health_pb2_grpc.HealthStub(fleet.channel)
+
+    async def vllm_status() -> int:
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="vllm.Generate"))
+        return int(reply.status)
+
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    try:
+        assert await vllm_status() == serving
+        await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(decode)))
+        request = vpb.GenerateRequest(
+            request_id="v", model="sim", token_ids=vpb.TokenIds(ids=PROMPT),
+            stopping=vpb.StoppingCriteria(max_new_tokens=2),
+        )  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await vpb_grpc.GenerateStub(fleet.channel).Generate(request)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+
+        async def status_is(status: int) -> bool:
+            return await vllm_status() == status
+
+        await eventually(lambda: status_is(not_serving), what="vllm.Generate NOT_SERVING")
+        await fleet.admin.Uncordon(apb.EngineRef(engine=fleet.address(decode)))
+        await eventually(lambda: status_is(serving), what="vllm.Generate SERVING again")
+    finally:
+        await close_fleet(fleet)

@@ -195,3 +195,36 @@ async def test_an_error_answered_after_a_stall_ends_the_pause(
     finally:
         indexer.send_signal(signal.SIGCONT)
         await remote.close()
+
+
+async def test_a_call_that_outlives_its_pause_on_a_silent_connection_starts_no_other(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Two requests wait on a connection gone silent; the first to time out starts the pause,
+    and once it is over the indexer answers on a new connection. The second then times out
+    on the old one: it waited on the same silence, and the indexer is used on as it answers.
+    Before, it started a new pause (and dialled yet another connection): under load, the
+    requests made in the timeout before the pause ended kept the indexer paused, routing by
+    load, for up to another timeout after it answered again."""
+    target = await indexer_process(tmp_path, [], processes)
+    forwarder = await TcpForwarder.start(target)
+    now = [0.0]
+    remote = RemoteIndex(forwarder.address, 2.0, backoff_s=(1.0, 64.0), clock=lambda: now[0])
+    try:
+        await remote.match(TOKENS, 16, "", "")
+        forwarder.silence()
+        first = asyncio.ensure_future(remote.match(TOKENS, 16, "", ""))
+        await asyncio.sleep(1.5)  # the second made well before the first times out
+        second = asyncio.ensure_future(remote.match(TOKENS, 16, "", ""))
+        with pytest.raises(KvplaneError, match=r"^remote index: DEADLINE_EXCEEDED: "):
+            await first
+        now[0] = 1.0  # the pause is over: asked again on a new connection, it answers
+        await remote.match(TOKENS, 16, "", "")
+        assert forwarder.tunnels == 2
+        with pytest.raises(KvplaneError, match=r"^remote index: DEADLINE_EXCEEDED: "):
+            await second
+        await remote.match(TOKENS, 16, "", "")
+        assert forwarder.tunnels == 2
+    finally:
+        await remote.close()
+        await forwarder.cut()
