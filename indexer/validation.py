@@ -140,12 +140,14 @@ def validate_batch(batch: Batch) -> None:
             sizes and (min(sizes) < 0 or max(sizes) > MAX_UINT32)
         ):
             _range_error(actions.index(action), "component_masks and block_sizes must be uint32")
-        if (
-            looping is None
-            and kind == _REPORT
-            and ((_parent is not None and _parent in hashes) or (n > 1 and len(set(hashes)) != n))
-        ):
-            looping = action
+        if looping is None and kind == _REPORT:
+            if n == 1:
+                loops = _parent is not None and _parent == hashes[0]
+            else:  # one set: a repeated hash, or the parent among the chain's own
+                distinct = set(hashes)
+                loops = len(distinct) != n or _parent in distinct
+            if loops:
+                looping = action
     if looping is not None:  # after every action's shape, as SGLang's backend checks parents
         _chain_error(actions.index(looping), looping[2], looping[5])
 
