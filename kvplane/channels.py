@@ -348,10 +348,12 @@ class Redialling(Generic[_Stub]):
 
     async def redial(self) -> None:
         """Dial the server again (the TLS files as they are now), ending every call on the
-        channel and on the old ones still closing."""
+        channel and on the old ones still closing; cancelled meanwhile, all the same."""
         old = self._dial_again()
-        await self._close_retiring()
-        await old.close()
+        try:
+            await self._close_retiring()
+        finally:
+            await old.close()
 
     async def after_failure(self) -> None:
         """When a call just failed for want of the files `renewed` since: dial again, and

@@ -356,6 +356,32 @@ async def test_a_redial_ends_the_streams_on_an_old_channel_too(
         await dialled.close()
 
 
+async def test_a_redial_cancelled_as_it_ends_an_old_channel_still_ends_the_calls_it_dialled_past(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """A redial (an engine abandoned as unreachable) cancelled while it ends an old channel's
+    calls (the engine removed, the controller closing): the channel it dialled past is closed
+    all the same, its stream cancelled, and the client's close after ends everything. (That
+    channel was dropped: neither closed nor kept, so its stream ran on after the client
+    closed, to a removed engine, until its deadline.)"""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    try:
+        on_old = dialled.stub.Count(b"", timeout=30)
+        assert await on_old.read() == b"1"
+        dialled.dial_afresh()
+        on_current = dialled.stub.Count(b"", timeout=30)
+        assert await on_current.read() == b"1"
+        redialling = asyncio.create_task(dialled.redial())
+        await asyncio.sleep(0)  # it waits for the old channel's close
+        redialling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await redialling
+    finally:
+        await dialled.close()
+    assert await on_old.code() is grpc.StatusCode.CANCELLED
+    assert await on_current.code() is grpc.StatusCode.CANCELLED
+
+
 async def test_a_redial_on_a_grpcio_without_a_record_of_calls_leaves_them_running(
     pki: Path,
     tmp_path: Path,
