@@ -348,10 +348,12 @@ class Redialling(Generic[_Stub]):
 
     async def redial(self) -> None:
         """Dial the server again (the TLS files as they are now), ending every call on the
-        channel and on the old ones still closing."""
+        channel and on the old ones still closing; cancelled meanwhile, all the same."""
         old = self._dial_again()
-        await self._close_retiring()
-        await old.close()
+        try:
+            await self._close_retiring()
+        finally:
+            await old.close()
 
     async def after_failure(self) -> None:
         """When a call just failed for want of the files `renewed` since: dial again, and
@@ -367,10 +369,24 @@ class Redialling(Generic[_Stub]):
         once, leaving its calls running (a relayed stream on a channel retired after a poll
         timed out outlived its engine's abandonment so). Cancelled meanwhile, all the same
         (their closes waited for with `asyncio.wait`: awaiting a task cancelled here raises
-        CancelledError, and swallowing it swallowed this caller's own cancellation)."""
+        CancelledError, and swallowing it swallowed this caller's own cancellation). A grpcio
+        that keeps no record of a channel's calls (`_CALLS_RECORD`) leaves them running (a
+        warning): their channels close as they end, never waited for here."""
         retiring, self._retiring = list(self._retiring.items()), {}
-        for old, _ in retiring:
-            _cancel_calls(old)
+        running = [(old, task) for old, task in retiring if not _cancel_calls(old)]
+        if running:
+            # (Waited for, they would hold the caller until the last of them ended: an
+            # engine's polls stopped behind its abandonment for a generation's whole length.)
+            log.warning(
+                "%s: this grpcio (%s) keeps no record of a channel's calls (%s): the calls "
+                "on %d old channel(s) run on until they end, each channel closed then",
+                self.target,
+                grpc.__version__,
+                _CALLS_RECORD,
+                len(running),
+            )
+            self._retiring.update(running)
+            retiring = [item for item in retiring if item not in running]
         try:
             if retiring:
                 await asyncio.wait([task for _, task in retiring])
@@ -387,11 +403,21 @@ class Redialling(Generic[_Stub]):
             await self._channel.close()
 
 
-def _cancel_calls(channel: grpc.aio.Channel) -> None:
-    """Cancel every call under way on `channel`, from grpc.aio's own record of them (it has
-    no public one; a close's grace cannot be cut short once it runs)."""
-    for call in list(getattr(channel, "_active_calls", ())):
+# Where a grpc.aio channel records its calls under way (grpcio 1.85; private, as it has no
+# public record): `Redialling` cancels those on its old channels from it.
+_CALLS_RECORD = "_active_calls"
+
+
+def _cancel_calls(channel: grpc.aio.Channel) -> bool:
+    """Cancel every call under way on `channel`, from grpc.aio's own record of them (a
+    close's grace cannot be cut short once it runs); False where this grpcio keeps no such
+    record (`_CALLS_RECORD`, another version): nothing is cancelled."""
+    calls = getattr(channel, _CALLS_RECORD, None)
+    if calls is None:
+        return False
+    for call in list(calls):
         call.cancel()
+    return True
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import kvplane.channels
 from kvplane.channels import ClientChannels, Redialling
 from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
@@ -351,6 +352,64 @@ async def test_a_redial_ends_the_streams_on_an_old_channel_too(
         assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
         await dialled.redial()
         assert await stream.code() is grpc.StatusCode.CANCELLED
+    finally:
+        await dialled.close()
+
+
+async def test_a_redial_cancelled_as_it_ends_an_old_channel_still_ends_the_calls_it_dialled_past(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """A redial (an engine abandoned as unreachable) cancelled while it ends an old channel's
+    calls (the engine removed, the controller closing): the channel it dialled past is closed
+    all the same, its stream cancelled, and the client's close after ends everything. (That
+    channel was dropped: neither closed nor kept, so its stream ran on after the client
+    closed, to a removed engine, until its deadline.)"""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    try:
+        on_old = dialled.stub.Count(b"", timeout=30)
+        assert await on_old.read() == b"1"
+        dialled.dial_afresh()
+        on_current = dialled.stub.Count(b"", timeout=30)
+        assert await on_current.read() == b"1"
+        redialling = asyncio.create_task(dialled.redial())
+        await asyncio.sleep(0)  # it waits for the old channel's close
+        redialling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await redialling
+    finally:
+        await dialled.close()
+    assert await on_old.code() is grpc.StatusCode.CANCELLED
+    assert await on_current.code() is grpc.StatusCode.CANCELLED
+
+
+async def test_a_redial_on_a_grpcio_without_a_record_of_calls_leaves_them_running(
+    pki: Path,
+    tmp_path: Path,
+    peer_server: PeerServer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A grpcio whose channels keep no record of their calls where `Redialling` reads it
+    (`_active_calls`, grpc.aio's private one; another version, which cannot be installed
+    here): a redial does not wait for the stream on an old channel (a warning naming the
+    record) and the next call goes on a new channel; the stream runs on to its end, and its
+    channel is closed then. (The redial waited for the stream to end, its deadline here: the
+    controller's polls of an engine stopped behind its abandonment.)"""
+    monkeypatch.setattr(kvplane.channels, "_CALLS_RECORD", "_calls_of_another_grpcio")
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    try:
+        stream = dialled.stub.Count(b"", timeout=30)
+        assert await stream.read() == b"1"
+        old = dialled.channel
+        dialled.dial_afresh()
+        with caplog.at_level(logging.WARNING, logger="kvplane.channels"):
+            await dialled.redial()
+        assert "keeps no record of a channel's calls (_calls_of_another_grpcio)" in caplog.text
+        assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
+        peer_server.go_on.set()
+        assert await stream.read() == b"2"
+        assert await stream.code() is grpc.StatusCode.OK
+        await closed(old)
     finally:
         await dialled.close()
 
