@@ -8,6 +8,7 @@ refreshes the index-size metrics; `close()` cancels all of it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -39,14 +40,12 @@ from indexer.backend import IndexBackend, IndexStats, ReachableIndex, index_answ
 from indexer.backends import open_backend
 from indexer.size_gauges import refresh_wait_s
 from indexer.sources.resync import connect_resync
+from kvplane.tokenize import tokenize_off_loop
 
 log = logging.getLogger(__name__)
 
 INDEX_STATS_INTERVAL_S = 5.0
 STATS_CANCEL_WAIT_S = 1.0
-# Prompts up to this many characters are tokenised on the event loop: a fast tokenizer takes
-# about 40 us for 100 characters and 350 us for 1,000, a worker-thread hop about 180 us here.
-INLINE_TOKENIZE_MAX_CHARS = 512
 
 
 class PromptInput(NamedTuple):
@@ -189,15 +188,12 @@ class Controller:
 
     async def tokenize(self, prompt: str, model: str = "") -> list[int] | None:
         """`prompt` in `model`'s tokens; None when no tokenizer is configured for it or the
-        prompt is longer than `tokenize_max_chars` (routed by load only). Tokenised in a
-        worker thread (the tokenizer releases the GIL): a long prompt takes a second or more,
-        which on the event loop would stall every other request, poll and Abort. A short
-        prompt is tokenised in place, where the thread hop would cost more than the work."""
+        prompt is longer than `tokenize_max_chars` (routed by load only). A long prompt is
+        tokenised in a worker thread (`kvplane.tokenize`)."""
         if len(prompt) > self.config.tokenize_max_chars:
             return None
-        if len(prompt) <= INLINE_TOKENIZE_MAX_CHARS:
-            return self._tokenizers.encode(prompt, model)
-        return await asyncio.to_thread(self._tokenizers.encode, prompt, model)
+        encode = functools.partial(self._tokenizers.encode, model=model)
+        return await tokenize_off_loop(encode, prompt)
 
     async def plan(
         self, query: PromptInput, role: Role | None = Role.AGGREGATED, *, cordoned: bool = False

@@ -6,8 +6,9 @@ lose the space or merge that its left context gives it. So each step decodes a s
 emitted. The delta is `decode(prefix + read)` minus `decode(prefix)`, emitted only when it does
 not end in U+FFFD (an incomplete character); then the window slides forward. The window starts
 on the last few prompt tokens so that the first output token gets its left context too.
-`flush()` emits whatever is left at the end, replacement characters included (those bytes were
-truly invalid).
+Nothing is flushed at the end: the bytes of a character the output never finishes are not
+emitted (as vLLM's detokenizer), so an output's text ends on its last whole character. Invalid
+bytes followed by more text are emitted, as U+FFFD, with that text.
 """
 
 from __future__ import annotations
@@ -51,18 +52,9 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Add one token; return the text it completes (maybe "")."""
         self._ids.append(token_id)
-        return self._advance(final=False)
-
-    def flush(self) -> str:
-        """Return any text still held back (at the end of the output)."""
-        return self._advance(final=True)
-
-    def _advance(self, *, final: bool) -> str:
-        if self._read_offset >= len(self._ids):
-            return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
-        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT)):
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
             return ""
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset

@@ -712,15 +712,14 @@ class EngineCore:
                 logprobs=logprobs,
                 prompt_logprobs=self._take_prompt_logprobs(state, out),
             )
-        text = decision.text_delta
-        if out.detokenizer is not None and decision.emit_token and decision.stop_match is None:
-            text += out.stop.finish(out.detokenizer.flush())
+        # Bytes of an unfinished character that the detokenizer still holds are not emitted,
+        # whatever ends the output (vLLM's final text): the text ends on its last whole character.
         return self._finish(
             state,
             out,
             decision.finish_reason,
             decision.stop_match,
-            text,
+            decision.text_delta,
             new_token_ids=emitted,
             logprobs=logprobs,
         )

@@ -103,9 +103,8 @@ class StopChecker:
         self._num_emitted_chars = safe_end
         return StopDecision(True, delta) if delta else _EMIT_WITHOUT_TEXT
 
-    def finish(self, tail: str = "") -> str:
-        """End the output (abort, or a detokenizer flush): the rest of the held-back text."""
-        self._text += tail
+    def finish(self) -> str:
+        """End the output early (abort, error, KV cache full): the rest of the held-back text."""
         return self._flush()
 
     def _flush(self) -> str:

@@ -38,6 +38,7 @@ from engine.server.errors import (
     UnsupportedOptionError,
 )
 from engine.server.info import LORA_DISABLED_MESSAGE, POOLING_ONLY_MESSAGE, ServedModel
+from kvplane.tokenize import tokenize_off_loop
 from openengine.v1 import openengine_pb2 as pb
 
 TokenText = Callable[[int], str]
@@ -187,8 +188,11 @@ def guided_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> Guided
     raise UnsupportedOptionError(f"guided {which} is not supported; supported modes: {supported}")
 
 
-def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
-    """Validate and translate; raises before anything is accepted."""
+async def engine_request_from_proto(
+    request: pb.GenerateRequest, ctx: EngineContext
+) -> EngineRequest:
+    """Validate and translate; raises before anything is accepted. A long text prompt is
+    tokenised in a worker thread (`kvplane.tokenize`)."""
     if not ctx.model.serves(request.model):
         raise ModelNotFoundError(f"model {request.model!r} is not served here")
     check_unsupported(request, ctx)
@@ -198,7 +202,7 @@ def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -
     elif which == "prompt":
         if ctx.encode is None:
             raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
-        prompt = ctx.encode(request.prompt)
+        prompt = await tokenize_off_loop(ctx.encode, request.prompt)
     else:
         raise InvalidRequestError("set prompt or token_ids")
     if not prompt:

@@ -152,7 +152,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         sessions = self._service.kv_sessions
         session_id: str | None = None
         try:
-            engine_request = engine_request_from_proto(request, self._ctx)
+            engine_request = await engine_request_from_proto(request, self._ctx)
             await self._service.compile_guide(engine_request)
             if request.kv.HasField("session") and self._kv_puller is not None:
                 stream = await self._pull_and_submit(

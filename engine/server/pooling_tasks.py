@@ -47,6 +47,7 @@ from engine.server.errors import (
     UnsupportedOptionError,
 )
 from engine.server.openengine_convert import EngineContext
+from kvplane.tokenize import tokenize_off_loop
 from openengine.v1 import openengine_pb2 as pb
 
 _SEQUENCE = pb.TASK_OUTPUT_GRANULARITY_SEQUENCE
@@ -106,7 +107,7 @@ class PoolingTasks:
             normalize=options.normalize if options.HasField("normalize") else True,
             dimensions=dimensions,
         )
-        items = self._items(request.inputs, "inputs")
+        items = await self._items(request.inputs, "inputs")
         outputs = await self._accepted(request.context.request_id, "embed", items, params)
         response = pb.EmbedResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
@@ -141,7 +142,7 @@ class PoolingTasks:
         params = PoolingParams(
             PoolingTask.CLASSIFY, per_token=granularity == _TOKEN, activation=_SEMANTICS[semantics]
         )
-        items = self._items(request.inputs, "inputs")
+        items = await self._items(request.inputs, "inputs")
         outputs = await self._accepted(request.context.request_id, "classify", items, params)
         response = pb.ClassifyResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
@@ -185,7 +186,7 @@ class PoolingTasks:
             if not group.HasField("query"):
                 raise InvalidRequestError(f"groups[{index}] has no query")
             where = f"groups[{index}]"
-            items = self._items([group.query, *group.candidates], where, min_items=2)
+            items = await self._items([group.query, *group.candidates], where, min_items=2)
             groups.append((items[0], items[1:]))
         # Each distinct token sequence is embedded once (a query shared by N:N groups).
         distinct = list(
@@ -240,7 +241,7 @@ class PoolingTasks:
             raise UnsupportedOptionError(f"{task} granularity: one of {names}")
         return value
 
-    def _items(
+    async def _items(
         self, inputs: Sequence[pb.TaskInput], where: str, *, min_items: int = 1
     ) -> list[_Item]:
         if len(inputs) < min_items:
@@ -249,12 +250,12 @@ class PoolingTasks:
                 if min_items > 1
                 else f"{where} must not be empty"
             )
-        items = [self._item(item, f"{where}[{i}]") for i, item in enumerate(inputs)]
+        items = [await self._item(item, f"{where}[{i}]") for i, item in enumerate(inputs)]
         if len({item.item_id for item in items}) != len(items):
             raise InvalidRequestError(f"{where}: item ids must be unique")
         return items
 
-    def _item(self, item: pb.TaskInput, where: str) -> _Item:
+    async def _item(self, item: pb.TaskInput, where: str) -> _Item:
         if not item.item_id:
             raise InvalidRequestError(f"{where}: item_id is required")
         which = item.WhichOneof("input")
@@ -264,7 +265,7 @@ class PoolingTasks:
         elif which == "text":
             if encode is None:
                 raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
-            tokens = tuple(encode(item.text))
+            tokens = tuple(await tokenize_off_loop(encode, item.text))
         elif which == "multimodal":
             raise UnsupportedOptionError("multimodal inputs are not supported by this engine")
         else:

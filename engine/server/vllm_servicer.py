@@ -65,6 +65,7 @@ from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto
 from engine.server.openengine_servicer import refuse
 from kvplane.server import Service, abort_with
+from kvplane.tokenize import tokenize_off_loop
 from openengine.v1 import openengine_pb2 as oe
 from vllm_grpc import vllm_grpc_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2_grpc as pb_grpc
@@ -133,7 +134,9 @@ def generate_refusal(ctx: EngineContext) -> FeatureDisabledError | RoleMismatchE
     return None
 
 
-def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
+async def engine_request_from_vllm(
+    request: pb.GenerateRequest, ctx: EngineContext
+) -> EngineRequest:
     if not ctx.model.serves(request.model):
         raise ModelNotFoundError(f"model {request.model!r} is not served here")
     refusal = generate_refusal(ctx)
@@ -153,7 +156,7 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
     elif which == "text":
         if ctx.encode is None:
             raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
-        prompt = ctx.encode(request.text)
+        prompt = await tokenize_off_loop(ctx.encode, request.text)
     else:
         raise InvalidRequestError("set text or token_ids")
     if request.truncate_prompt_tokens:
@@ -337,7 +340,7 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
         self, request: pb.GenerateRequest, context: Context, *, single: bool
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            engine_request = engine_request_from_vllm(request, self._ctx)
+            engine_request = await engine_request_from_vllm(request, self._ctx)
             if single and engine_request.sampling.num_sequences > 1:
                 raise InvalidRequestError("unary Generate returns one sequence: use GenerateStream")
             await self._service.compile_guide(engine_request)

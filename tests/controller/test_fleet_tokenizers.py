@@ -13,8 +13,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from typer.testing import CliRunner
 
-from controller.service import INLINE_TOKENIZE_MAX_CHARS
 from kvplane.cli import app
+from kvplane.tokenize import INLINE_TOKENIZE_MAX_CHARS
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (

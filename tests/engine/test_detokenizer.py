@@ -1,5 +1,6 @@
 """Incremental detokenisation with the tiny-llama byte-level BPE tokenizer: deltas concatenate to
-the full decode, and no delta ever carries a partial UTF-8 character."""
+the full decode (up to the last whole character), and no delta ever carries a partial UTF-8
+character."""
 
 from __future__ import annotations
 
@@ -28,9 +29,7 @@ def tokenizer() -> Tokenizer:
 
 def stream(tokenizer: Tokenizer, prompt: list[int], output: list[int]) -> list[str]:
     detok = IncrementalDetokenizer(tokenizer, prompt)
-    deltas = [detok.add(t) for t in output]
-    deltas.append(detok.flush())
-    return deltas
+    return [detok.add(t) for t in output]
 
 
 TEXTS = [
@@ -62,12 +61,17 @@ def test_output_after_a_prompt_keeps_its_leading_space(tokenizer: Tokenizer, tex
     assert expected.startswith(" ")
 
 
-def test_an_invalid_byte_sequence_is_flushed_at_the_end(tokenizer: Tokenizer) -> None:
+def test_the_bytes_of_an_unfinished_character_are_never_emitted(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("🎉", add_special_tokens=False).ids
     partial = ids[:-1]  # the emoji's bytes never complete
-    deltas = stream(tokenizer, [], partial)
-    assert deltas[:-1] == [""] * len(partial)
-    assert deltas[-1] == tokenizer.decode(partial)
+    assert tokenizer.decode(partial) == "\ufffd"
+    assert stream(tokenizer, [], partial) == [""] * len(partial)
+
+
+def test_invalid_bytes_followed_by_text_are_emitted_with_it(tokenizer: Tokenizer) -> None:
+    partial = tokenizer.encode("🎉", add_special_tokens=False).ids[:-1]
+    ids = partial + tokenizer.encode(" ok", add_special_tokens=False).ids
+    assert "".join(stream(tokenizer, [], ids)) == tokenizer.decode(ids) == "\ufffd ok"
 
 
 @settings(max_examples=60, deadline=None)
@@ -76,5 +80,7 @@ def test_any_text_streams_back_exactly(text: str) -> None:
     tokenizer = load_tokenizer()
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     deltas = stream(tokenizer, [], ids)
-    assert "".join(deltas) == tokenizer.decode(ids)
-    assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in tokenizer.decode(ids)
+    full, streamed = tokenizer.decode(ids), "".join(deltas)
+    # A text ending in U+FFFD itself reads as an unfinished character: held, as in vLLM.
+    assert streamed == full or (full.endswith("\ufffd") and full.startswith(streamed))
+    assert all("\ufffd" not in d for d in deltas) or "\ufffd" in full

@@ -21,6 +21,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.errors import InvalidRequestError
 from engine.core.sim_runner import SimRunner
 from engine.core.stopping import StopChecker, StopDecision
+from tests.engine.detok_reference import finished_text
 
 TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared/models/tiny-llama/tokenizer.json"
 EOS = 2
@@ -168,3 +169,65 @@ def test_stop_strings_without_a_tokenizer_are_rejected() -> None:
     core = EngineCore(SimRunner(time_scale=0))
     with pytest.raises(InvalidRequestError):
         core.add_request(EngineRequest("r", (1, 2, 3), SamplingParams(stop=("x",))))
+
+
+# ------------------------------------------------------------------ a finished output's text
+
+
+class ScriptedRunner(SimRunner):
+    """A sim runner whose outputs are `script`, token by token."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(block_size=4, num_blocks=128, vocab_size=1024, time_scale=0)
+        self.script = script
+
+    @property
+    def may_emit_eos(self) -> bool:
+        return True
+
+    def next_token(self, last_token_id: int, num_output: int, output_index: int) -> int:
+        return self.script[num_output]
+
+    def next_tokens(
+        self, last_token_id: int, num_output: int, output_index: int, count: int
+    ) -> list[int]:
+        return self.script[num_output : num_output + count]
+
+
+def scripted_text(script: list[int], sampling: SamplingParams) -> tuple[str, RequestOutput]:
+    core = EngineCore(
+        ScriptedRunner(script),
+        SchedulerConfig(max_num_batched_tokens=64),
+        tokenizer=Tokenizer.from_file(str(TOKENIZER)),
+    )
+    outputs = generate(core, sampling)
+    return "".join(o.new_text for o in outputs), outputs[-1]
+
+
+@pytest.mark.parametrize("end", ["length", "eos", "stop_token"])
+@pytest.mark.parametrize("text", ["ok 🎉", "café 日本"])
+def test_a_finished_output_ends_on_its_last_whole_character_whatever_ends_it(
+    end: str, text: str
+) -> None:
+    """Byte-level BPE splits these characters into several tokens; the output ends inside the
+    last one. Its text is what HF's decode of the whole output gives, up to the last whole
+    character (as vLLM's detokenizer: held bytes are not flushed as U+FFFD), whether the length
+    ran out, the EOS came or a stop token: before, the length flushed "\ufffd" and the EOS did
+    not."""
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    cut = ids[:-1]
+    assert tokenizer.decode(cut).endswith("\ufffd")  # the last character is unfinished
+    stop_id = 1000
+    script = cut + [stop_id if end == "stop_token" else EOS] * 2
+    sampling = SamplingParams(
+        max_tokens=len(cut) if end == "length" else len(cut) + 5,
+        stop_token_ids=(stop_id,) if end == "stop_token" else (),
+    )
+    got, last = scripted_text(script, sampling)
+    assert got == finished_text(tokenizer, cut)
+    assert "\ufffd" not in got
+    assert last.finish_reason is (FinishReason.LENGTH if end == "length" else FinishReason.STOP)
+    # Once the character completes, the whole decode is the text, whatever ends the output.
+    whole, _ = scripted_text([*ids, EOS], SamplingParams(max_tokens=len(ids)))
+    assert whole == tokenizer.decode(ids) == text

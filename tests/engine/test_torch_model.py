@@ -37,6 +37,7 @@ from engine.torch_runner.model import rms_norm
 from engine.torch_runner.native import compiler_available, load_kernels
 from engine.torch_runner.runner import TorchModelRunner
 from engine.torch_runner.tokenizer import load_tokenizer
+from tests.engine.detok_reference import finished_text
 from tests.engine.torch_reference import (
     TINY_LLAMA,
     DrivenSequence,
@@ -597,7 +598,7 @@ def test_engine_core_end_to_end_reproduces_vllm_outputs() -> None:
                 assert out.finish_reason in (None, FinishReason.LENGTH)
     assert {r["vllm_request_id"]: r["output_token_ids"] for r in requests} == outputs
     tokenizer = load_tokenizer(TINY_LLAMA)
-    assert all(texts[k] == tokenizer.decode(v) for k, v in outputs.items())
+    assert all(texts[k] == finished_text(tokenizer, v) for k, v in outputs.items())
     assert core.load().num_running == 0
     # The workload exercised preemption (recomputed sequences still match) and prefix hits; a
     # request run alone hits the cache exactly as much as in vLLM.

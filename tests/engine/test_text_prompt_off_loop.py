@@ -1,0 +1,107 @@
+"""A long text prompt is tokenised off the engine's event loop: while it is being tokenised,
+another client's health checks are answered (a tokenizer that blocks until the test releases
+it; were it on the event loop, nothing could answer until then)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.server.openengine_convert import EngineContext
+from engine.server.openengine_servicer import OpenEngineServicer
+from engine.server.vllm_servicer import VllmGenerateServicer
+from kvplane.server import create_server
+from kvplane.tokenize import INLINE_TOKENIZE_MAX_CHARS
+from openengine.v1 import openengine_pb2 as oe
+from openengine.v1 import openengine_pb2_grpc as oe_grpc
+from tests.engine.engine_server_harness import running_engine, sim_config
+from vllm_grpc import vllm_grpc_pb2 as vpb
+from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT_IDS = list(range(20, 44))
+HUGE_PROMPT = "x" * (INLINE_TOKENIZE_MAX_CHARS * 64)
+# Only against a deadlock on the old code (the tokenizer on the event loop blocks the very loop
+# that would answer Health): the passing path never waits on it.
+DEADLOCK_GUARD_S = 20.0
+
+
+class BlockingTokenizer:
+    """`encode` blocks until `release` is set, and records whether it was released (True) or
+    gave up on the guard (False)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.released: list[bool] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.entered.set()
+        self.released.append(self.release.wait(DEADLOCK_GUARD_S))
+        return PROMPT_IDS
+
+
+def openengine_call(channel: grpc.aio.Channel) -> Callable[[], Coroutine[None, None, list[object]]]:
+    request = oe.GenerateRequest(prompt=HUGE_PROMPT, stopping=oe.StoppingOptions(max_tokens=3))
+
+    async def call() -> list[object]:
+        return [r async for r in oe_grpc.OpenEngineStub(channel).Generate(request)]
+
+    return call
+
+
+def vllm_call(channel: grpc.aio.Channel) -> Callable[[], Coroutine[None, None, list[object]]]:
+    request = vpb.GenerateRequest(text=HUGE_PROMPT, stopping=vpb.StoppingCriteria(max_new_tokens=3))
+
+    async def call() -> list[object]:
+        return [r async for r in vpb_grpc.GenerateStub(channel).GenerateStream(request)]
+
+    return call
+
+
+@pytest.mark.parametrize("front_end", [openengine_call, vllm_call])
+async def test_health_answers_while_a_huge_text_prompt_is_tokenised(
+    front_end: Callable[[grpc.aio.Channel], Callable[[], Coroutine[None, None, list[object]]]],
+) -> None:
+    tokenizer = BlockingTokenizer()
+    async with running_engine() as engine:
+        service = engine.app.service
+        ctx = EngineContext(
+            model=service.model,
+            role=oe.ENGINE_ROLE_AGGREGATED,
+            data_parallel_rank=0,
+            encode=tokenizer.encode,
+        )
+        openengine = OpenEngineServicer(service, ctx, instance_id="text", token_text=str)
+        vllm = VllmGenerateServicer(service, ctx)
+        health_servicer = health.aio.HealthServicer()
+        await vllm.report_health(health_servicer)
+        await vllm.update_health()
+        server, port = await create_server(
+            sim_config(), [openengine.service(), vllm.service()], health_servicer=health_servicer
+        )
+        try:
+            async with (
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as other_client,
+            ):
+                generate = asyncio.create_task(front_end(client)())
+                await asyncio.to_thread(tokenizer.entered.wait)
+                # The prompt is being tokenised now: another client is answered meanwhile.
+                state = await oe_grpc.OpenEngineStub(other_client).Health(oe.HealthRequest())
+                probe = health_pb2_grpc.HealthStub(other_client)
+                checked = await probe.Check(health_pb2.HealthCheckRequest(service="vllm.Generate"))
+                tokenizer.release.set()
+                responses = await generate
+        finally:
+            await server.stop(0)
+    assert tokenizer.released == [True], "Health was not answered until the tokenizer returned"
+    assert state.state == oe.HEALTH_STATE_READY
+    assert checked.status == health_pb2.HealthCheckResponse.SERVING
+    assert responses  # the request itself was served, on the prompt the tokenizer gave
