@@ -182,6 +182,7 @@ _KEYWORDS = {
     "object": frozenset(("type", "properties", "required", "additionalProperties")),
     "array": frozenset(("type", "items", "minItems", "maxItems")),
 }
+_ALL_KEYWORDS = frozenset().union(*_KEYWORDS.values())
 # The pattern's size is bounded as it is built, at every node of the schema: an array writes
 # its item's pattern twice (so nested arrays double it at each level) and an object's pattern
 # grows as the square of its properties before the first required one (a branch per possible
@@ -229,14 +230,27 @@ def _unbounded_value(schema: Any, where: str) -> str:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(values, list) or not values:
             raise InvalidRequestError(f"guided json_schema: empty or malformed enum at {where}")
-        literals = (json.dumps(v, ensure_ascii=False, separators=(", ", ": ")) for v in values)
+        try:  # NaN and Infinity (which `json.loads` reads) are not JSON: refused
+            literals = [
+                json.dumps(v, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+                for v in values
+            ]
+        except ValueError:
+            raise InvalidRequestError(
+                f"guided json_schema: NaN or Infinity in the enum at {where} is not JSON"
+            ) from None
         return "(?:" + "|".join(re.escape(v) for v in literals) + ")"
+    if "type" not in schema:  # name what the schema uses instead (anyOf, $ref, ...)
+        unknown = next(
+            (k for k in schema if k not in _ANNOTATIONS and k not in _ALL_KEYWORDS), None
+        )
+        raise _refuse(where, "a schema without type" if unknown is None else f"keyword {unknown!r}")
     kind = schema.get("type")
     if isinstance(kind, list) and kind and all(k in _SIMPLE or k == "string" for k in kind):
         _only(schema, where, _KEYWORDS["string"])
         return "(?:" + "|".join(_value({**schema, "type": k}, where) for k in kind) + ")"
     if not isinstance(kind, str) or kind not in _KEYWORDS:
-        raise _refuse(where, f"type {kind!r}" if "type" in schema else "a schema without type")
+        raise _refuse(where, f"type {kind!r}")
     _only(schema, where, _KEYWORDS[kind])
     if kind == "string":
         low, high = _bounds(schema, where, "minLength", "maxLength")
@@ -284,7 +298,11 @@ def _object(schema: dict[str, Any], where: str) -> str:
         raise _refuse(where, "additionalProperties other than false")
     properties = schema.get("properties", {})
     required = schema.get("required", [])
-    if not isinstance(properties, dict) or not isinstance(required, list):
+    if (
+        not isinstance(properties, dict)
+        or not isinstance(required, list)
+        or not all(isinstance(name, str) for name in required)
+    ):
         raise InvalidRequestError(f"guided json_schema: malformed properties at {where}")
     if unknown := [r for r in required if r not in properties]:
         raise InvalidRequestError(f"guided json_schema: required {unknown} not in properties")

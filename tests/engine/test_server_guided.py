@@ -303,7 +303,13 @@ async def test_a_guide_that_cannot_continue_ends_with_one_invalid_argument(model
         (pb.GuidedDecoding(choice=pb.ChoiceConstraint()), "empty"),
         (pb.GuidedDecoding(json_schema="{"), "not valid JSON"),
         (pb.GuidedDecoding(json_schema='{"type": "string", "pattern": "a"}'), "'pattern'"),
-        (pb.GuidedDecoding(json_schema='{"anyOf": []}'), "without type"),
+        (pb.GuidedDecoding(json_schema='{"anyOf": []}'), "keyword 'anyOf'"),
+        (  # a malformed `required` is the request's error, not the engine's
+            pb.GuidedDecoding(
+                json_schema='{"type": "object", "properties": {}, "required": [["a"]]}'
+            ),
+            "malformed properties",
+        ),
         (  # nested arrays double the pattern per level (2^19 times the item)
             pb.GuidedDecoding(
                 json_schema='{"type": "array", "items": ' * 19 + '{"type": "null"}' + "}" * 19
