@@ -17,11 +17,12 @@ exactly when it is one.
 
 schema_to_regex, the subset (anything else is refused naming the keyword):
 `type` string/integer/number/boolean/null/object/array (or a list of these simple types);
-`enum`, `const`; strings with `minLength`/`maxLength`; arrays with `items`, `minItems`,
-`maxItems`; objects with `properties` (emitted in schema order; those in `required` always
-present, the others optional) and `additionalProperties: false` (the only behaviour: no
-property outside `properties`); annotations (`title`, `description`, `default`, `examples`,
-`$schema`, `$id`, `$comment`) are ignored.
+`enum`, `const` (with `type`, or both, only the values every keyword allows); strings with
+`minLength`/`maxLength`; arrays with `items`, `minItems`, `maxItems`; objects with
+`properties` (emitted in schema order; those in `required` always present, the others
+optional) and `additionalProperties: false` (the only behaviour: no property outside
+`properties`); annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`,
+`$comment`) are ignored.
 """
 
 from __future__ import annotations
@@ -230,6 +231,7 @@ def _unbounded_value(schema: Any, where: str) -> str:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(values, list) or not values:
             raise InvalidRequestError(f"guided json_schema: empty or malformed enum at {where}")
+        values = _enum_values(schema, values, where)
         try:  # NaN and Infinity (which `json.loads` reads) are not JSON: refused
             literals = [
                 json.dumps(v, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
@@ -260,6 +262,39 @@ def _unbounded_value(schema: Any, where: str) -> str:
     if kind == "object":
         return _object(schema, where)
     return _SIMPLE[kind]
+
+
+def _json_types(value: Any) -> set[str]:
+    """The JSON Schema types `value` (from `json.loads`) is an instance of."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number"}
+    return {
+        "string" if isinstance(value, str) else "array" if isinstance(value, list) else "object"
+    }
+
+
+def _enum_values(schema: dict[str, Any], values: list[Any], where: str) -> list[Any]:
+    """The values of `enum` that also satisfy the schema's `const` and `type`, if given (all
+    of a schema's keywords hold at once)."""
+    kept = values
+    if "enum" in schema and "const" in schema:
+        const = schema["const"]
+        kept = [v for v in kept if v == const and _json_types(v) == _json_types(const)]
+    if "type" in schema:
+        kind = schema["type"]
+        kinds = {k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str)}
+        kept = [v for v in kept if _json_types(v) & kinds]
+    if not kept:
+        raise InvalidRequestError(
+            f"guided json_schema: no value of the enum at {where} satisfies its type or const"
+        )
+    return kept
 
 
 def _only(schema: dict[str, Any], where: str, allowed: frozenset[str]) -> None:

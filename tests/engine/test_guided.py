@@ -193,6 +193,7 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
         ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "malformed"),
         ({"enum": ["a", float("nan")]}, "NaN or Infinity"),  # json.dumps writes NaN
         ({"const": float("inf")}, "NaN or Infinity"),
+        ({"type": "integer", "enum": ["a", "b"]}, "no value of the enum"),
         ({"type": "integer", "minimum": 0}, "'minimum'"),
         ({"type": "array"}, "without items"),
         ({"enum": []}, "empty"),
@@ -206,6 +207,22 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
 def test_schema_refusals_name_the_keyword(schema: dict[str, Any], needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=re.escape(needle)):
         compile_guide(GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(schema)))
+
+
+@pytest.mark.parametrize(
+    ("schema", "texts"),
+    [  # every keyword of a schema holds at once: an enum's values outside its type are not
+        ({"type": "string", "enum": ["a", 1, None]}, ['"a"']),
+        ({"type": ["integer", "null"], "enum": ["a", 1, 2.5, None, True]}, ["1", "null"]),
+        ({"enum": [1, 2, 3], "const": 2}, ["2"]),
+    ],
+)
+def test_an_enum_keeps_only_the_values_its_type_and_const_allow(
+    schema: dict[str, Any], texts: list[str]
+) -> None:
+    pattern = schema_to_regex(json.dumps(schema))
+    candidates = ['"a"', "1", "2", "3", "2.5", "null", "true"]
+    assert [t for t in candidates if re.fullmatch(pattern, t)] == texts
 
 
 def _nested(outer: str, inner: str, depth: int) -> str:
