@@ -131,7 +131,9 @@ class EngineCore:
                 raise ValueError(f"{type(runner).__name__} does not serve LoRA adapters")
             self.loras = LoraRegistry(max_loras)
         self.tokenizer = tokenizer
-        self._guides = GuideRegistry(tokenizer) if tokenizer is not None else None
+        self._guides = (
+            GuideRegistry(tokenizer, runner.eos_token_ids) if tokenizer is not None else None
+        )
         self.clock = clock
         self.block_manager = BlockManager(
             runner.num_blocks,

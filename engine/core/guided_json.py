@@ -17,11 +17,12 @@ exactly when it is one.
 
 schema_to_regex, the subset (anything else is refused naming the keyword):
 `type` string/integer/number/boolean/null/object/array (or a list of these simple types);
-`enum`, `const`; strings with `minLength`/`maxLength`; arrays with `items`, `minItems`,
-`maxItems`; objects with `properties` (emitted in schema order; those in `required` always
-present, the others optional) and `additionalProperties: false` (the only behaviour: no
-property outside `properties`); annotations (`title`, `description`, `default`, `examples`,
-`$schema`, `$id`, `$comment`) are ignored.
+`enum`, `const` (with `type`, or both, only the values every keyword allows); strings with
+`minLength`/`maxLength`; arrays with `items`, `minItems`, `maxItems`; objects with
+`properties` (emitted in schema order; those in `required` always present, the others
+optional) and `additionalProperties: false` (the only behaviour: no property outside
+`properties`); annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`,
+`$comment`) are ignored.
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ _KEYWORDS = {
     "object": frozenset(("type", "properties", "required", "additionalProperties")),
     "array": frozenset(("type", "items", "minItems", "maxItems")),
 }
+_ALL_KEYWORDS = frozenset().union(*_KEYWORDS.values())
 # The pattern's size is bounded as it is built, at every node of the schema: an array writes
 # its item's pattern twice (so nested arrays double it at each level) and an object's pattern
 # grows as the square of its properties before the first required one (a branch per possible
@@ -229,14 +231,28 @@ def _unbounded_value(schema: Any, where: str) -> str:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(values, list) or not values:
             raise InvalidRequestError(f"guided json_schema: empty or malformed enum at {where}")
-        literals = (json.dumps(v, ensure_ascii=False, separators=(", ", ": ")) for v in values)
+        values = _enum_values(schema, values, where)
+        try:  # NaN and Infinity (which `json.loads` reads) are not JSON: refused
+            literals = [
+                json.dumps(v, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+                for v in values
+            ]
+        except ValueError:
+            raise InvalidRequestError(
+                f"guided json_schema: NaN or Infinity in the enum at {where} is not JSON"
+            ) from None
         return "(?:" + "|".join(re.escape(v) for v in literals) + ")"
+    if "type" not in schema:  # name what the schema uses instead (anyOf, $ref, ...)
+        unknown = next(
+            (k for k in schema if k not in _ANNOTATIONS and k not in _ALL_KEYWORDS), None
+        )
+        raise _refuse(where, "a schema without type" if unknown is None else f"keyword {unknown!r}")
     kind = schema.get("type")
     if isinstance(kind, list) and kind and all(k in _SIMPLE or k == "string" for k in kind):
         _only(schema, where, _KEYWORDS["string"])
         return "(?:" + "|".join(_value({**schema, "type": k}, where) for k in kind) + ")"
     if not isinstance(kind, str) or kind not in _KEYWORDS:
-        raise _refuse(where, f"type {kind!r}" if "type" in schema else "a schema without type")
+        raise _refuse(where, f"type {kind!r}")
     _only(schema, where, _KEYWORDS[kind])
     if kind == "string":
         low, high = _bounds(schema, where, "minLength", "maxLength")
@@ -246,6 +262,39 @@ def _unbounded_value(schema: Any, where: str) -> str:
     if kind == "object":
         return _object(schema, where)
     return _SIMPLE[kind]
+
+
+def _json_types(value: Any) -> set[str]:
+    """The JSON Schema types `value` (from `json.loads`) is an instance of."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number"}
+    return {
+        "string" if isinstance(value, str) else "array" if isinstance(value, list) else "object"
+    }
+
+
+def _enum_values(schema: dict[str, Any], values: list[Any], where: str) -> list[Any]:
+    """The values of `enum` that also satisfy the schema's `const` and `type`, if given (all
+    of a schema's keywords hold at once)."""
+    kept = values
+    if "enum" in schema and "const" in schema:
+        const = schema["const"]
+        kept = [v for v in kept if v == const and _json_types(v) == _json_types(const)]
+    if "type" in schema:
+        kind = schema["type"]
+        kinds = {k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str)}
+        kept = [v for v in kept if _json_types(v) & kinds]
+    if not kept:
+        raise InvalidRequestError(
+            f"guided json_schema: no value of the enum at {where} satisfies its type or const"
+        )
+    return kept
 
 
 def _only(schema: dict[str, Any], where: str, allowed: frozenset[str]) -> None:
@@ -284,7 +333,11 @@ def _object(schema: dict[str, Any], where: str) -> str:
         raise _refuse(where, "additionalProperties other than false")
     properties = schema.get("properties", {})
     required = schema.get("required", [])
-    if not isinstance(properties, dict) or not isinstance(required, list):
+    if (
+        not isinstance(properties, dict)
+        or not isinstance(required, list)
+        or not all(isinstance(name, str) for name in required)
+    ):
         raise InvalidRequestError(f"guided json_schema: malformed properties at {where}")
     if unknown := [r for r in required if r not in properties]:
         raise InvalidRequestError(f"guided json_schema: required {unknown} not in properties")

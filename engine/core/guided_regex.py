@@ -22,7 +22,10 @@ constraint.
 
 Character sets are whatever the `regex` module says they are: a class or escape's members are
 found once by running it over every code point (`char_set`), so `\\w`, `\\d` and `\\p{..}` are
-exactly the `regex` module's. A set is a tuple of half-open code point intervals.
+exactly the `regex` module's. That scan takes milliseconds, so a pattern may name at most
+`MAX_CHAR_SETS` distinct ones (beyond: InvalidRequestError); an escape of one character
+(`\\xhh`, `\\uhhhh`, octal, `\\n`, `\\.`) is its code point, not scanned, nor counted. A set is a
+tuple of half-open code point intervals.
 """
 
 from __future__ import annotations
@@ -38,9 +41,14 @@ from engine.core.errors import InvalidRequestError
 CharSet = tuple[tuple[int, int], ...]  # sorted, disjoint, half-open [start, stop) intervals
 
 _MAX_CODE_POINT = 0x110000
+# Distinct classes, `.` and class escapes one pattern may name: each costs a scan of every code
+# point the first time (about 8 ms), so that a long pattern of distinct classes cannot hold the
+# guide compiler for seconds.
+MAX_CHAR_SETS = 100
 _COUNT = re.compile(r"\{(\d*)(,?)(\d*)\}")
 # Escapes of one character set: the letter, and how much text follows it.
 _CLASS_ESCAPES = frozenset("dDwWsSafnrtv")
+_CONTROL_ESCAPES = {"a": 0x07, "f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}  # `regex` checked that the digits are there
 _BRACED_ESCAPES = frozenset("NpP")
 _REFUSED_ESCAPES = {
@@ -122,6 +130,20 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
         self.pos = 0
+        self._scanned: set[str] = set()  # the distinct texts given to `char_set`
+
+    def _chars(self, text: str) -> Chars:
+        """The set of the class, `.` or escape `text` (InvalidRequestError past MAX_CHAR_SETS)."""
+        point = _literal_escape(text)
+        if point is not None:
+            return Chars(((point, point + 1),))
+        self._scanned.add(text)
+        if len(self._scanned) > MAX_CHAR_SETS:
+            raise _refuse(
+                f"a character class beyond the {MAX_CHAR_SETS} distinct ones a pattern may use",
+                self.pos - len(text),
+            )
+        return Chars(char_set(text))
 
     def _peek(self, text: str) -> bool:
         return self.pattern.startswith(text, self.pos)
@@ -171,12 +193,12 @@ class _Parser:
         if char == "[":
             end = _class_end(pattern, start)
             self.pos = end
-            return Chars(char_set(pattern[start:end]))
+            return self._chars(pattern[start:end])
         if char == "\\":
             return self._escape()
         self.pos += 1
         if char == ".":
-            return Chars(char_set("."))
+            return self._chars(".")
         if char == "^":
             return Assertion(Anchor.START)
         if char == "$":
@@ -234,7 +256,22 @@ class _Parser:
         elif letter.isalnum() and letter not in _CLASS_ESCAPES:
             raise _refuse(f"the escape \\{letter}", start)
         self.pos = end
-        return Chars(char_set(pattern[start:end]))
+        return self._chars(pattern[start:end])
+
+
+def _literal_escape(text: str) -> int | None:
+    """The code point of an escape of one character (`text` as `_escape` delimits it), or None
+    (a class escape, `\\N{..}`, or not an escape)."""
+    if not text.startswith("\\"):
+        return None
+    letter = text[1]
+    if letter in _HEX_DIGITS:
+        return int(text[2:], 16)
+    if letter in "01234567":  # `_escape` took only octal digits
+        return int(text[1:], 8)
+    if letter in _CONTROL_ESCAPES:
+        return _CONTROL_ESCAPES[letter]
+    return None if letter.isalnum() else ord(letter)
 
 
 def _is_octal(pattern: str, pos: int) -> bool:

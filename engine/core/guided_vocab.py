@@ -252,10 +252,13 @@ class TokenMasker:
 class GuideRegistry:
     """One engine's guided decoding: the tokenizer's vocabulary and trie, built on the first
     guided request (not at startup: most engines never see one), and a masker per distinct
-    constraint (the last `max_maskers`, so a recurring schema keeps its memo)."""
+    constraint (the last `max_maskers`, so a recurring schema keeps its memo). The EOS ids
+    are never text, even where the tokenizer does not mark them special (a model may end on
+    an ordinary token): the core allows them only where the text is complete."""
 
-    def __init__(self, tokenizer: Any, max_maskers: int = 64) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: Iterable[int], max_maskers: int = 64) -> None:
         self._tokenizer = tokenizer
+        self._eos_token_ids = tuple(eos_token_ids)
         self._vocabulary: list[bytes | None] | None = None
         self._trie: VocabTrie | None = None
         self._maskers: dict[GuidedDecoding, TokenMasker] = {}
@@ -266,6 +269,9 @@ class GuideRegistry:
         if masker is None:
             if self._vocabulary is None or self._trie is None:
                 self._vocabulary = token_bytes(self._tokenizer)
+                for token_id in self._eos_token_ids:
+                    if token_id < len(self._vocabulary):
+                        self._vocabulary[token_id] = None
                 self._trie = VocabTrie(self._vocabulary)
             masker = TokenMasker(compile_guide(spec), self._trie, self._vocabulary)
             if len(self._maskers) >= self._max_maskers:

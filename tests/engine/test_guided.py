@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -22,6 +23,7 @@ from engine.core.guided import ChoiceGuide, Guide, GuideState, RegexGuide, compi
 from engine.core.guided_dfa import MAX_DFA_STATES
 from engine.core.guided_ebnf import EbnfGuide
 from engine.core.guided_json import JsonObjectGuide, schema_to_regex
+from engine.core.guided_regex import MAX_CHAR_SETS
 from engine.core.guided_vocab import GuidedState, TokenMasker, VocabTrie, token_bytes
 from engine.torch_runner.builtin_model import build_tokenizer
 
@@ -186,7 +188,12 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
     [
         ({"type": "string", "format": "date"}, "'format'"),
         ({"type": "object", "additionalProperties": True}, "additionalProperties"),
-        ({"$ref": "#/x"}, "without type"),
+        ({"$ref": "#/x"}, "'$ref'"),
+        ({"anyOf": [{"type": "string"}, {"type": "null"}]}, "'anyOf'"),
+        ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "malformed"),
+        ({"enum": ["a", float("nan")]}, "NaN or Infinity"),  # json.dumps writes NaN
+        ({"const": float("inf")}, "NaN or Infinity"),
+        ({"type": "integer", "enum": ["a", "b"]}, "no value of the enum"),
         ({"type": "integer", "minimum": 0}, "'minimum'"),
         ({"type": "array"}, "without items"),
         ({"enum": []}, "empty"),
@@ -200,6 +207,22 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
 def test_schema_refusals_name_the_keyword(schema: dict[str, Any], needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=re.escape(needle)):
         compile_guide(GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(schema)))
+
+
+@pytest.mark.parametrize(
+    ("schema", "texts"),
+    [  # every keyword of a schema holds at once: an enum's values outside its type are not
+        ({"type": "string", "enum": ["a", 1, None]}, ['"a"']),
+        ({"type": ["integer", "null"], "enum": ["a", 1, 2.5, None, True]}, ["1", "null"]),
+        ({"enum": [1, 2, 3], "const": 2}, ["2"]),
+    ],
+)
+def test_an_enum_keeps_only_the_values_its_type_and_const_allow(
+    schema: dict[str, Any], texts: list[str]
+) -> None:
+    pattern = schema_to_regex(json.dumps(schema))
+    candidates = ['"a"', "1", "2", "3", "2.5", "null", "true"]
+    assert [t for t in candidates if re.fullmatch(pattern, t)] == texts
 
 
 def _nested(outer: str, inner: str, depth: int) -> str:
@@ -382,6 +405,41 @@ def test_syntax_outside_the_dfa_subset_is_refused(pattern: str, needle: str) -> 
 def test_pathological_patterns_are_refused_before_acceptance(pattern: str, needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=re.escape(needle)):
         RegexGuide(pattern)
+
+
+@pytest.mark.parametrize(
+    "escape",
+    [
+        r"\x41",
+        r"\xe9",
+        r"\u65e5",
+        r"\U0001F600",
+        r"\0",
+        r"\101",
+        r"\400",
+        r"\n",
+        r"\v",
+        r"\.",
+        r"\-",
+        r"\ ",
+    ],
+)
+def test_an_escaped_character_matches_what_regex_says(escape: str) -> None:
+    point = next(p for p in range(0x20000) if regex.fullmatch(escape, chr(p)))
+    guide = RegexGuide(f"{escape}+")
+    assert guide.is_complete(_run(guide, chr(point) * 2))
+    assert all(_run(guide, chr(other)) is None for other in (point - 1, point + 1) if other >= 0)
+
+
+def test_distinct_character_classes_are_bounded_but_escaped_characters_are_free() -> None:
+    # Each distinct class costs a scan of every code point; escapes of one character do not.
+    escapes = "".join(f"\\u{0x4E00 + i:04x}" for i in range(2 * MAX_CHAR_SETS))
+    guide = RegexGuide(escapes)
+    text = "".join(chr(0x4E00 + i) for i in range(2 * MAX_CHAR_SETS))
+    assert guide.is_complete(_run(guide, text))
+    classes = "".join(f"[{chr(0x100 + i)}x]" for i in range(MAX_CHAR_SETS + 1))
+    with pytest.raises(InvalidRequestError, match=f"the {MAX_CHAR_SETS} distinct ones"):
+        RegexGuide(classes)
 
 
 def test_dfa_state_count_is_bounded() -> None:

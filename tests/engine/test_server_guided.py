@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from engine.config import EngineConfig
 from engine.core.api import GuidedDecoding, GuideKind
 from engine.core.guided import Guide, GuideState, compile_guide
 from engine.core.guided_json import JsonObjectGuide
-from engine.torch_runner.builtin_model import ensure_builtin_model
+from engine.torch_runner.builtin_model import EOS_ID, build_tokenizer, ensure_builtin_model
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     Engine,
@@ -288,6 +289,24 @@ async def test_a_guide_that_cannot_continue_ends_with_one_invalid_argument(model
         assert responses[-1].HasField("usage")
 
 
+async def test_an_eos_id_that_is_an_ordinary_token_is_never_text(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # A model may end on a token the tokenizer does not mark special: here "x". The guide
+    # must not offer it as text (sampling it ends the output, the text unfinished).
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    x_id = build_tokenizer().token_to_id("x")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID, x_id]}))
+    async with running_engine(torch_config(str(model), served_model_name="m")) as engine:
+        either = pb.GuidedDecoding(regex="(x|y)y")  # "x" would be EOS, never text: "yy"
+        assert await _outputs(engine, either) == ["yy"] * (1 + len(SEEDS))
+        # "xy" cannot be written without "x": no token continues, the guided error.
+        responses = await collect(engine.stub, _request(pb.GuidedDecoding(regex="xy")))
+        assert [r.WhichOneof("event") for r in responses][-1] == "error"
+        assert "guided decoding" in responses[-1].error.message
+
+
 @pytest.mark.parametrize(
     ("guided", "needle"),
     [
@@ -303,7 +322,13 @@ async def test_a_guide_that_cannot_continue_ends_with_one_invalid_argument(model
         (pb.GuidedDecoding(choice=pb.ChoiceConstraint()), "empty"),
         (pb.GuidedDecoding(json_schema="{"), "not valid JSON"),
         (pb.GuidedDecoding(json_schema='{"type": "string", "pattern": "a"}'), "'pattern'"),
-        (pb.GuidedDecoding(json_schema='{"anyOf": []}'), "without type"),
+        (pb.GuidedDecoding(json_schema='{"anyOf": []}'), "keyword 'anyOf'"),
+        (  # a malformed `required` is the request's error, not the engine's
+            pb.GuidedDecoding(
+                json_schema='{"type": "object", "properties": {}, "required": [["a"]]}'
+            ),
+            "malformed properties",
+        ),
         (  # nested arrays double the pattern per level (2^19 times the item)
             pb.GuidedDecoding(
                 json_schema='{"type": "array", "items": ' * 19 + '{"type": "null"}' + "}" * 19
