@@ -13,6 +13,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from controller.config import ControllerConfig
+from controller.fleet import Fleet
 from controller.membership import Membership
 from indexer.redis_client import IndexUnavailableError
 from indexer.writer_lease import WriterLease
@@ -68,7 +69,7 @@ async def test_a_writer_lease_cancelled_inside_a_renewal_stops() -> None:
 async def test_the_shared_membership_cancelled_inside_a_read_stops() -> None:
     call = _CancelledIntoAnError(RedisConnectionError("Connection closed by server."))
     config = ControllerConfig.model_validate({"health": {"poll_interval_s": 0.01}})
-    membership = Membership(None, config)  # type: ignore[arg-type]
+    membership = Membership(Fleet(config, None), config)
     membership.refresh = call  # type: ignore[method-assign]
     task = asyncio.create_task(membership._follow())
     await asyncio.wait_for(call.entered.wait(), 10)
