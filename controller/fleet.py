@@ -90,6 +90,7 @@ from controller.router import Candidate, LoadSnapshot, PrefixHit
 from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
+from indexer.redis_client import stop_if_cancelled
 from indexer.sources.openengine import (
     OpenEngineSource,
     OpenEngineSourceSettings,
@@ -1007,6 +1008,9 @@ class Fleet:
         identity_view: str | None = None
         followed = False  # a process was accepted here: what it left must go if it is replaced
         while True:
+            # A cancellation that landed in a Redis call (the shared drains, the index) may
+            # have come out of it as redis-py's error, which the turn took for Redis's.
+            stop_if_cancelled()
             now = self._clock()
             if engine.events_out_of_sequence.is_set():
                 engine.events_out_of_sequence.clear()

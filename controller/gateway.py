@@ -92,7 +92,6 @@ from google.protobuf.descriptor import FieldDescriptor
 from controller.fleet import (
     KV_BLOCK_SIZE_ATTRIBUTE,
     KV_TOKEN_ATTRIBUTES,
-    POOLING_TASKS,
     Fleet,
     field_holder,
 )
@@ -1543,35 +1542,44 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         self,
         reply: pb.ModelInfo,
         answered: EngineRecord,
-        records: list[EngineRecord],
+        fleet: ModelFacts,
         request: pb.GetModelInfoRequest,
     ) -> None:
         """What the fleet serves for the model though the answering engine does not, which
         the seed has clients use only when ModelInfo advertises it: LoRA (`supports_lora`:
         a Generate naming an adapter goes to a generating engine holding it, the LoRA calls
         fan out to the engines that support LoRA), and each pooling task (Embed, Classify
-        and Score go to an engine that has it), advertised with that engine's capability."""
-        model = request.model
-        if not reply.supports_lora and any(
-            r.identity is not None
-            and r.identity.facts_of(model).generates
-            and r.identity.facts_of(model).supports_lora
-            for r in records
-        ):
+        and Score go to an engine that has it), advertised with the capability of an engine
+        that has it (a routable one first; one out of routing but reached next; `supported`
+        alone when none answers). As `fleet` (`fleet_facts`) says: of every read engine,
+        routable or not, as the fleet view counts them, so that the answer moves only with
+        the view (a controller fronting this one reads it again then: a task advertised only
+        while its engine was routable was lost upstairs for good by a read while it was out)."""
+        if fleet.supports_lora:
             reply.supports_lora = True
-        for task in POOLING_TASKS:
-            if getattr(reply.tasks, task).supported:
+        # Not an unreachable engine (it would hold the answer up), nor an incompatible one
+        # (the fleet does not serve its models).
+        asked = sorted(
+            (r for r in self.controller.fleet.registry.records() if r.state not in _NOT_ASKED),
+            key=lambda r: not r.routable,
+        )
+        for task in sorted(fleet.tasks):
+            capability = getattr(reply.tasks, task)
+            if capability.supported:
                 continue
-            for other in records:
-                if other is answered or not _has_task(other, model, task):
+            for other in asked:
+                if other is answered or not _has_task(other, request.model, task):
                     continue
                 try:
                     info = await self._model_info(other, request)
                 except grpc.aio.AioRpcError:
                     continue  # another engine with the task may answer
                 if getattr(info.tasks, task).supported:
-                    getattr(reply.tasks, task).CopyFrom(getattr(info.tasks, task))
+                    capability.CopyFrom(getattr(info.tasks, task))
                     break
+            else:
+                capability.Clear()  # (the answering engine's words of a task it lacks)
+                capability.supported = True
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> pb.ModelInfo:
         if not request.model:  # as an engine answers
@@ -1597,7 +1605,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     refusals.append(f"{r.engine_id} {failure.code().name}: {failure.details()}")
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
-            await self._add_served_elsewhere(reply, r, records, request)
+            await self._add_served_elsewhere(reply, r, fleet, request)
             _as_the_fleets(reply, fleet)
             return reply
         states = registry.generating_states if generating else registry.engine_states
@@ -1714,6 +1722,10 @@ def _kv_tokens(load: LoadSnapshot, block_size: int) -> tuple[dict[str, int], tup
 
 def _queue_depth(record: EngineRecord) -> int:
     return (record.load.running_requests or 0) + (record.load.queued_requests or 0)
+
+
+# The engines GetModelInfo does not ask for a task the answering engine lacks.
+_NOT_ASKED = frozenset({EngineState.UNREACHABLE, EngineState.INCOMPATIBLE})
 
 
 def _has_task(record: EngineRecord, model: str, task: str) -> bool:

@@ -234,6 +234,8 @@ class Membership:
         try:
             value = await self._client.hget(self._key, _DRAINED + address)
         except (RedisError, OSError) as exc:
+            # (redis-py's error for the poll's cancellation, RemoveEngine's: the poll ends.)
+            stop_if_cancelled()
             self._read_failed.warn(
                 f"the drains made through other controller replicas could not be read from "
                 f"Redis (a drained engine's leave counts as a flap): {exc}"

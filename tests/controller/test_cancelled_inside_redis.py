@@ -13,9 +13,11 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from controller.config import ControllerConfig
+from controller.fleet import Fleet
 from controller.membership import Membership
 from indexer.redis_client import IndexUnavailableError
 from indexer.writer_lease import WriterLease
+from tests.controller.conftest import start_sim_engine
 
 # A loop that outlives its cancellation also holds up the test's own teardown: fail instead.
 pytestmark = pytest.mark.timeout(30)
@@ -68,8 +70,41 @@ async def test_a_writer_lease_cancelled_inside_a_renewal_stops() -> None:
 async def test_the_shared_membership_cancelled_inside_a_read_stops() -> None:
     call = _CancelledIntoAnError(RedisConnectionError("Connection closed by server."))
     config = ControllerConfig.model_validate({"health": {"poll_interval_s": 0.01}})
-    membership = Membership(None, config)  # type: ignore[arg-type]
+    membership = Membership(Fleet(config, None), config)
     membership.refresh = call  # type: ignore[method-assign]
     task = asyncio.create_task(membership._follow())
     await asyncio.wait_for(call.entered.wait(), 10)
     await _cancel_and_wait(task)
+
+
+async def test_an_engine_removed_while_its_poll_reads_the_shared_drains_is_removed() -> None:
+    """An engine leaving ready has its poll read the drains made through the other
+    replicas (`Membership._drained`); removed meanwhile, the poll's cancellation landed in
+    that read, which took redis-py's error for Redis not answering: the poll went on, and
+    the removal, waiting for it, never ended (a registration of the address waits for the
+    removal, under the shared membership's lock: every membership change hung with it)."""
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    config = ControllerConfig.model_validate(
+        {"health": {"poll_interval_s": 0.05, "load_poll_interval_s": 0.05}}
+    )
+    fleet = Fleet(config, None)
+    membership = Membership(fleet, config)
+    hget = _CancelledIntoAnError(RedisConnectionError("Connection closed by server."))
+
+    class Client:
+        pass
+
+    client = Client()
+    client.hget = hget  # type: ignore[attr-defined]
+    membership._client = client  # type: ignore[assignment]
+    fleet.shared_drains = membership._drained
+    try:
+        await fleet.add_engine(address, kv_events="none")
+        await fleet.wait_for(lambda: fleet.registry.get(address).routable, 15)
+        await engine.close()  # it leaves ready: its poll reads the shared drains
+        await hget.entered.wait()
+        await fleet.remove_engine(address)  # (the module's timeout, on the old code)
+        assert fleet.removal(address) is None
+    finally:
+        await fleet.close()

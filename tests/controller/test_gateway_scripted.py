@@ -520,7 +520,10 @@ async def test_lora_fan_out_aggregates_every_engines_result(tmp_path: Path) -> N
 async def test_the_fleets_model_info_says_lora_is_supported_when_an_engine_supports_it() -> None:
     """The gateway takes `lora_name` (routed to an engine holding the adapter) and the LoRA
     calls (fanned out to the engines that support LoRA) when any engine does: its ModelInfo
-    says `supports_lora`, whichever engine answers (e0, without LoRA, answered false)."""
+    says `supports_lora`, whichever engine answers (e0, without LoRA, answered false), and
+    while e1 is out of routing too: the fleet view (on which a controller fronting this one
+    reads the model's facts again) does not move with a cordon, and an upper controller that
+    read the answer then would never have routed an adapter here after the uncordon."""
     engines = [
         await start_scripted_engine("e0", advertise_lora=False),
         await start_scripted_engine("e1", advertise_lora=True, lora_enabled=True),
@@ -534,8 +537,7 @@ async def test_the_fleets_model_info_says_lora_is_supported_when_an_engine_suppo
         for _ in range(2):  # whichever engine answers
             assert (await fleet.gateway.GetModelInfo(request)).supports_lora
         await fleet.admin.Cordon(apb.EngineRef(engine="e1"))
-        # e1 takes no traffic now: the fleet serves no LoRA for the model.
-        assert not (await fleet.gateway.GetModelInfo(request)).supports_lora
+        assert (await fleet.gateway.GetModelInfo(request)).supports_lora
     finally:
         await close_fleet(fleet)
 

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from controller.fleet_view import FLEET_VIEW_KEY
 from engine.config import EngineConfig
 from engine.server.service import start_engine
 from kvplane_api.v1 import admin_pb2 as apb
@@ -291,6 +292,17 @@ async def test_vllm_generate_is_not_serving_while_only_pooling_engines_are_routa
         await close_fleet(fleet)
 
 
+async def _classified_through(upper: Fleet) -> None:
+    """A Classify of MODEL through the controller `upper` fronting the lower fleet is served."""
+    classified = await upper.gateway.Classify(
+        pb.ClassifyRequest(
+            context=pb.TaskRequestContext(request_id="via-upper", model=MODEL),
+            inputs=[pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))],
+        )
+    )
+    assert list(classified.outputs[0].labels) == LABELS
+
+
 async def test_a_pooling_model_is_read_through_a_fronted_fleet_with_an_engine_never_reached(
     tmp_path: Path,
 ) -> None:
@@ -314,13 +326,37 @@ async def test_a_pooling_model_is_read_through_a_fronted_fleet_with_an_engine_ne
             apb.RegisterEngineRequest(address=lower.target, kv_events="none")
         )
         await upper.wait_routable(1)
-        classified = await upper.gateway.Classify(
-            pb.ClassifyRequest(
-                context=pb.TaskRequestContext(request_id="via-upper", model=MODEL),
-                inputs=[pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))],
-            )
-        )
-        assert list(classified.outputs[0].labels) == LABELS
+        await _classified_through(upper)
     finally:
         await close_fleet(upper)
         await close_fleet(lower)
+
+
+async def test_a_fronted_fleets_model_info_keeps_a_task_whose_engine_is_out_of_routing(
+    mixed_fleet: Fleet,
+) -> None:
+    """The lower fleet's GetModelInfo advertised a pooling task only where an engine with it
+    was routable, while its fleet view (which a controller fronting it re-reads the model's
+    facts on) counts every read engine, routable or not: the pooling engine cordoned when the
+    upper read the lower's identity, the upper never learnt of Classify, and refused it after
+    the engine was back, for as long as the lower fleet ran. The answer holds the tasks of
+    every read engine, as the view does."""
+    pool = "pool"  # its instance id
+    request = pb.GetModelInfoRequest(model=MODEL)
+    view_before = (await mixed_fleet.gateway.GetLoad(pb.GetLoadRequest())).attributes
+    await mixed_fleet.admin.Cordon(apb.EngineRef(engine=pool))
+    view_after = (await mixed_fleet.gateway.GetLoad(pb.GetLoadRequest())).attributes
+    assert view_after[FLEET_VIEW_KEY] == view_before[FLEET_VIEW_KEY]  # no re-read upstairs
+    info = await mixed_fleet.gateway.GetModelInfo(request)
+    assert info.tasks.classify.supported
+    upper = await make_fleet(0)
+    try:
+        await upper.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=mixed_fleet.target, kv_events="none")
+        )
+        await upper.wait_routable(1)
+        await mixed_fleet.admin.Uncordon(apb.EngineRef(engine=pool))
+        await mixed_fleet.wait_routable(2)
+        await _classified_through(upper)
+    finally:
+        await close_fleet(upper)
