@@ -279,13 +279,25 @@ def _json_types(value: Any) -> set[str]:
     }
 
 
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON Schema's equality of two values (from `json.loads`): Python's `==`, except that a
+    boolean never equals a number, at any depth (`[true]` is not `[1]`)."""
+    if _json_types(a) != _json_types(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same_json, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
 def _enum_values(schema: dict[str, Any], values: list[Any], where: str) -> list[Any]:
     """The values of `enum` that also satisfy the schema's `const` and `type`, if given (all
     of a schema's keywords hold at once)."""
     kept = values
     if "enum" in schema and "const" in schema:
         const = schema["const"]
-        kept = [v for v in kept if v == const and _json_types(v) == _json_types(const)]
+        kept = [v for v in kept if _same_json(v, const)]
     if "type" in schema:
         kind = schema["type"]
         kinds = {k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str)}

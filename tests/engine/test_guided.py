@@ -198,6 +198,7 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
         ({"type": "array"}, "without items"),
         ({"enum": []}, "empty"),
         ({"type": "object", "properties": {}, "required": ["q"]}, "not in properties"),
+        ({"enum": [[1], {"a": 0}], "const": [True]}, "no value of the enum"),
         (  # the pattern grows as n^2: 30 optional properties fit the state bound, 60 do not
             {"type": "object", "properties": {str(i): {"type": "null"} for i in range(60)}},
             "too many",
@@ -215,13 +216,18 @@ def test_schema_refusals_name_the_keyword(schema: dict[str, Any], needle: str) -
         ({"type": "string", "enum": ["a", 1, None]}, ['"a"']),
         ({"type": ["integer", "null"], "enum": ["a", 1, 2.5, None, True]}, ["1", "null"]),
         ({"enum": [1, 2, 3], "const": 2}, ["2"]),
+        ({"enum": [2.0, True], "const": 2}, ["2.0"]),
+        # A boolean is no number inside an array or object either: [true] is not [1].
+        ({"enum": [[1], [True]], "const": [True]}, ["[true]"]),
+        ({"enum": [{"a": 1}, {"a": True}], "const": {"a": 1}}, ['{"a": 1}']),
     ],
 )
 def test_an_enum_keeps_only_the_values_its_type_and_const_allow(
     schema: dict[str, Any], texts: list[str]
 ) -> None:
     pattern = schema_to_regex(json.dumps(schema))
-    candidates = ['"a"', "1", "2", "3", "2.5", "null", "true"]
+    candidates = ['"a"', "1", "2", "2.0", "3", "2.5", "null", "true"]
+    candidates += ["[1]", "[true]", '{"a": 1}', '{"a": true}']
     assert [t for t in candidates if re.fullmatch(pattern, t)] == texts
 
 
