@@ -8,7 +8,9 @@ the metrics. Nothing here blocks the event loop on a step.
 
 Acceptance: `submit` validates synchronously (raising the domain errors the servicers map to
 a status) and then commits the request; after that, the request's stream of outputs always
-ends with the output that carries `usage` (finished, cancelled or failed).
+ends with the output that carries `usage` (finished, cancelled or failed). Before that, while a
+front end converts it (tokenising a text prompt, compiling a guide: awaits), its id is held
+(`converting`): an Abort then stops it as an accepted one, and it ends aborted, never run.
 
 Pooling tasks (Embed/Classify/Score, `engine.server.pooling_tasks`) are not engine requests:
 each runs as engine-thread commands (`run_task`), but shares the request ids' namespace,
@@ -51,7 +53,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -148,18 +150,20 @@ class RequestStream:
 
 
 class TaskHandle:
-    """One accepted pooling task, or a request pulling its KV session: its id, whether Abort
-    (or a drain's deadline) stopped it, and whether it still waits for the engine thread.
+    """One accepted pooling task, a request pulling its KV session, or a request still being
+    converted (`converting`: `EngineService.converting`): its id, whether Abort (or a drain's
+    deadline) stopped it, and whether it still waits for the engine thread.
 
     `waiting`: a pooling task until its first batch begins on the engine thread (set false
     there, read on the event loop: one attribute, so no lock); a pull never waits here (it is
     counted queued as a pull). `queued_batch`: the engine-thread command of a pooling task's
     current batch (`run_task`), which stopping the task cancels if it has not begun."""
 
-    def __init__(self, request_id: str, *, waiting: bool) -> None:
+    def __init__(self, request_id: str, *, waiting: bool, converting: bool = False) -> None:
         self.request_id = request_id
         self.aborted = asyncio.Event()
         self.waiting = waiting
+        self.converting = converting
         self.queued_batch: Future[Any] | None = None
 
     def drop_queued_batch(self) -> bool:
@@ -567,7 +571,30 @@ class EngineService:
 
     @property
     def num_running_tasks(self) -> int:
-        return len(self._live_tasks)
+        return sum(not handle.converting for handle in self._live_tasks.values())
+
+    @contextlib.contextmanager
+    def converting(self, request_id: str) -> Iterator[TaskHandle]:
+        """Hold `request_id` while its request is converted (a text prompt tokenised, a guide
+        compiled: awaits before `submit` or `begin_task`), so that an Abort of it meanwhile
+        answers as for an accepted one and the caller then ends the request aborted
+        (`handle.aborted`) instead of running it; so does a drain's deadline. It counts as in
+        flight, not as queued nor as a running task. An id already taken, or none (the engine
+        names the request), is not held: acceptance refuses a duplicate as before, after the
+        checks of the request itself. The hold ends with the block, before acceptance."""
+        handle = TaskHandle(request_id, waiting=False, converting=True)
+        held = bool(request_id) and not (request_id in self._live_tasks or request_id in self._live)
+        if held:
+            self._live_tasks[request_id] = handle
+            self._in_flight_changed.set()
+        try:
+            yield handle
+        finally:
+            if held and handle.aborted.is_set():
+                self.end_task(handle)  # remembered as finished: a second Abort says so
+            elif held and self._live_tasks.get(request_id) is handle:
+                del self._live_tasks[request_id]
+                self._in_flight_changed.set()
 
     async def run_task(self, handle: TaskHandle, fn: Callable[[EngineCore], T]) -> T:
         """Run `fn(core)` on the engine thread between steps (one pooling batch); raises

@@ -152,9 +152,12 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         sessions = self._service.kv_sessions
         session_id: str | None = None
         try:
-            engine_request = await engine_request_from_proto(request, self._ctx)
-            await self._service.compile_guide(engine_request)
-            if request.kv.HasField("session") and self._kv_puller is not None:
+            with self._service.converting(request.request_id) as converted:
+                engine_request = await engine_request_from_proto(request, self._ctx)
+                await self._service.compile_guide(engine_request)
+            if converted.aborted.is_set():
+                stream = None  # aborted while it was converted: the core never has it
+            elif request.kv.HasField("session") and self._kv_puller is not None:
                 stream = await self._pull_and_submit(
                     self._kv_puller, request.kv.session, engine_request
                 )
@@ -181,7 +184,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             self._token_text,
             kv_session=kv_session,
         )
-        if stream is None:  # aborted while it pulled its KV session
+        if stream is None:  # aborted while converted, or while it pulled its KV session
             for output in self._service.aborted_before_prefill(engine_request):
                 for event in encoder.encode(output):
                     yield event

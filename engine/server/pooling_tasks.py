@@ -44,6 +44,7 @@ from engine.server.errors import (
     FeatureDisabledError,
     ModelNotFoundError,
     NonFiniteOutputError,
+    RequestAbortedError,
     UnsupportedOptionError,
 )
 from engine.server.openengine_convert import EngineContext
@@ -107,8 +108,9 @@ class PoolingTasks:
             normalize=options.normalize if options.HasField("normalize") else True,
             dimensions=dimensions,
         )
-        items = await self._items(request.inputs, "inputs")
-        outputs = await self._accepted(request.context.request_id, "embed", items, params)
+        with self._service.converting(request.context.request_id) as converted:
+            items = await self._items(request.inputs, "inputs")
+        outputs = await self._accepted(converted, "embed", items, params)
         response = pb.EmbedResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
             embedding = pb.EmbeddingOutput(
@@ -142,8 +144,9 @@ class PoolingTasks:
         params = PoolingParams(
             PoolingTask.CLASSIFY, per_token=granularity == _TOKEN, activation=_SEMANTICS[semantics]
         )
-        items = await self._items(request.inputs, "inputs")
-        outputs = await self._accepted(request.context.request_id, "classify", items, params)
+        with self._service.converting(request.context.request_id) as converted:
+            items = await self._items(request.inputs, "inputs")
+        outputs = await self._accepted(converted, "classify", items, params)
         response = pb.ClassifyResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
             result = pb.ClassificationOutput(
@@ -182,20 +185,19 @@ class PoolingTasks:
         if len({g.group_id for g in request.groups}) != len(request.groups):
             raise InvalidRequestError("group ids must be unique")
         groups: list[tuple[_Item, list[_Item]]] = []
-        for index, group in enumerate(request.groups):
-            if not group.HasField("query"):
-                raise InvalidRequestError(f"groups[{index}] has no query")
-            where = f"groups[{index}]"
-            items = await self._items([group.query, *group.candidates], where, min_items=2)
-            groups.append((items[0], items[1:]))
+        with self._service.converting(request.context.request_id) as converted:
+            for index, group in enumerate(request.groups):
+                if not group.HasField("query"):
+                    raise InvalidRequestError(f"groups[{index}] has no query")
+                where = f"groups[{index}]"
+                items = await self._items([group.query, *group.candidates], where, min_items=2)
+                groups.append((items[0], items[1:]))
         # Each distinct token sequence is embedded once (a query shared by N:N groups).
         distinct = list(
             dict.fromkeys(item.token_ids for q, cs in groups for item in (q, *cs)).keys()
         )
         params = PoolingParams(PoolingTask.EMBED, normalize=True)
-        vectors = await self._accepted(
-            request.context.request_id, "score", [_Item("", t) for t in distinct], params
-        )
+        vectors = await self._accepted(converted, "score", [_Item("", t) for t in distinct], params)
         by_tokens = {t: v.values for t, v in zip(distinct, vectors, strict=True)}
         response = pb.ScoreResponse(
             request_id=request.context.request_id,
@@ -286,11 +288,14 @@ class PoolingTasks:
     # ---------------------------------------------------------------- running
 
     async def _accepted(
-        self, request_id: str, task: str, items: Sequence[_Item], params: PoolingParams
+        self, converted: TaskHandle, task: str, items: Sequence[_Item], params: PoolingParams
     ) -> list[PooledOutput]:
         """Accept (the last refusals: draining, a duplicate id, overload) and run every
-        batch."""
-        handle = self._service.begin_task(request_id, task)
+        batch; `converted`: the request's hold while its inputs were tokenised
+        (`EngineService.converting`), which an Abort meanwhile ends CANCELLED unrun."""
+        if converted.aborted.is_set():
+            raise RequestAbortedError(f"request {converted.request_id!r} was aborted")
+        handle = self._service.begin_task(converted.request_id, task)
         if self._service.metrics is not None:
             self._service.metrics.on_task(task, sum(len(item.token_ids) for item in items))
         try:

@@ -340,14 +340,22 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
         self, request: pb.GenerateRequest, context: Context, *, single: bool
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            engine_request = await engine_request_from_vllm(request, self._ctx)
-            if single and engine_request.sampling.num_sequences > 1:
-                raise InvalidRequestError("unary Generate returns one sequence: use GenerateStream")
-            await self._service.compile_guide(engine_request)
-            stream = self._service.submit(engine_request)
+            with self._service.converting(request.request_id) as converted:
+                engine_request = await engine_request_from_vllm(request, self._ctx)
+                if single and engine_request.sampling.num_sequences > 1:
+                    raise InvalidRequestError(
+                        "unary Generate returns one sequence: use GenerateStream"
+                    )
+                await self._service.compile_guide(engine_request)
+            if not converted.aborted.is_set():
+                stream = self._service.submit(engine_request)
         except Exception as exc:
             await refuse(context, exc)
         encoder = VllmStreamEncoder(request, engine_request)
+        if converted.aborted.is_set():  # aborted while converted: the core never had it
+            for output in self._service.aborted_before_prefill(engine_request):
+                yield encoder.encode(output)
+            return
         try:
             async for output in stream.outputs():
                 if output.finish_reason is FinishReason.ERROR:

@@ -5,6 +5,7 @@ meanwhile is unchanged, and every refusal has the seed's status."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -34,6 +35,7 @@ from tests.engine.engine_server_harness import (
     rpc_error,
     running_engine,
 )
+from tests.engine.test_text_prompt_off_loop import HUGE_PROMPT, BlockingTokenizer
 from tests.engine.torch_reference import TEST_DEVICE, dense_hidden
 from tests.polling import eventually
 
@@ -677,6 +679,34 @@ async def test_an_embed_aborted_while_it_waits_for_the_engine_thread_never_runs(
     assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
     assert len(after.outputs) == 1
     assert forward_tokens(metrics, "embed") == 3
+
+
+async def test_an_embed_aborted_while_its_text_is_tokenised_never_runs(
+    builtin_dir: Path,
+) -> None:
+    """Abort(request_id) of an Embed whose text input is still being tokenised (before
+    acceptance): ABORTED; once tokenised the call ends CANCELLED, a second Abort is
+    ALREADY_FINISHED, and its forward never runs."""
+    tokenizer = BlockingTokenizer()
+    request = pb.EmbedRequest(
+        context=context("t"), inputs=[pb.TaskInput(item_id="a", text=HUGE_PROMPT)]
+    )
+    config = engine_config(builtin_dir, metrics_listen="127.0.0.1:0")
+    async with running_engine(config) as engine:
+        tasks = engine.app.openengine._tasks
+        assert tasks is not None
+        tasks._ctx = dataclasses.replace(tasks._ctx, encode=tokenizer.encode)
+        call = engine.stub.Embed(request)
+        await asyncio.to_thread(tokenizer.entered.wait)
+        aborted = await engine.stub.Abort(pb.AbortRequest(request_id="t"))
+        tokenizer.release.set()
+        error = await rpc_error(call)
+        again = await engine.stub.Abort(pb.AbortRequest(request_id="t"))
+        metrics = await metrics_text(engine)
+    assert aborted.status == pb.ABORT_STATUS_ABORTED
+    assert error.code() == grpc.StatusCode.CANCELLED
+    assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    assert forward_tokens(metrics, "embed") == 0
 
 
 async def test_abort_all_requests_drops_every_waiting_task(classifier_dir: Path) -> None:

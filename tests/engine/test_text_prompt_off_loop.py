@@ -1,12 +1,14 @@
 """A long text prompt is tokenised off the engine's event loop: while it is being tokenised,
 another client's health checks are answered (a tokenizer that blocks until the test releases
-it; were it on the event loop, nothing could answer until then)."""
+it; were it on the event loop, nothing could answer until then), and an Abort of the request by
+its id, before it is accepted, ends it CANCELLED without running it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import grpc
 import pytest
@@ -19,7 +21,7 @@ from kvplane.server import create_server
 from kvplane.tokenize import INLINE_TOKENIZE_MAX_CHARS
 from openengine.v1 import openengine_pb2 as oe
 from openengine.v1 import openengine_pb2_grpc as oe_grpc
-from tests.engine.engine_server_harness import running_engine, sim_config
+from tests.engine.engine_server_harness import collect, running_engine, sim_config
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
@@ -65,11 +67,9 @@ def vllm_call(channel: grpc.aio.Channel) -> Callable[[], Coroutine[None, None, l
     return call
 
 
-@pytest.mark.parametrize("front_end", [openengine_call, vllm_call])
-async def test_health_answers_while_a_huge_text_prompt_is_tokenised(
-    front_end: Callable[[grpc.aio.Channel], Callable[[], Coroutine[None, None, list[object]]]],
-) -> None:
-    tokenizer = BlockingTokenizer()
+@contextlib.asynccontextmanager
+async def text_engine(tokenizer: BlockingTokenizer) -> AsyncIterator[int]:
+    """A real engine whose both front ends tokenise with `tokenizer`; yields its port."""
     async with running_engine() as engine:
         service = engine.app.service
         ctx = EngineContext(
@@ -87,21 +87,90 @@ async def test_health_answers_while_a_huge_text_prompt_is_tokenised(
             sim_config(), [openengine.service(), vllm.service()], health_servicer=health_servicer
         )
         try:
-            async with (
-                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
-                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as other_client,
-            ):
-                generate = asyncio.create_task(front_end(client)())
-                await asyncio.to_thread(tokenizer.entered.wait)
-                # The prompt is being tokenised now: another client is answered meanwhile.
-                state = await oe_grpc.OpenEngineStub(other_client).Health(oe.HealthRequest())
-                probe = health_pb2_grpc.HealthStub(other_client)
-                checked = await probe.Check(health_pb2.HealthCheckRequest(service="vllm.Generate"))
-                tokenizer.release.set()
-                responses = await generate
+            yield port
         finally:
             await server.stop(0)
+
+
+@pytest.mark.parametrize("front_end", [openengine_call, vllm_call])
+async def test_health_answers_while_a_huge_text_prompt_is_tokenised(
+    front_end: Callable[[grpc.aio.Channel], Callable[[], Coroutine[None, None, list[object]]]],
+) -> None:
+    tokenizer = BlockingTokenizer()
+    async with (
+        text_engine(tokenizer) as port,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as other_client,
+    ):
+        generate = asyncio.create_task(front_end(client)())
+        await asyncio.to_thread(tokenizer.entered.wait)
+        # The prompt is being tokenised now: another client is answered meanwhile.
+        state = await oe_grpc.OpenEngineStub(other_client).Health(oe.HealthRequest())
+        probe = health_pb2_grpc.HealthStub(other_client)
+        checked = await probe.Check(health_pb2.HealthCheckRequest(service="vllm.Generate"))
+        tokenizer.release.set()
+        responses = await generate
     assert tokenizer.released == [True], "Health was not answered until the tokenizer returned"
     assert state.state == oe.HEALTH_STATE_READY
     assert checked.status == health_pb2.HealthCheckResponse.SERVING
     assert responses  # the request itself was served, on the prompt the tokenizer gave
+
+
+async def test_abort_while_the_text_prompt_is_tokenised_ends_it_cancelled_unrun() -> None:
+    """An Abort by id while the request's prompt is still being tokenised (not accepted yet)
+    answers ABORTED, a duplicate id meanwhile is refused, and once tokenised the request ends
+    CANCELLED without a token generated; a second Abort then answers ALREADY_FINISHED."""
+    tokenizer = BlockingTokenizer()
+    request = oe.GenerateRequest(
+        request_id="held", prompt=HUGE_PROMPT, stopping=oe.StoppingOptions(max_tokens=3)
+    )
+    duplicate = oe.GenerateRequest(
+        request_id="held",
+        token_ids=oe.TokenIds(ids=PROMPT_IDS),
+        stopping=oe.StoppingOptions(max_tokens=3),
+    )
+    async with (
+        text_engine(tokenizer) as port,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
+    ):
+        stub = oe_grpc.OpenEngineStub(client)
+        generate = asyncio.create_task(collect(stub, request))
+        await asyncio.to_thread(tokenizer.entered.wait)
+        aborted = await stub.Abort(oe.AbortRequest(request_id="held"))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(stub, duplicate)
+        tokenizer.release.set()
+        responses = await generate
+        again = await stub.Abort(oe.AbortRequest(request_id="held"))
+    assert aborted.status == oe.ABORT_STATUS_ABORTED
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert not [r for r in responses if r.WhichOneof("event") == "token"]
+    assert responses[-1].finished.reason == oe.FINISH_REASON_CANCELLED
+    assert responses[-1].usage.completion_tokens == 0
+    assert again.status == oe.ABORT_STATUS_ALREADY_FINISHED
+
+
+async def test_vllm_generate_aborted_while_tokenised_finishes_aborted_unrun() -> None:
+    tokenizer = BlockingTokenizer()
+    request = vpb.GenerateRequest(
+        request_id="held", text=HUGE_PROMPT, stopping=vpb.StoppingCriteria(max_new_tokens=3)
+    )
+    async with (
+        text_engine(tokenizer) as port,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
+    ):
+        stub = vpb_grpc.GenerateStub(client)
+
+        async def stream() -> list[vpb.GenerateResponse]:
+            return [response async for response in stub.GenerateStream(request)]
+
+        generate = asyncio.create_task(stream())
+        await asyncio.to_thread(tokenizer.entered.wait)
+        aborted = await oe_grpc.OpenEngineStub(client).Abort(oe.AbortRequest(request_id="held"))
+        tokenizer.release.set()
+        responses = await generate
+    assert aborted.status == oe.ABORT_STATUS_ABORTED
+    finish = responses[-1].outputs.finish_info
+    assert finish.finish_reason == vpb.FinishInfo.ABORTED
+    assert finish.num_output_tokens == 0
+    assert not any(r.outputs.token_ids for r in responses)
