@@ -1005,10 +1005,13 @@ class PrefixIndex:
     def _chain_reports(
         self, tier: Tier, slot: int, chain: list[BlockKey], parent: BlockKey | None
     ) -> list[Action]:
-        """REPORTs stating `chain` (its head the child of `parent`). Where the parent lies
-        further down the chain (a cycle that REPORTs of several batches closed; one REPORT
-        alone cannot, see validate_batch), two REPORTs, split at the parent, so that neither
-        is refused and every parent is stated as it is held."""
+        """REPORTs stating `chain` (its head the child of `parent`). A head held as its own
+        parent (a REPORT that repeated a hash) is stated as a root: validate_batch refuses a
+        head its own parent, as SGLang's indexer does. Where the parent lies further down the
+        chain (a cycle), two REPORTs, split at the parent, so that every parent is stated as
+        it is held and a receiver that refuses a looping REPORT (SGLang's) takes them."""
+        if parent == chain[0]:
+            parent = None
         at = chain.index(parent) if parent in chain else 0
         if not at:
             return [self._report_action(tier, slot, chain, parent)]

@@ -1455,8 +1455,8 @@ class RedisBackend:
         async for key, size, parent, placements in self._dump():
             blocks.append((key, size, parent, placements))
         for key, size, stated, placements in _parent_first(blocks):
-            # A block stated as its own parent (written by a version before v6, which took
-            # such a REPORT; validate_batch refuses it now) is dumped as a root.
+            # A block held as its own parent (a REPORT repeating a hash; or its head stated
+            # so, written before v6: validate_batch refuses that now) is dumped as a root.
             parent = None if stated == key else stated
             for name, tier, mask, copies in placements:
                 if name not in actions:  # registered after the worker table was read

@@ -35,8 +35,8 @@ What it decides:
   restart, unrecoverable gap).
 - **Shape.** Adjacent REPORTs to one tier merge when they chain (each later block's parent is
   the one before it, so a merge never loses a parent link), except a store of the merged
-  chain's own parent or of one of its blocks (one REPORT may not close a parent cycle, as
-  in SGLang's indexer); adjacent REVOKEs to one tier merge.
+  chain's own parent or of one of its blocks (a merged REPORT never closes a parent cycle,
+  which SGLang's indexer, a bridge's receiver, refuses); adjacent REVOKEs to one tier merge.
   Batches are split at 256 actions / 16,384 hashes (the seed's limits), all with the same seq.
 """
 
@@ -499,8 +499,8 @@ def _append_report(
     mask: int | None = None,
 ) -> None:
     """Append a REPORT of `key`; `mask` None = a legacy whole block (no masks on the wire).
-    A merge may not close a parent cycle (the index refuses one REPORT that does, as SGLang's
-    does): a store of a block already in the run, or of its parent, starts a REPORT of its
+    A merge never closes a parent cycle (SGLang's indexer refuses one REPORT that does): a
+    store of a block already in the run, or of its parent, starts a REPORT of its
     own (a block stated as the child of its descendant, then re-reported: a hybrid model's
     masks restated)."""
     last = out[-1] if out else None

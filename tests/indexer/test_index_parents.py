@@ -3,6 +3,8 @@ with the rules the index module states."""
 
 from __future__ import annotations
 
+import pytest
+
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
 from indexer.index import PrefixIndex
 
@@ -102,9 +104,9 @@ def test_chains_stored_a_block_at_a_time_compact_into_one_log_entry_each() -> No
 
 
 def test_a_cycle_closed_across_batches_survives_a_snapshot_round_trip() -> None:
-    """One REPORT cannot close a parent cycle (validate_batch refuses it, as SGLang's indexer
-    does); REPORTs of two batches can, and the snapshot states it in two REPORTs, split at the
-    parent, so a rebuild takes it and holds every parent as stated."""
+    """REPORTs of two batches can close a parent cycle, and the snapshot states it in two
+    REPORTs, split at the parent (none states its head as its own parent, which
+    validate_batch refuses), so a rebuild takes it and holds every parent as stated."""
     index = PrefixIndex()
     report(index, "w", [1, 2, 3])
     report(index, "w", [1], parent=3)  # 1 -> 3 -> 2 -> 1
@@ -113,3 +115,28 @@ def test_a_cycle_closed_across_batches_survives_a_snapshot_round_trip() -> None:
         rebuilt.apply(batch)
     assert [rebuilt.parent(k) for k in (1, 2, 3)] == [index.parent(k) for k in (1, 2, 3)]
     assert [index.parent(k) for k in (1, 2, 3)] == [3, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("keys", "parent"),
+    [([5, 6, 6], None), ([5, 6], 6), ([5, 6, 8, 5], None), ([5, 6, 6, 7], 4), ([5, 5], None)],
+    ids=["repeat", "parent-down-the-chain", "loop", "repeat-mid-chain", "repeated-head"],
+)
+def test_a_report_looping_down_its_chain_survives_a_snapshot_round_trip(
+    keys: list[BlockKey], parent: BlockKey | None
+) -> None:
+    """A REPORT whose chain loops further down is taken (docs/indexer.md); its snapshot
+    states no head as its own parent (validate_batch refuses that), so a rebuild takes it and
+    holds the same blocks."""
+    index = PrefixIndex()
+    report(index, "w", keys, parent=parent)
+    snapshot = list(index.snapshot())
+    assert all(a.parent != a.hashes[0] for batch in snapshot for a in batch.actions)
+    rebuilt = PrefixIndex()
+    for batch in snapshot:
+        rebuilt.apply(batch)
+    distinct = list(dict.fromkeys(keys))
+    assert rebuilt.match_prefix(distinct, 0) == index.match_prefix(distinct, 0)
+    assert [m.matched_prefix_blocks for m in rebuilt.match_prefix(distinct, 0).matches] == [
+        len(distinct)
+    ]

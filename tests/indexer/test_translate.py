@@ -303,7 +303,7 @@ def test_coalescing_keeps_order_and_parent_links() -> None:
 
 
 def test_stores_that_chain_into_a_loop_are_not_merged_into_one_report() -> None:
-    """One REPORT may not close a parent cycle (the index refuses it, as SGLang's does), so
+    """A merged REPORT never closes a parent cycle (SGLang's indexer refuses one that does), so
     the coalescing stops at a store of the run's own parent. (A block of the run again is
     live at that tier: a copy, no REPORT.)"""
     events: list[EngineEvent] = [
