@@ -31,17 +31,17 @@ What this API changes on the way:
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 
 from controller.gateway import fleet_health_state
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
+from kvplane.server import ServiceHealth
 from openengine.v1 import openengine_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
@@ -137,9 +137,7 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         self.relay = relay
         self._unary = _VllmGenerate(self._stub, unary=True)
         self._stream = _VllmGenerate(self._stub, unary=False)
-        self._health_servicer: health.aio.HealthServicer | None = None
-        self._health_update_due = False
-        self._health_updates: set[asyncio.Task[None]] = set()
+        self._health: ServiceHealth | None = None
 
     async def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
         """Keep `grpc.health.v1`'s status for `vllm.Generate` on `health_servicer` to what
@@ -151,31 +149,19 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         before the server starts (a probe never sees SERVING with no engine), then again
         after each change of the fleet's routing or the drain, for Check and Watch alike.
         The empty name stays SERVING while the process runs."""
-        self._health_servicer = health_servicer
-        self.controller.fleet.registry.on_change(self._health_changed)
-        self.controller.on_draining(self._health_changed)
-        await self.update_health()
+        self._health = ServiceHealth(health_servicer, SERVICE_NAME, self._fleet_generates)
+        self.controller.fleet.registry.on_change(self._health.changed)
+        self.controller.on_draining(self._health.changed)
+        await self._health.update()
 
-    def _health_changed(self) -> None:
-        """After the change (a registry change may be under way), once for a burst of them."""
-        if self._health_update_due:
-            return
-        self._health_update_due = True
-        update = asyncio.create_task(self.update_health())
-        self._health_updates.add(update)
-        update.add_done_callback(self._health_updates.discard)
-
-    async def update_health(self) -> None:
-        """Set `vllm.Generate`'s status to the state of the fleet's engines that generate now."""
-        self._health_update_due = False
-        assert self._health_servicer is not None  # set by report_health
+    def _fleet_generates(self) -> bool:
         records = self.controller.fleet.registry.records()
         state = fleet_health_state(self.controller, records, generating=True)
-        serving = state in SERVING_STATES
-        status = health_pb2.HealthCheckResponse.SERVING
-        if not serving:
-            status = health_pb2.HealthCheckResponse.NOT_SERVING
-        await self._health_servicer.set(SERVICE_NAME, status)
+        return state in SERVING_STATES
+
+    async def update_health(self) -> None:
+        assert self._health is not None  # set by report_health
+        await self._health.update()
 
     def _stub(self, address: str) -> vpb_grpc.GenerateAsyncStub:
         """Over the fleet's channel to the engine: an engine that left the fleet is a

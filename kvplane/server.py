@@ -79,6 +79,40 @@ class Service:
         return f"/{self.name}/{method}"
 
 
+class ServiceHealth:
+    """A service's `grpc.health.v1` status (`Service.reports_own_health`) kept to
+    `serving()`: `update` sets it now (call it before the server starts, so a probe never
+    reads SERVING too early); `changed` sets it again after a change, from sync code too,
+    once for a burst of changes (the update reads `serving()` when it runs)."""
+
+    def __init__(
+        self,
+        health_servicer: health.aio.HealthServicer,
+        name: str,
+        serving: Callable[[], bool],
+    ) -> None:
+        self._health_servicer = health_servicer
+        self._name = name
+        self._serving = serving
+        self._update_due = False
+        self._updates: set[asyncio.Task[None]] = set()
+
+    def changed(self) -> None:
+        if self._update_due:
+            return
+        self._update_due = True
+        update = asyncio.create_task(self.update())
+        self._updates.add(update)
+        update.add_done_callback(self._updates.discard)
+
+    async def update(self) -> None:
+        self._update_due = False
+        status = health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._serving():
+            status = health_pb2.HealthCheckResponse.SERVING
+        await self._health_servicer.set(self._name, status)
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED. The
     token is the one its file holds at each call: rotated on disk, it takes effect at once."""

@@ -31,7 +31,6 @@ everything into one response and so supports one sequence only.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -39,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 
 from engine.core.api import (
     Candidate,
@@ -64,7 +63,7 @@ from engine.server.errors import (
 from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto
 from engine.server.openengine_servicer import refuse
-from kvplane.server import Service, abort_with
+from kvplane.server import Service, ServiceHealth, abort_with
 from kvplane.tokenize import tokenize_off_loop
 from openengine.v1 import openengine_pb2 as oe
 from vllm_grpc import vllm_grpc_pb2 as pb
@@ -297,12 +296,12 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
     def __init__(self, service: EngineService, ctx: EngineContext) -> None:
         self._service = service
         self._ctx = ctx
-        self._health_servicer: health.aio.HealthServicer | None = None
-        self._health_updates: set[asyncio.Task[None]] = set()
+        self._health: ServiceHealth | None = None
 
     async def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
         """Keep `grpc.health.v1`'s status for `vllm.Generate` on `health_servicer` to whether
-        the engine takes new requests (`EngineService.serving`), as vLLM's server turns its
+        the engine takes new Generate requests now (`EngineService.serving`; a pooling-only
+        or disaggregated engine never does: `generate_refusal`), as vLLM's server turns its
         service NOT_SERVING when its engine fails or shuts down: this proto has no health of
         its own for a client to read. Set now, before the server starts
         (`Service.reports_own_health`): NOT_SERVING until the engine thread runs
@@ -310,23 +309,16 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
         Health is not READY yet; then NOT_SERVING, for good, once it takes no new requests (a
         drain, a shutdown, its engine thread ended). The empty name stays SERVING while the
         process runs."""
-        self._health_servicer = health_servicer
-        self._service.on_serving_changed(self._health_changed)
-        await self.update_health()
+        self._health = ServiceHealth(health_servicer, SERVICE_NAME, self._takes_generate)
+        self._service.on_serving_changed(self._health.changed)
+        await self._health.update()
 
-    def _health_changed(self) -> None:
-        update = asyncio.create_task(self.update_health())
-        self._health_updates.add(update)
-        update.add_done_callback(self._health_updates.discard)
+    def _takes_generate(self) -> bool:
+        return self._service.serving and generate_refusal(self._ctx) is None
 
     async def update_health(self) -> None:
-        """Set `vllm.Generate`'s status to whether the engine takes new Generate requests now
-        (a pooling-only or disaggregated engine never does: `generate_refusal`)."""
-        assert self._health_servicer is not None  # set by report_health
-        status = health_pb2.HealthCheckResponse.SERVING
-        if not self._service.serving or generate_refusal(self._ctx) is not None:
-            status = health_pb2.HealthCheckResponse.NOT_SERVING
-        await self._health_servicer.set(SERVICE_NAME, status)
+        assert self._health is not None  # set by report_health
+        await self._health.update()
 
     def service(self) -> Service:
         return Service(
