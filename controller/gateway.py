@@ -1449,12 +1449,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     def _index_check(self) -> pb.HealthCheck | None:
         """`kv_index`: READY naming the shared Redis or remote indexer while it answers,
         DEGRADED with its address and error while it does not, as its client last found
-        (`Controller.reachable_index`: Health asks the index nothing). None for the embedded
-        index, which cannot be unreachable."""
+        (`Controller.reachable_index`: Health asks the index nothing), and DEGRADED while the
+        remote indexer reports keying a worker otherwise than the controller asks
+        (`Controller.index_keying_mismatch`: it answers, and matches nothing there). None for
+        the embedded index, which cannot be unreachable."""
         index = self.controller.reachable_index()
         if index is None:
             return None
-        problem = index.unavailable
+        problem = index.unavailable or self.controller.index_keying_mismatch()
         if problem is None:
             return pb.HealthCheck(
                 name="kv_index", state=pb.HEALTH_STATE_READY, message=index.described

@@ -218,6 +218,7 @@ class ControllerMetrics:
         event_counters: EventCounters | None = None,
         index_answers: IndexAnswers = lambda: True,
         events_following: EventsFollowing | None = None,
+        index_keying_mismatch: Callable[[], bool] = lambda: False,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(registry, event_counters, events_following))
@@ -285,6 +286,15 @@ class ControllerMetrics:
             registry=r,
         )
         self.index_reachable.set_function(lambda: float(index_answers()))
+        # 1 while the remote indexer reports keying a worker in another key space (or with
+        # another hash seed) than the controller asks in: it answers, but matches nothing there.
+        self.index_key_space_mismatch = Gauge(
+            "kvplane_controller_index_key_space_mismatch",
+            "1 while the remote indexer keys some worker otherwise than the controller hashes "
+            "prompts (index.remote_key_space, remote_hash_seed): no prompt can match it",
+            registry=r,
+        )
+        self.index_key_space_mismatch.set_function(lambda: float(index_keying_mismatch()))
         self.event_lag_seconds = Histogram(
             "kvplane_controller_event_lag_seconds",
             "KV-event batches by lag: in the index minus the engine's timestamp on the batch",

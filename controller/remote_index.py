@@ -3,6 +3,7 @@ through its KvIndex RPCs instead of an index in the controller's process."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -24,6 +25,8 @@ from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 
+log = logging.getLogger(__name__)
+
 
 def keep_best_hit(hits: dict[str, PrefixHit], engine: str, hit: PrefixHit) -> None:
     """Record `hit` for `engine` unless it already has a better one: an engine followed rank
@@ -39,6 +42,12 @@ _KEY_SPACES = {
     "sha256": ipb.KEY_SPACE_VLLM_SHA256,
     "sha256_cbor": ipb.KEY_SPACE_VLLM_SHA256_CBOR,
 }
+_KEY_SPACE_NAMES = {space: name for name, space in _KEY_SPACES.items()}
+
+# An indexer that sheds queries (RESOURCE_EXHAUSTED: more in flight than it takes) protects
+# itself, and the next query may well be answered: the index counts as not answering once
+# every query asked has been shed for this long (none answered since the first shed).
+SHEDDING_DEGRADES_AFTER_S = 10.0
 
 
 # Refusals that are answers (`resync_engine`): an indexer that knows nothing of the engine, or
@@ -60,6 +69,30 @@ REMOTE_INDEX_SETTINGS = ClientSettings(
 # the engines' (`health.backoff_max_s`, 30 s by default) left the fleet routing by load for
 # up to that long after the indexer was back. A connection attempt a second costs nothing.
 RECONNECT_MAX_S = 1.0
+
+
+def _keyed(key_space: ipb.KeySpace.ValueType, hash_seed: str | None) -> str:
+    """A key space as the controller's settings name it (with its seed, for vLLM's)."""
+    name = _KEY_SPACE_NAMES.get(key_space, f"key space {key_space}")
+    if key_space == ipb.KEY_SPACE_CANONICAL:
+        return name
+    seed = "vLLM's default hash seed" if hash_seed is None else f"hash seed {hash_seed!r}"
+    return f"{name} with {seed}"
+
+
+def _keyed_otherwise(
+    keying: ipb.WorkerKeying, key_space: ipb.KeySpace.ValueType, hash_seed: str | None
+) -> str | None:
+    """How the indexer keys `keying`'s worker when no prompt hashed in `key_space` with
+    `hash_seed` can match it there; None when one may (an engine's own hashes whose vLLM
+    algorithm its source does not declare may be any vLLM key space, never canonical)."""
+    if not keying.HasField("key_space"):
+        if key_space == ipb.KEY_SPACE_CANONICAL:
+            return "by the engine's own hashes (hash: engine)"
+        return None
+    seed = keying.hash_seed if keying.HasField("hash_seed") else None
+    theirs = _keyed(keying.key_space, seed)
+    return None if theirs == _keyed(key_space, hash_seed) else theirs
 
 
 class RemoteIndexError(KvplaneError):
@@ -93,7 +126,9 @@ class RemoteIndex:
     One that is down fails at once by itself (UNAVAILABLE), its channel reconnecting at most
     `RECONNECT_MAX_S` apart, so it is used again within about a second of its return.
     `unavailable` says whether the last call failed, without a call of its own (the
-    controller's Health reads it).
+    controller's Health reads it); a query shed (RESOURCE_EXHAUSTED) counts only once every
+    query asked has been shed for `SHEDDING_DEGRADES_AFTER_S`. `keying_mismatch` says whether
+    the indexer's last stats reported a worker keyed otherwise than the prompts are hashed.
 
     An engine the controller saw restart (`resync_engine`) has its hits ignored until the
     indexer has dropped what it held of the old process: its sources may still be waiting out
@@ -129,6 +164,10 @@ class RemoteIndex:
         self._pauses_ended = 0
         # Why the last call asked failed (None: it was answered, or none was asked yet).
         self._failure: str | None = None
+        # When the queries asked began to be shed, none answered since (None: not shed).
+        self._shedding_since: float | None = None
+        # Why no prompt can match some worker the indexer keys otherwise (None: none known).
+        self._keying_mismatch: str | None = None
         # Engines restarted since the indexer last confirmed dropping their entries.
         self.restarted: set[str] = set()
 
@@ -164,7 +203,7 @@ class RemoteIndex:
                 self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
             )
             failure = f"{exc.code().name}: {details}"
-            self._failure = None if exc.code() in _ANSWERS else failure
+            self._failure = self._failure_of(exc.code(), failure)
             raise RemoteIndexError(f"remote index: {failure}", exc.code()) from None
         finally:
             if asks_again:
@@ -172,6 +211,21 @@ class RemoteIndex:
         self._answered()
         self._failure = None
         return reply
+
+    def _failure_of(self, code: grpc.StatusCode, failure: str) -> str | None:
+        """What `unavailable` says after a call failed with `code`: nothing for a refusal that
+        is an answer, nor for a query shed until the shedding has lasted
+        `SHEDDING_DEGRADES_AFTER_S` (only MatchTokens is ever shed)."""
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._shedding_since = None
+            return None if code in _ANSWERS else failure
+        now = self._clock()
+        if self._shedding_since is None:
+            self._shedding_since = now
+        shed_s = now - self._shedding_since
+        if shed_s < SHEDDING_DEGRADES_AFTER_S:
+            return None
+        return f"{failure} (every query shed for {shed_s:.0f} s)"
 
     def _answered(self) -> None:
         """A call was answered: the pause, if any, is over."""
@@ -192,6 +246,37 @@ class RemoteIndex:
         if self._failure is None:
             return None
         return f"{self.described}: {self._failure}"
+
+    @property
+    def keying_mismatch(self) -> str | None:
+        """Why no prompt can match some of the indexer's workers, one line: the indexer
+        reports keying them (GetIndexStats `keyings`, read by `stats`) in another key space or
+        with another hash seed than `remote_key_space` / `remote_hash_seed` (None: none
+        reported otherwise, or an indexer that reports none)."""
+        return self._keying_mismatch
+
+    def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
+        """Keep `keying_mismatch` to what the indexer last reported: an ERROR when a mismatch
+        is found (or changes), a line when it is gone."""
+        wrong = [
+            (k.worker_id, theirs)
+            for k in keyings
+            if (theirs := _keyed_otherwise(k, self._key_space, self._hash_seed)) is not None
+        ]
+        mismatch = None
+        if wrong:
+            worker, theirs = wrong[0]
+            more = f" (and {len(wrong) - 1} more worker(s))" if len(wrong) > 1 else ""
+            mismatch = (
+                f"{self.described}: worker {worker}{more} is keyed {theirs} there, but the "
+                f"controller asks in {_keyed(self._key_space, self._hash_seed)} "
+                "(index.remote_key_space, remote_hash_seed): no prompt can match it"
+            )
+        if mismatch is not None and mismatch != self._keying_mismatch:
+            log.error("%s", mismatch)
+        elif mismatch is None and self._keying_mismatch is not None:
+            log.info("%s: its workers are keyed as the controller asks again", self.described)
+        self._keying_mismatch = mismatch
 
     def _match_request(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
@@ -223,6 +308,7 @@ class RemoteIndex:
         reply = await self._ask(
             lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
         )
+        self._shedding_since = None
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:
             if (m.worker_address or m.worker_id) in self.restarted:
@@ -274,6 +360,7 @@ class RemoteIndex:
             )
             for w in reply.workers
         )
+        self._check_keyings(reply.keyings)
         return IndexStats(reply.backend, reply.num_blocks, reply.num_placements, workers)
 
     async def close(self) -> None:

@@ -119,6 +119,7 @@ class Controller:
             self.fleet.registry,
             self.fleet.event_counters,
             index_answers=lambda: index_answers(self.reachable_index()),
+            index_keying_mismatch=lambda: self.index_keying_mismatch() is not None,
             events_following=self.fleet.event_following,
         )
         self._tokenizers = ModelTokenizers({})
@@ -482,6 +483,11 @@ class Controller:
         index-stats refresh keep it); None for the embedded index, which always answers."""
         index = self.fleet.remote or self.index
         return index if isinstance(index, ReachableIndex) else None
+
+    def index_keying_mismatch(self) -> str | None:
+        """Why no prompt can match some worker of the remote indexer, as its last stats
+        reported them (`RemoteIndex.keying_mismatch`); None without one, or a remote index."""
+        return None if self.fleet.remote is None else self.fleet.remote.keying_mismatch
 
     async def index_stats(self) -> IndexStats | None:
         """The size of the index the router asks: the embedded or shared one, else the remote

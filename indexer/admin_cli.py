@@ -140,6 +140,10 @@ def stats(
                 f"  {w['worker_id']:<24} {w['worker_address'] or '-':<24} "
                 f"{w['num_blocks']:>10} blocks {w['num_placements']:>10} placements"
             )
+        for k in data["keyings"]:
+            keyed = k["key_space"] or "the engine's own hashes (no vllm_hash declared)"
+            seed = "" if k["hash_seed"] is None else f", hash seed {k['hash_seed']!r}"
+            lines.append(f"  {k['worker_id']:<24} keyed {keyed}{seed}")
         return "\n".join(lines)
 
     emit(_as_dict(response), output, render)

@@ -41,6 +41,7 @@ from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES
 from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES
 from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
+from indexer.vllm_hash import VllmHashAlgo
 from indexer.zmq_decode import ArrayTail
 from kvplane.config import (
     ClientTlsConfig,
@@ -127,6 +128,11 @@ class _SourceCommon(StrictModel):
     # Which key space this worker is indexed in; MatchTokens finds it with the matching
     # `key_space` (engine, from vLLM: KEY_SPACE_VLLM_SHA256[_CBOR]; canonical: the default).
     hash: HashMode = HashMode.ENGINE
+    # `hash: engine` from vLLM: its prefix_caching_hash_algo and PYTHONHASHSEED value (None:
+    # vLLM's default seed), as declared here. Not used to key anything: GetIndexStats reports
+    # them (`keyings`), so that a controller asking in another key space can tell.
+    vllm_hash: VllmHashAlgo | None = None
+    hash_seed: str | None = None
     # Block size for events that carry tokens but no block_size; default: the top-level one.
     block_size: BlockSize | None = None
     # Where events with a nil medium, and with medium EXTERNAL, go ("skip" drops them).
@@ -145,6 +151,16 @@ class _SourceCommon(StrictModel):
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(self.heartbeat_interval_s, self.heartbeat_timeout_s)
+
+    @model_validator(mode="after")
+    def _check_vllm_hash(self) -> Self:
+        if self.vllm_hash is not None and self.hash is not HashMode.ENGINE:
+            raise ValueError(
+                "vllm_hash is for hash: engine (a canonical source is keyed by kvplane)"
+            )
+        if self.hash_seed is not None and self.vllm_hash is None:
+            raise ValueError("hash_seed needs vllm_hash (the vLLM algorithm it seeds)")
+        return self
 
     @model_validator(mode="after")
     def _check_heartbeat(self) -> Self:
@@ -207,6 +223,10 @@ class ZmqSourceConfig(_SourceCommon):
     # it: the worker is rebuilt from the newest).
     replay_bytes: StrictInt = Field(default=DEFAULT_REPLAY_BYTES, gt=0)
 
+    def worker(self) -> tuple[str, str]:
+        """The worker it feeds: its id and router-facing address."""
+        return self.worker_id, self.worker_address
+
     @model_validator(mode="after")
     def _check_endpoints(self) -> ZmqSourceConfig:
         # (The replay endpoint is always connected to: the source's DEALER.)
@@ -238,6 +258,12 @@ class OpenEngineSourceConfig(_SourceCommon):
     array_tail: ArrayTail = "ignore"
     # Dial the engine with TLS ({ca_file, cert_file, key_file, server_name}); None: insecure.
     tls: ClientTlsConfig | None = None
+
+    def worker(self) -> tuple[str, str]:
+        """The worker it feeds: its id and router-facing address (both default to the
+        target)."""
+        address = self.target if self.worker_address is None else self.worker_address
+        return self.worker_id or self.target, address
 
     @field_validator("target")
     @classmethod

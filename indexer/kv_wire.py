@@ -8,7 +8,7 @@ hash total, each action).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from indexer.backend import (
@@ -174,7 +174,11 @@ def token_matches_to_proto(
 
 
 def stats_to_proto(
-    stats: IndexStats, *, num_batches_applied: int = 0, num_events_dropped: int = 0
+    stats: IndexStats,
+    *,
+    num_batches_applied: int = 0,
+    num_events_dropped: int = 0,
+    keyings: Sequence[api.WorkerKeying] = (),
 ) -> api.IndexStats:
     response = api.IndexStats(
         backend=stats.backend,
@@ -183,6 +187,7 @@ def stats_to_proto(
         num_workers=len(stats.workers),
         num_batches_applied=num_batches_applied,
         num_events_dropped=num_events_dropped,
+        keyings=keyings,
     )
     for worker in stats.workers:
         response.workers.add(

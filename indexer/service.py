@@ -29,7 +29,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from indexer.backend import IndexBackend, index_answers
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
-from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
+from indexer.servicer import (
+    IngestCounters,
+    KvIndexerServicer,
+    PrefixQueryLimiter,
+    index_services,
+    source_keying,
+)
 from indexer.size_gauges import IndexSizeGauges, refresh_index_size
 from indexer.sources.leased import LeasedEngineSources, LeasedSource, Source, lease_name
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
@@ -58,11 +64,7 @@ def build_source(
     config: ZmqSourceConfig | OpenEngineSourceConfig, backend: BatchSink, block_size: int
 ) -> Source:
     """One configured source, feeding `backend`."""
-    if isinstance(config, ZmqSourceConfig):
-        worker_id, address = config.worker_id, config.worker_address
-    else:
-        worker_id = config.worker_id or config.target
-        address = config.target if config.worker_address is None else config.worker_address
+    worker_id, address = config.worker()
     translator = WorkerTranslator(
         TranslateOptions(
             worker_id=worker_id,
@@ -205,6 +207,7 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             max_concurrent_prefix_queries=config.max_concurrent_prefix_queries,
             ingest_counters=ingest_counters,
             source_of=by_worker.get,
+            keyings=[source_keying(s) for s in config.sources],
         )
         servicer_box.append(kv_indexer)
         server, port = await create_server(

@@ -13,7 +13,7 @@ deadline already passed gets DEADLINE_EXCEEDED. Applies are never shed.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -22,6 +22,7 @@ import grpc
 from indexer import keys, vllm_hash
 from indexer.backend import IndexBackend, TierPrefix, TokenPrefixMatch
 from indexer.batch import BlockKey, to_sfixed64
+from indexer.config import OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.kv_wire import (
     batch_from_proto,
     batch_to_proto,
@@ -33,6 +34,7 @@ from indexer.kv_wire import (
 from indexer.multimodal import MultimodalItem, block_item_ids, block_items
 from indexer.redis_client import IndexFullError
 from indexer.sources.resync import Resyncable, UnknownEngineError, resync_engine
+from indexer.translate import HashMode
 from indexer.validation import (
     IndexRequestError,
     ValidationKind,
@@ -183,11 +185,14 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         default_block_size: int,
         ingest_counters: Callable[[], IngestCounters] = IngestCounters,
         source_of: Callable[[str], Resyncable | None] = lambda worker_id: None,
+        keyings: Sequence[api.WorkerKeying] = (),
     ) -> None:
         self.backend = backend
         self.limiter = limiter
         self.default_block_size = default_block_size
         self.ingest_counters = ingest_counters
+        # How the configured sources key their workers (GetIndexStats `keyings`).
+        self.keyings = keyings
         # The source of this process that feeds a worker (ResyncEngine); None: fed from outside.
         self.source_of = source_of
 
@@ -222,6 +227,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
                 stats,
                 num_batches_applied=counters.num_batches_applied,
                 num_events_dropped=counters.num_events_dropped,
+                keyings=self.keyings,
             )
         except Exception as exc:
             await _fail(context, exc)
@@ -273,6 +279,19 @@ _VLLM_ALGOS = {
     api.KEY_SPACE_VLLM_SHA256: VllmHashAlgo.SHA256,
     api.KEY_SPACE_VLLM_SHA256_CBOR: VllmHashAlgo.SHA256_CBOR,
 }
+
+
+def source_keying(source: ZmqSourceConfig | OpenEngineSourceConfig) -> api.WorkerKeying:
+    """How `source` keys its worker's blocks, as GetIndexStats reports it (`keyings`)."""
+    worker_id, address = source.worker()
+    keying = api.WorkerKeying(worker_id=worker_id, worker_address=address)
+    if source.hash is HashMode.CANONICAL:
+        keying.key_space = api.KEY_SPACE_CANONICAL
+    elif source.vllm_hash is not None:
+        keying.key_space = next(k for k, a in _VLLM_ALGOS.items() if a is source.vllm_hash)
+        if source.hash_seed is not None:
+            keying.hash_seed = source.hash_seed
+    return keying
 
 
 def prompt_block_keys(request: api.MatchTokensRequest, block_size: int) -> list[BlockKey]:
@@ -341,9 +360,11 @@ def index_services(
     max_concurrent_prefix_queries: int,
     ingest_counters: Callable[[], IngestCounters] = IngestCounters,
     source_of: Callable[[str], Resyncable | None] = lambda worker_id: None,
+    keyings: Sequence[api.WorkerKeying] = (),
 ) -> tuple[list[Service], KvIndexerServicer, KvIndexServicer]:
     """Both servicers over one backend, as `kvplane.server.Service`s for `create_server`;
-    `source_of(worker_id)`: the source of this process that feeds a worker, if any."""
+    `source_of(worker_id)`: the source of this process that feeds a worker, if any;
+    `keyings`: how the configured sources key their workers (`source_keying`)."""
     limiter = PrefixQueryLimiter(max_concurrent_prefix_queries)
     kv_indexer = KvIndexerServicer(backend, limiter)
     kv_index = KvIndexServicer(
@@ -352,6 +373,7 @@ def index_services(
         default_block_size=default_block_size,
         ingest_counters=ingest_counters,
         source_of=source_of,
+        keyings=keyings,
     )
     services = [
         Service(

@@ -52,12 +52,15 @@ async def admin_health(fleet: Fleet) -> tuple[str, list[str]]:
     return lines[0], row.split(maxsplit=2)
 
 
-async def index_shown_as(fleet: Fleet, state: pb.HealthState.ValueType, message: str) -> None:
+async def index_shown_as(
+    fleet: Fleet, state: pb.HealthState.ValueType, message: str, *, answers: bool | None = None
+) -> str:
     """Waits until the gateway's Health is `state` (the index's client finds an outage, or its
     end, at its next call: a request's match, the Redis backend's upkeep, the index-stats
     refresh); then the `kv_index` check, over gRPC and in `kvplane admin health`, has that
     state and a one-line message starting with `message` (exactly it when READY: the index's
-    address), and the reachability gauge agrees."""
+    address), and the reachability gauge says whether the index `answers` (default: while
+    READY). The check's message."""
 
     async def reached() -> bool:
         return (await index_check(fleet))[0] == state
@@ -73,7 +76,8 @@ async def index_shown_as(fleet: Fleet, state: pb.HealthState.ValueType, message:
         assert state != pb.HEALTH_STATE_READY or text == message, text
     gauge = "kvplane_controller_index_reachable"
     reachable = fleet.app.controller.metrics.registry.get_sample_value(gauge)
-    assert reachable == (1 if state == pb.HEALTH_STATE_READY else 0)
+    assert reachable == (state == pb.HEALTH_STATE_READY if answers is None else answers)
+    return check.message
 
 
 async def index_size_shown(fleet: Fleet) -> dict[str, float]:
@@ -167,6 +171,66 @@ async def test_health_is_degraded_while_the_remote_indexer_is_down(
 
         assert await indexer_process(tmp_path, addresses, processes, listen) == remote
         await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize(
+    "keyings",
+    [
+        # The source indexes the engine's own hashes; the controller asks in canonical keys.
+        ("hash: engine", {}, "by the engine's own hashes (hash: engine)", "canonical"),
+        # Both in vLLM's sha256, the engines' PYTHONHASHSEED (declared at the indexer) not
+        # given to the controller.
+        (
+            "hash: engine, vllm_hash: sha256, hash_seed: '7'",
+            {"remote_key_space": "sha256"},
+            "sha256 with hash seed '7'",
+            "sha256 with vLLM's default hash seed",
+        ),
+    ],
+)
+async def test_health_is_degraded_while_the_remote_indexer_keys_workers_otherwise(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    keyings: tuple[str, dict[str, str], str, str],
+) -> None:
+    """The indexer keys its workers otherwise than the controller hashes prompts: it answers,
+    but every match finds 0 blocks. Its stats say how it keys each worker, so the controller
+    logs one ERROR naming both, Health is DEGRADED (the fleet serves, routed by load) with
+    that message, and `kvplane_controller_index_key_space_mismatch` is 1; the indexer started
+    again with the controller's key space ends it. Before, all was READY, and nothing said
+    why no prompt ever hit the cache. `keyings`: the indexer's sources' keying, the
+    controller's index settings, and how the message names each."""
+    keyed, index, theirs, ours = keyings
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    listen = f"127.0.0.1:{free_port()}"
+    remote = await indexer_process(tmp_path, addresses, processes, listen, keyed=keyed)
+    fleet = await make_fleet(engines=engines, index={"remote": remote, **index})
+    where = f"remote index at {remote}"
+    mismatch = fleet.app.controller.metrics.registry.get_sample_value
+    gauge = "kvplane_controller_index_key_space_mismatch"
+    try:
+        message = await index_shown_as(
+            fleet, pb.HEALTH_STATE_DEGRADED, f"{where}: worker ", answers=True
+        )
+        assert f" is keyed {theirs} there, but the controller asks in {ours} " in message
+        assert "(and 1 more worker(s))" in message
+        assert mismatch(gauge) == 1
+        await fleet.app.controller.index_stats()  # asked again: the same, not logged again
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert errors == [message], errors
+
+        processes[-1].send_signal(signal.SIGKILL)
+        await asyncio.to_thread(processes[-1].wait, 10)
+        keyed_as_asked = "hash: canonical" if not index else "hash: engine, vllm_hash: sha256"
+        await indexer_process(tmp_path, addresses, processes, listen, keyed=keyed_as_asked)
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+        assert mismatch(gauge) == 0
     finally:
         await close_fleet(fleet)
 

@@ -129,15 +129,18 @@ async def indexer_process(
     processes: list[subprocess.Popen[bytes]],
     listen: str = "127.0.0.1:0",
     backend: str = "memory",
+    *,
+    keyed: str = "hash: canonical",
+    settings: str = "",
 ) -> str:
-    """A `kvplane indexer serve` process following `engines` (OpenEngine sources) into
-    `backend`, listening on `listen` (a fixed port: one started again where the last one
-    was); its address."""
+    """A `kvplane indexer serve` process following `engines` (OpenEngine sources, keyed as
+    `keyed` says) into `backend`, listening on `listen` (a fixed port: one started again
+    where the last one was), with more `settings` (YAML lines); its address."""
     config = tmp_path / "indexer.yaml"
     config.write_text(
-        f"listen: {listen}\nbackend: {backend}\nblock_size: 16\n"
+        f"listen: {listen}\nbackend: {backend}\nblock_size: 16\n{settings}"
         + ("sources:\n" if engines else "sources: []\n")
-        + "".join(f"  - {{kind: openengine, target: '{a}', hash: canonical}}\n" for a in engines)
+        + "".join(f"  - {{kind: openengine, target: '{a}', {keyed}}}\n" for a in engines)
     )
     port_file = tmp_path / "indexer.port"
     port_file.unlink(missing_ok=True)  # the last process's

@@ -8,20 +8,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from controller.config import ControllerConfig
 from controller.fleet import Fleet
-from controller.remote_index import RemoteIndex
+from controller.remote_index import SHEDDING_DEGRADES_AFTER_S, RemoteIndex
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
 from tests.controller.test_processes import indexer_process
 from tests.polling import eventually
-from tests.redis_servers import restartable_port
+from tests.redis_servers import RedisServer, free_port, restartable_port
 from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(90)
@@ -195,6 +196,61 @@ async def test_an_error_answered_after_a_stall_ends_the_pause(
     finally:
         indexer.send_signal(signal.SIGCONT)
         await remote.close()
+
+
+async def test_a_shed_query_leaves_the_index_answering_until_shedding_persists(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], redis: RedisServer
+) -> None:
+    """The indexer sheds a query (RESOURCE_EXHAUSTED: more prefix queries in flight than it
+    takes, here one held by its Redis stopped): it answers, protecting itself, and the next
+    query may well be answered, so the index still counts as answering (Health READY); only
+    when every query asked has been shed for `SHEDDING_DEGRADES_AFTER_S` does it not, and an
+    answered query ends that. Before, a single shed made the controller's Health DEGRADED
+    and `kvplane_controller_index_reachable` 0 until the next answered call."""
+    metrics = f"127.0.0.1:{free_port()}"
+    settings = (
+        f"max_concurrent_prefix_queries: 1\nmetrics_listen: {metrics}\nredis: {{timeout_s: 60.0}}\n"
+    )
+    target = await indexer_process(tmp_path, [], processes, backend=redis.url, settings=settings)
+    now = [0.0]
+    remote = RemoteIndex(target, 5.0, clock=lambda: now[0])
+    holder = RemoteIndex(target, 60.0)
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    held = asyncio.ensure_future(holder.match(TOKENS, 16, "", ""))
+    try:
+
+        async def query_held() -> bool:
+            text = await asyncio.to_thread(_scrape, f"http://{metrics}/metrics")
+            return "kvplane_indexer_prefix_queries_in_flight 1.0" in text
+
+        await eventually(query_held, timeout_s=30, what="the holder's query in flight")
+        shed = "RESOURCE_EXHAUSTED: more than 1 concurrent prefix queries; retry later"
+        for now[0] in (0.0, SHEDDING_DEGRADES_AFTER_S / 2):
+            with pytest.raises(KvplaneError, match=f"^remote index: {shed}$"):
+                await remote.match(TOKENS, 16, "", "")
+            assert remote.unavailable is None
+        now[0] = SHEDDING_DEGRADES_AFTER_S
+        with pytest.raises(KvplaneError, match=f"^remote index: {shed}$"):
+            await remote.match(TOKENS, 16, "", "")
+        assert remote.unavailable == (
+            f"remote index at {target}: {shed} (every query shed for 10 s)"
+        ), remote.unavailable
+
+        redis.proc.send_signal(signal.SIGCONT)
+        await held
+        await remote.match(TOKENS, 16, "", "")
+        assert remote.unavailable is None
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+        held.cancel()
+        await remote.close()
+        await holder.close()
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
 
 
 async def test_a_call_that_outlives_its_pause_on_a_silent_connection_starts_no_other(

@@ -169,6 +169,17 @@ sources:
         data = json.loads(stats.output)
         assert data["num_blocks"] == final_blocks + 2
         assert sorted(w["worker_id"] for w in data["workers"]) == ["ext", "w0"]
+        # How its source keys w0 (`ext` is fed from outside: its keys are its client's).
+        assert data["keyings"] == [
+            {
+                "worker_id": "w0",
+                "worker_address": "10.0.0.1:8000",
+                "key_space": "KEY_SPACE_CANONICAL",
+                "hash_seed": None,
+            }
+        ]
+        table = runner.invoke(app, ["admin", "index", "--target", target, "stats"])
+        assert "  w0                       keyed KEY_SPACE_CANONICAL\n" in table.output
 
         tokens_file = tmp_path / "prompt.json"
         tokens_file.write_text(json.dumps(prompt))

@@ -265,6 +265,16 @@ def test_a_source_clears_at_least_one_tier_on_all_blocks_cleared() -> None:
     assert [s.clear_tiers for s in config.sources] == [["HBM"]]
 
 
+def test_a_declared_vllm_hash_is_for_engine_hashes_and_seeds_only_with_it() -> None:
+    """`vllm_hash` / `hash_seed` say how a `hash: engine` source's engines hash (GetIndexStats
+    `keyings`): on a canonical source, or a seed without its algorithm, they would be
+    reported for keys they do not describe."""
+    assert "vllm_hash is for hash: engine" in _error(_zmq(hash="canonical", vllm_hash="sha256"))
+    assert "hash_seed needs vllm_hash" in _error(_openengine(hash_seed="0"))
+    config = IndexerConfig.model_validate(_zmq(vllm_hash="sha256_cbor", hash_seed="0"))
+    assert [(s.vllm_hash, s.hash_seed) for s in config.sources] == [("sha256_cbor", "0")]
+
+
 def test_the_longest_printable_worker_id_loads() -> None:
     config = IndexerConfig.model_validate(_zmq(worker_id="w" * 256, worker_address="héte:1"))
     assert [(s.worker_id, s.worker_address) for s in config.sources] == [("w" * 256, "héte:1")]

@@ -279,6 +279,7 @@ class IndexStats(_message.Message):
     WORKERS_FIELD_NUMBER: _builtins.int
     NUM_BATCHES_APPLIED_FIELD_NUMBER: _builtins.int
     NUM_EVENTS_DROPPED_FIELD_NUMBER: _builtins.int
+    KEYINGS_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     num_blocks: _builtins.int
     num_placements: _builtins.int
@@ -287,6 +288,15 @@ class IndexStats(_message.Message):
     num_events_dropped: _builtins.int
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStats]: ...
+    @_builtins.property
+    def keyings(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerKeying]:
+        """How this indexer's sources key their workers' blocks, one per configured source (its
+        data-parallel ranks `<worker_id>/dp<r>` keyed alike), whether or not they hold blocks yet:
+        a router that hashes prompts otherwise matches none of them, and can tell. Empty from an
+        indexer older than the field; workers fed from outside (ApplyExternalKvBatch) are not
+        listed (their keys are the client's).
+        """
+
     def __init__(
         self,
         *,
@@ -297,14 +307,58 @@ class IndexStats(_message.Message):
         workers: _abc.Iterable[Global___WorkerStats] | None = ...,
         num_batches_applied: _builtins.int = ...,
         num_events_dropped: _builtins.int = ...,
+        keyings: _abc.Iterable[Global___WorkerKeying] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "num_batches_applied", b"num_batches_applied", "num_blocks", b"num_blocks", "num_events_dropped", b"num_events_dropped", "num_placements", b"num_placements", "num_workers", b"num_workers", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "keyings", b"keyings", "num_batches_applied", b"num_batches_applied", "num_blocks", b"num_blocks", "num_events_dropped", b"num_events_dropped", "num_placements", b"num_placements", "num_workers", b"num_workers", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IndexStats: _TypeAlias = IndexStats  # noqa: Y015
+
+@_typing.final
+class WorkerKeying(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
+    KEY_SPACE_FIELD_NUMBER: _builtins.int
+    HASH_SEED_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    worker_address: _builtins.str
+    key_space: Global___KeySpace.ValueType
+    """The key space MatchTokens must be asked in to find the worker: canonical (`hash:
+    canonical`), or the vLLM algorithm its source declares (`hash: engine` with `vllm_hash`).
+    Unset: the engine's own hashes, algorithm not declared (no key space but a vLLM one can
+    match, which one is not known).
+    """
+    hash_seed: _builtins.str
+    """vLLM key spaces: the engine's PYTHONHASHSEED value its source declares (`hash_seed`);
+    unset: vLLM's default seed.
+    """
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        worker_address: _builtins.str = ...,
+        key_space: Global___KeySpace.ValueType | None = ...,
+        hash_seed: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "_key_space", b"_key_space", "hash_seed", b"hash_seed", "key_space", b"key_space"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "_key_space", b"_key_space", "hash_seed", b"hash_seed", "key_space", b"key_space", "worker_address", b"worker_address", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__hash_seed: _TypeAlias = _typing.Literal["hash_seed"]  # noqa: Y015
+    _WhichOneofArgType__hash_seed: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed"]  # noqa: Y015
+    _WhichOneofReturnType__key_space: _TypeAlias = _typing.Literal["key_space"]  # noqa: Y015
+    _WhichOneofArgType__key_space: _TypeAlias = _typing.Literal["_key_space", b"_key_space"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__hash_seed) -> _WhichOneofReturnType__hash_seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__key_space) -> _WhichOneofReturnType__key_space | None: ...
+
+Global___WorkerKeying: _TypeAlias = WorkerKeying  # noqa: Y015
 
 @_typing.final
 class DumpIndexRequest(_message.Message):
