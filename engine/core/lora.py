@@ -114,16 +114,17 @@ class AdapterConfig:
 class TargetModules:
     """PEFT's `target_modules`: module names (a module is targeted when its full name, e.g.
     `model.layers.0.self_attn.q_proj`, is one of them or ends with `.` and one) or one regular
-    expression its full name matches (`re.fullmatch`, PEFT's rule for a string); `all-linear`
-    names every module this engine adapts. As in PEFT (and vLLM, which takes the weights'
-    names as the truth), a name this model lacks targets nothing: the weights decide."""
+    expression its full name matches (`re.fullmatch`, PEFT's rule for a string, also taken as
+    a name); `all-linear` names every module this engine adapts. As in PEFT (and vLLM, which
+    takes the weights' names as the truth), a name this model lacks targets nothing: the
+    weights decide."""
 
     names: frozenset[str] = frozenset()
     pattern: str | None = None
 
     def targets(self, module_path: str) -> bool:
-        if self.pattern is not None:
-            return re.fullmatch(self.pattern, module_path) is not None
+        if self.pattern is not None and re.fullmatch(self.pattern, module_path) is not None:
+            return True
         return any(module_path == n or module_path.endswith(f".{n}") for n in self.names)
 
 
@@ -137,7 +138,8 @@ def _target_modules(value: Any) -> TargetModules:
             raise InvalidLoraError(
                 f"{ADAPTER_CONFIG}: target_modules {value!r} is not a regular expression: {exc}"
             ) from exc
-        return TargetModules(pattern=value)
+        # Also a name, as a list of one (a hand-written config's "q_proj"; PEFT would not match).
+        return TargetModules(names=frozenset({value}), pattern=value)
     if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
         raise InvalidLoraError(f"{ADAPTER_CONFIG}: target_modules must be a list of module names")
     names = frozenset(value)

@@ -225,6 +225,8 @@ async def test_target_modules_are_read_as_peft_reads_them(base_model: Path, tmp_
 
     lacking = variant("lacking", ["q_proj", "v_proj", "query_key_value"])
     regex = variant("regex", r".*\.(q_proj|v_proj)")
+    named = write_adapter(tmp_path / "named", base_model, modules=("q_proj",), seed=3)
+    write_adapter_config(named, target_modules="q_proj")  # a name as a string: as before
     narrow = variant("narrow", r"model\.layers\.0\.self_attn\.q_proj")
     head = variant("head", ["q_proj", "v_proj", "lm_head"])
     tensors = load_file(str(head / "adapter_model.safetensors"))
@@ -235,6 +237,7 @@ async def test_target_modules_are_read_as_peft_reads_them(base_model: Path, tmp_
     save_file(tensors, str(head / "adapter_model.safetensors"))
     async with running_engine(torch_config(base_model)) as engine:
         outputs = {}
+        await load(engine, "named", named, 6)
         for lora_id, path in enumerate((listed, lacking, regex), start=1):
             await load(engine, path.name, path, lora_id)
             responses = await collect(engine.stub, greedy(PROMPT, lora=path.name))
