@@ -31,6 +31,7 @@ import enum
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ class AdapterConfig:
 
     rank: int
     alpha: float
-    target_modules: frozenset[str]
+    target_modules: TargetModules
     use_rslora: bool = False
 
     @property
@@ -109,28 +110,52 @@ class AdapterConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
-def _target_modules(value: Any) -> frozenset[str]:
+@dataclass(frozen=True, slots=True)
+class TargetModules:
+    """PEFT's `target_modules`: module names (a module is targeted when its full name, e.g.
+    `model.layers.0.self_attn.q_proj`, is one of them or ends with `.` and one) or one regular
+    expression its full name matches (`re.fullmatch`, PEFT's rule for a string, also taken as
+    a name); `all-linear` names every module this engine adapts. As in PEFT (and vLLM, which
+    takes the weights' names as the truth), a name this model lacks targets nothing: the
+    weights decide."""
+
+    names: frozenset[str] = frozenset()
+    pattern: str | None = None
+
+    def targets(self, module_path: str) -> bool:
+        if self.pattern is not None and re.fullmatch(self.pattern, module_path) is not None:
+            return True
+        return any(module_path == n or module_path.endswith(f".{n}") for n in self.names)
+
+
+def _target_modules(value: Any) -> TargetModules:
     if value == "all-linear":
-        return frozenset(SUPPORTED_MODULES)
-    if isinstance(value, str):
-        value = [value]
+        return TargetModules(names=frozenset(SUPPORTED_MODULES))
+    if isinstance(value, str) and value:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise InvalidLoraError(
+                f"{ADAPTER_CONFIG}: target_modules {value!r} is not a regular expression: {exc}"
+            ) from exc
+        # Also a name, as a list of one (a hand-written config's "q_proj"; PEFT would not match).
+        return TargetModules(names=frozenset({value}), pattern=value)
     if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
         raise InvalidLoraError(f"{ADAPTER_CONFIG}: target_modules must be a list of module names")
+    names = frozenset(value)
     # PEFT allows suffixes such as "self_attn.q_proj": the last name is the module.
-    modules = frozenset(m.rsplit(".", 1)[-1] for m in value)
-    unsupported = sorted(modules - set(SUPPORTED_MODULES))
-    if unsupported:
+    if not {m.rsplit(".", 1)[-1] for m in names} & set(SUPPORTED_MODULES):
         raise LoraMismatchError(
-            f"{ADAPTER_CONFIG}: target module(s) {', '.join(unsupported)} not supported: this "
+            f"{ADAPTER_CONFIG}: target module(s) {', '.join(sorted(names))} not supported: this "
             f"engine applies LoRA to {', '.join(SUPPORTED_MODULES)}"
         )
-    return modules
+    return TargetModules(names=names)
 
 
 def read_adapter_config(directory: Path, *, max_rank: int) -> AdapterConfig:
     """Parse and check `directory/adapter_config.json`. Malformed or an unimplemented PEFT
-    option: InvalidLoraError; a rank above `max_rank` or a module this engine does not adapt:
-    LoraMismatchError."""
+    option: InvalidLoraError; a rank above `max_rank` or target modules none of which this
+    engine adapts: LoraMismatchError."""
     if not directory.is_dir():
         raise InvalidLoraError(f"LoRA directory {directory} does not exist or is not a directory")
     file = directory / ADAPTER_CONFIG

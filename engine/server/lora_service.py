@@ -8,14 +8,17 @@ both the event loop and the engine thread); the engine thread then installs it b
 LoRA calls run one at a time (a lock), so two loads never read the same adapter twice or race
 on a name. UnloadLora and ListLoras go to the registry (an unload through the engine thread).
 A fresh load of a name drops the KV sessions a PREFILL engine held with that name's earlier
-load (the core released them): Drain must not wait for them until their TTL. Loading the very
-adapter unloaded while its requests still run resumes it (`LoraLoad.RESUMED`): its sessions
-are kept.
+load (the core released them): Drain must not wait for them until their TTL; this follows the
+engine thread's answer, so a LoadLora whose client leaves as the load completes drops them too.
+Loading the very adapter unloaded while its requests still run resumes it (`LoraLoad.RESUMED`):
+its sessions are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import Future
 from pathlib import Path
 
 from engine.core.engine_core import EngineLoop
@@ -53,11 +56,15 @@ class LoraService:
             weights = await asyncio.to_thread(
                 self._runner.read_lora, Path(adapter.path), max_rank=self.max_lora_rank
             )
-            outcome: LoraLoad = await asyncio.wrap_future(
-                self._loop.call(lambda core: core.load_lora(adapter, weights))
-            )
-            if outcome is LoraLoad.LOADED and self._kv_sessions is not None:
-                self._kv_sessions.release_lora(adapter.name)
+            loading = self._loop.call(lambda core: core.load_lora(adapter, weights))
+            if self._kv_sessions is not None:
+                # From the engine thread's answer, not after the await: a LoadLora cancelled
+                # as the load completes still lets go of the sessions (before it resumes).
+                release = functools.partial(
+                    _release_sessions, asyncio.get_running_loop(), self._kv_sessions, adapter.name
+                )
+                loading.add_done_callback(release)
+            outcome: LoraLoad = await asyncio.wrap_future(loading)
             return outcome is LoraLoad.ALREADY_LOADED
 
     async def unload(self, name: str) -> LoraAdapter:
@@ -66,3 +73,15 @@ class LoraService:
 
     def list(self) -> list[LoraAdapter]:
         return sorted(self._registry.adapters.values(), key=lambda a: a.lora_id)
+
+
+def _release_sessions(
+    loop: asyncio.AbstractEventLoop, sessions: KvSessionStore, name: str, loading: Future[LoraLoad]
+) -> None:
+    """(engine thread) A fresh load of `name`: the store lets go of its earlier sessions."""
+    if (
+        not loading.cancelled()
+        and loading.exception() is None
+        and loading.result() is LoraLoad.LOADED
+    ):
+        loop.call_soon_threadsafe(sessions.release_lora, name)

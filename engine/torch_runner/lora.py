@@ -62,6 +62,8 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.default)?"
     r"\.weight$"
 )
+# Any PEFT LoRA tensor (of a module _KEY does not know, e.g. the LM head): group 1 its module.
+_ANY_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_(?:A|B|embedding_A|embedding_B)\b")
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -120,6 +122,10 @@ def _pairs(
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
+        if match is None and (other := _ANY_LORA_KEY.match(key)) is not None:
+            raise LoraMismatchError(
+                f"tensor {key!r} adapts {other[1]}, which this engine does not adapt"
+            )
         if match is None:
             raise InvalidLoraError(f"unexpected tensor {key!r} in the adapter (not a LoRA A/B)")
         layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
@@ -127,7 +133,7 @@ def _pairs(
             raise LoraMismatchError(
                 f"tensor {key!r} adapts {parent}.{module}, which this engine does not adapt"
             )
-        if module not in config.target_modules:
+        if not config.target_modules.targets(f"model.layers.{layer}.{parent}.{module}"):
             raise InvalidLoraError(
                 f"tensor {key!r} adapts {module}, which target_modules does not list"
             )

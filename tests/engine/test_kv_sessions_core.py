@@ -17,7 +17,7 @@ from engine.core.api import (
     SchedulerConfig,
 )
 from engine.core.engine_core import EngineCore
-from engine.core.lora import AdapterConfig, LoraAdapter, LoraLoad
+from engine.core.lora import AdapterConfig, LoraAdapter, LoraLoad, TargetModules
 from engine.core.sim_runner import SimRunner
 
 BLOCK = 4
@@ -230,7 +230,9 @@ def test_reloading_an_adapter_drops_the_sessions_held_with_its_old_weights() -> 
     adapter is loaded under the name, that KV must not be handed over (as the name's cached
     blocks are dropped). Sessions of other adapters and of the base model stay."""
     core = EngineCore(BytesRunner(num_blocks=32), max_loras=2)
-    weights = AdapterConfig(rank=4, alpha=8.0, target_modules=frozenset({"q_proj"}))
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
     core.load_lora(LoraAdapter(1, "ad", "/v1"), weights)
     sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     run(core, EngineRequest("a", PROMPT, sampling, lora_name="ad", kv_session_id="with-ad"))
@@ -250,7 +252,9 @@ def test_the_same_adapter_loaded_back_while_its_requests_run_keeps_its_sessions(
     stay; the request that outlived the unload ends without taking the weights away."""
     runner = BytesRunner(num_blocks=32)
     core = EngineCore(runner, max_loras=2)
-    weights = AdapterConfig(rank=4, alpha=8.0, target_modules=frozenset({"q_proj"}))
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
     adapter = LoraAdapter(1, "ad", "/v1")
     assert core.load_lora(adapter, weights) is LoraLoad.LOADED
     sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -106,7 +106,7 @@ async def test_load_list_unload_follow_the_seed(tmp_path: Path) -> None:
         ("no rank", grpc.StatusCode.INVALID_ARGUMENT, "r must be a positive integer"),
         ("dora", grpc.StatusCode.INVALID_ARGUMENT, "DoRA"),
         ("rank", grpc.StatusCode.FAILED_PRECONDITION, "rank 32 is above"),
-        ("module", grpc.StatusCode.FAILED_PRECONDITION, "lm_head not supported"),
+        ("module", grpc.StatusCode.FAILED_PRECONDITION, "embed_tokens, lm_head not supported"),
     ],
 )
 async def test_bad_adapters_are_refused_naming_the_problem(
@@ -141,7 +141,7 @@ async def test_bad_adapters_are_refused_naming_the_problem(
     elif fault == "rank":
         write_adapter_config(path, r=32)
     elif fault == "module":
-        write_adapter_config(path, target_modules=["q_proj", "lm_head"])
+        write_adapter_config(path, target_modules=["lm_head", "embed_tokens"])
     async with running_engine(sim_config(lora=lora_config())) as engine:
         err = await rpc_error(load(engine, name, path, lora_id))
         assert err.code() == status

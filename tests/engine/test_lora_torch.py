@@ -7,11 +7,15 @@ refused naming the problem; an adapter unloaded in use keeps serving its running
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig, LoraConfig
 from engine.core.api import EngineRequest, SamplingParams, SchedulerConfig
@@ -21,7 +25,12 @@ from engine.torch_runner.builtin_model import ensure_builtin_model
 from engine.torch_runner.runner import TorchModelRunner
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import Engine, collect, rpc_error, running_engine
-from tests.engine.lora_adapters import merged_model, module_shapes, write_adapter
+from tests.engine.lora_adapters import (
+    merged_model,
+    module_shapes,
+    write_adapter,
+    write_adapter_config,
+)
 from tests.engine.torch_reference import TEST_DEVICE
 
 pytestmark = pytest.mark.timeout(180)
@@ -200,6 +209,47 @@ async def test_adapters_that_do_not_fit_the_model_are_refused(
             assert detail in (err.details() or ""), err.details()
         listed = await engine.stub.ListLoras(pb.ListLorasRequest())
         assert list(listed.adapters) == []
+
+
+async def test_target_modules_are_read_as_peft_reads_them(base_model: Path, tmp_path: Path) -> None:
+    """PEFT (and vLLM, which takes the weights' names as the truth) ignores a listed module the
+    model lacks and reads a string as a regular expression over the modules' full names: such
+    adapters load and serve what the plain list serves. Weights of a module the engine does
+    not adapt (the LM head) do not fit the engine; a regex that leaves a tensor's module out
+    is a malformed adapter."""
+    listed = write_adapter(tmp_path / "listed", base_model, modules=("q_proj", "v_proj"), seed=3)
+
+    def variant(name: str, target_modules: Any) -> Path:
+        directory = shutil.copytree(listed, tmp_path / name)
+        return write_adapter_config(directory, target_modules=target_modules)
+
+    lacking = variant("lacking", ["q_proj", "v_proj", "query_key_value"])
+    regex = variant("regex", r".*\.(q_proj|v_proj)")
+    named = write_adapter(tmp_path / "named", base_model, modules=("q_proj",), seed=3)
+    write_adapter_config(named, target_modules="q_proj")  # a name as a string: as before
+    narrow = variant("narrow", r"model\.layers\.0\.self_attn\.q_proj")
+    head = variant("head", ["q_proj", "v_proj", "lm_head"])
+    tensors = load_file(str(head / "adapter_model.safetensors"))
+    hidden = module_shapes(base_model)["q_proj"][0]
+    vocab = json.loads((base_model / "config.json").read_text())["vocab_size"]
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, hidden)
+    tensors["base_model.model.lm_head.lora_B.weight"] = torch.zeros(vocab, 8)
+    save_file(tensors, str(head / "adapter_model.safetensors"))
+    async with running_engine(torch_config(base_model)) as engine:
+        outputs = {}
+        await load(engine, "named", named, 6)
+        for lora_id, path in enumerate((listed, lacking, regex), start=1):
+            await load(engine, path.name, path, lora_id)
+            responses = await collect(engine.stub, greedy(PROMPT, lora=path.name))
+            outputs[path.name] = tokens_and_logprobs(responses)[0]
+        base = tokens_and_logprobs(await collect(engine.stub, greedy(PROMPT)))[0]
+        err = await rpc_error(load(engine, "head", head, 4))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "adapts lm_head, which this engine does not adapt" in (err.details() or "")
+        err = await rpc_error(load(engine, "narrow", narrow, 5))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "layers.0.self_attn.v_proj.lora_A.weight' adapts v_proj" in (err.details() or "")
+    assert outputs["lacking"] == outputs["listed"] == outputs["regex"] != base
 
 
 async def test_an_adapter_unloaded_in_use_serves_its_request_to_the_end(

@@ -5,15 +5,18 @@ health. The torch handoff (real KV bytes) is in test_server_kv_transfer_torch.py
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
 
 from engine.config import KvTransferConfig, LoraConfig
+from engine.core.lora import LoraAdapter
 from engine.server.kv_pull import MAX_IDLE_PEERS
 from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, TlsConfig
@@ -321,12 +324,43 @@ async def test_a_session_serves_only_the_lora_adapter_and_cache_salt_it_was_comp
         assert await used_blocks(prefiller) == 0
 
 
+async def load_cancelled_as_it_completes(engine: Engine, request: pb.LoadLoraRequest) -> None:
+    """LoadLora whose client goes away (the call cancelled) just as the engine thread completes
+    the load, before the call resumes."""
+    engine_loop = engine.app.service.engine_loop
+    registry = engine_loop.core.loras
+    assert registry is not None
+    in_step, step_over = threading.Event(), threading.Event()
+
+    def long_step(_core: object) -> None:
+        in_step.set()
+        step_over.wait(30)
+
+    held = asyncio.wrap_future(engine_loop.call(long_step))
+    await eventually(in_step.is_set, what="the engine thread held")
+    load = asyncio.ensure_future(engine.app.openengine.LoadLora(request, cast(Any, None)))
+    await eventually(lambda: bool(engine_loop._commands), what="the load queued")
+    step_over.set()
+    # Blocking the event loop on purpose: the call must not resume before it is cancelled.
+    while registry.adapters.get(request.adapter.lora_name) != LoraAdapter(
+        request.adapter.lora_id, request.adapter.lora_name, request.adapter.source_path
+    ):
+        time.sleep(0.001)  # noqa: ASYNC251
+    load.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await load
+    await held
+    await asyncio.wrap_future(engine_loop.call(lambda _: None))  # the load's answer is out
+
+
+@pytest.mark.parametrize("client_leaves", [False, True], ids=["answered", "client-leaves"])
 async def test_loading_an_adapter_again_ends_the_sessions_of_its_earlier_load(
-    tmp_path: Path,
+    tmp_path: Path, client_leaves: bool
 ) -> None:
     """A fresh load of a name lets go of the KV sessions computed with its earlier load (KV of
     an old adapter is never handed over): they are gone for Drain too, which does not wait for
-    them until their TTL, and for Abort, which answers that they ended."""
+    them until their TTL, and for Abort, which answers that they ended. So too when the load's
+    client leaves as the engine thread completes it (before, the sessions stayed)."""
     async with engines(sim_config(role="prefill", lora=LoraConfig(enabled=True))) as (prefiller,):
         adapter = pb.LoraAdapter(
             lora_id=1, lora_name="a", source_path=str(write_adapter_config(tmp_path / "a"))
@@ -335,8 +369,11 @@ async def test_loading_an_adapter_again_ends_the_sessions_of_its_earlier_load(
         session = await prefill(prefiller, lora_name="a")
         await prefiller.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a"))
         adapter.lora_id = 2
-        await prefiller.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
-        assert (await prefiller.stub.GetLoad(pb.GetLoadRequest())).active_kv_sessions == 0
+        if client_leaves:
+            await load_cancelled_as_it_completes(prefiller, pb.LoadLoraRequest(adapter=adapter))
+        else:
+            await prefiller.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+            assert (await prefiller.stub.GetLoad(pb.GetLoadRequest())).active_kv_sessions == 0
         drain = pb.DrainRequest(stop_accepting_new_requests=True)
         first = await next_reply(prefiller.stub.Drain(drain))
         assert (first.state, first.open_kv_sessions) == (pb.DRAIN_STATE_STARTED, 0)
