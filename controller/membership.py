@@ -27,10 +27,12 @@ registered, or did not take the drain; a drain Redis does not take goes on unsha
 on an engine's new process), as the replica a LoadLora or UnloadLora went through holds it
 after the call (JSON: its id, path, loads and the engines a fleet-wide load is kept off; no
 field: loaded nowhere; an unload of an adapter the hash had no load of, found on the
-engines, `{"unloaded": <token>}`, so that the replicas that found it drop it too, until it
-is loaded again); each replica reads the hash before a LoRA call, writes the field after
-it, and takes a field that changed since its last read into its own intent (one gone:
-unloaded), and `v`, the hash's generation:
+engines, `{"unloaded": <token>}`, so that the replicas that found it drop it too, until its
+lifetime is over, below, or it is loaded again); each replica reads the hash before a LoRA
+call, writes the field after it, and takes a field that changed since its last read into its
+own intent (one gone: unloaded; an unload marker gone: nothing), `#<field>` the stamp of
+each field set or deleted (`_CHANGE`: Redis's clock in ms, above the field's last stamp), the
+stamp of a field deleted its tombstone, and `v`, the hash's generation:
 set (to a fresh token) by whoever writes a hash Redis does not hold, kept by every change
 after. A hash without it was
 lost by Redis (or never written): the replica writes its own membership back instead of
@@ -38,7 +40,19 @@ dropping what it does not find. A replica that finds another generation than it 
 a hash written back since by another replica, which knew only its own membership: it writes its
 own back too (the fields merge) before applying the hash, so no replica takes what another did
 not know for a removal. Once every running replica has read the new generation, the hash is the
-union of their views.
+union of their views, each field as the newest stamp any of them knew it by: a replica writes
+every field back with the stamp it last read or wrote it with, its tombstones included, and
+Redis takes a field only when its stamp is newer than the one the hash holds. So a removal or
+an uncordon made through one replica that Redis lost before another replica read it stays
+made: the other's write-back (the engine registered, cordoned) is older than its tombstone.
+A tombstone, and an unload marker, lives `TOMBSTONE_READS` read intervals (the
+`health.poll_interval_s` of the replica whose change drops it: the replicas share a config)
+past its change, and as long past the generation's start (`#v`: after a loss, the write-backs
+come within a read interval); then the next change of the hash (any replica's) drops it: the
+hash holds no more tombstones than the changes of that lifetime leave. A replica that has not
+read the hash for that long (cut off from Redis while it ran) may, after a loss, write back
+what was deleted meanwhile, as before tombstones, and one that found an adapter on the engines
+misses its unload.
 
 Without a Redis index the calls change this replica's fleet only, as they always did.
 """
@@ -65,7 +79,7 @@ from kvplane.errors import KvplaneError
 log = logging.getLogger(__name__)
 
 _REGISTERED, _OWNER, _CORDONED, _REMOVED, _DRAINED = "a:", "o:", "c:", "x:", "d:"
-_LORA, _MARKER = "l:", "v"
+_LORA, _MARKER, _STAMP = "l:", "v", "#"
 # Deletes hash field ARGV[1] of KEYS[1] if it holds ARGV[2].
 _DELETE_IF_EQUAL = (
     "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then "
@@ -73,6 +87,58 @@ _DELETE_IF_EQUAL = (
 )
 # An `l:<name>` field's key for an adapter unloaded that the hash had no load of.
 _UNLOADED = "unloaded"
+# A tombstone (and an unload marker) lives this many of the writing replica's read intervals
+# (`health.poll_interval_s`) past its change, and past the hash's generation: every running
+# replica reads the hash meanwhile.
+TOMBSTONE_READS = 10
+# One change (or a write-back, `merge`) of the membership hash KEYS[1], atomically. ARGV: a
+# fresh generation (set if the hash has none: lost, or never written), the tombstones'
+# lifetime in ms, "1" for a merge, then per field its name, "s" (set to the value) or "d"
+# (delete), the value, and (a merge's) the stamp the writer knows the field by. Every field
+# set or deleted has its stamp, `#<field>`: Redis's clock in ms when it changed (above the
+# field's last stamp: increasing whatever the clock). A merge takes a field only when its
+# stamp is newer than the hash's: a view written back resurrects no field deleted since
+# (its stamp, the tombstone, is newer). Tombstones (a stamp without its field) and unload
+# markers older than the lifetime, in a generation as old, go. Returns the change's stamp.
+_CHANGE = """
+redis.replicate_commands()
+local key, ttl, merge = KEYS[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+if redis.call('HSETNX', key, 'v', ARGV[1]) == 1 then redis.call('HSET', key, '#v', now) end
+local stamp = now
+for i = 4, #ARGV, 4 do
+  local last = tonumber(redis.call('HGET', key, '#' .. ARGV[i]))
+  if not merge and last and last >= stamp then stamp = last + 1 end
+end
+for i = 4, #ARGV, 4 do
+  local field, set, at = ARGV[i], ARGV[i + 1] == 's', stamp
+  local last = tonumber(redis.call('HGET', key, '#' .. field))
+  if merge then at = tonumber(ARGV[i + 3]) end
+  if not merge or last == nil or at > last then
+    local existed = 1
+    if set then redis.call('HSET', key, field, ARGV[i + 2])
+    else existed = redis.call('HDEL', key, field) end
+    if existed == 1 or last ~= nil or merge then redis.call('HSET', key, '#' .. field, at) end
+  end
+end
+local old = now - ttl
+if (tonumber(redis.call('HGET', key, '#v')) or 0) < old then
+  local all, values = redis.call('HGETALL', key), {}
+  for i = 1, #all, 2 do values[all[i]] = all[i + 1] end
+  for name, value in pairs(values) do
+    local field = string.sub(name, 2)
+    if string.sub(name, 1, 1) == '#' and field ~= 'v' and tonumber(value) < old then
+      local held = values[field]
+      if held == nil then redis.call('HDEL', key, name)
+      elseif string.sub(field, 1, 2) == 'l:' and string.sub(held, 1, 11) == '{"unloaded"' then
+        redis.call('HDEL', key, name, field)
+      end
+    end
+  end
+end
+return stamp
+"""
 
 
 class MembershipUnavailableError(KvplaneError):
@@ -97,6 +163,9 @@ class Membership:
         # The `l:<name>` fields (the fleet's LoRA intent) as this replica last read or wrote
         # them: one that changed is taken into its intent, one gone is an unload.
         self._loras: dict[str, str] = {}
+        # field -> its stamp and whether it is set (False: a tombstone), as this replica last
+        # read or wrote it: what its write-back writes them with (`_write_back`).
+        self._stamps: dict[str, tuple[int, bool]] = {}
         self._task: asyncio.Task[None] | None = None
         self._read_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, time.monotonic, log)
         # The engines' adapters are listed after the first read (`start`): an unload the hash
@@ -138,24 +207,32 @@ class Membership:
     # ---- the admin API's changes ----
 
     async def register(self, address: str, kv_events: str, owner: str = "") -> EngineRecord:
-        async with self._lock:
-            await self._catch_up()
-            removal = self.fleet.removal(address)
-            if removal is not None:  # removed through any replica (this one's reads included)
-                await asyncio.shield(removal)
-            record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
-            fields = {_REGISTERED + address: kv_events}
-            deleted = [_REMOVED + address, _DRAINED + address]
-            if owner:
-                fields[_OWNER + address] = owner
-            else:
-                deleted.append(_OWNER + address)
-            try:
-                await self._write(fields, deleted)
-            except MembershipUnavailableError:
-                await self.fleet.remove_engine(address)
-                raise
-            return record
+        while True:
+            async with self._lock:
+                await self._catch_up()
+                removal = self.fleet.removal(address)
+                if removal is None:
+                    return await self._register(address, kv_events, owner)
+            # Being removed (through any replica, this one's reads included): waited for
+            # without the lock (dropping its index entries waits on Redis, which may be
+            # slow), the other membership calls going on meanwhile; then read again.
+            await asyncio.shield(removal)
+
+    async def _register(self, address: str, kv_events: str, owner: str) -> EngineRecord:
+        """`register` under the lock, the address removed nowhere now."""
+        record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
+        fields = {_REGISTERED + address: kv_events}
+        deleted = [_REMOVED + address, _DRAINED + address]
+        if owner:
+            fields[_OWNER + address] = owner
+        else:
+            deleted.append(_OWNER + address)
+        try:
+            await self._write(fields, deleted)
+        except MembershipUnavailableError:
+            await self.fleet.remove_engine(address)
+            raise
+        return record
 
     async def remove(self, key: str) -> EngineRecord:
         async with self._lock:
@@ -334,19 +411,25 @@ class Membership:
         return any(e.address == address for e in self._config.engines)
 
     async def _write(self, fields: dict[str, str], deleted: list[str]) -> None:
-        """One change of the shared hash, atomically (nothing without a Redis index)."""
+        """One change of the shared hash, atomically (nothing without a Redis index): every
+        field set or deleted gets the change's stamp (`_CHANGE`)."""
         if self._client is None:
             return
+        changes = [(f, "s", v, 0) for f, v in fields.items()] + [(f, "d", "", 0) for f in deleted]
+        stamp = await self._change(changes, merge=False)
+        self._stamps.update({f: (stamp, True) for f in fields})
+        self._stamps.update({f: (stamp, False) for f in deleted})
+
+    async def _change(self, changes: list[tuple[str, str, str, int]], *, merge: bool) -> int:
+        """`_CHANGE` of `changes` (field, "s" or "d", value, stamp); returns its stamp."""
+        assert self._client is not None
+        # A new generation only for a hash Redis does not hold (lost, or never written).
+        lifetime_ms = int(TOMBSTONE_READS * self._config.health.poll_interval_s * 1000)
+        args: list[Any] = [uuid.uuid4().hex, lifetime_ms, "1" if merge else "0"]
+        for change in changes:
+            args.extend(change)
         try:
-            async with self._client.pipeline(transaction=True) as pipe:
-                # A new generation only for a hash Redis does not hold (lost, or never written).
-                pipe.hsetnx(self._key, _MARKER, uuid.uuid4().hex)
-                if fields:
-                    values: dict[Any, Any] = fields  # (redis-py's own key types)
-                    pipe.hset(self._key, mapping=values)
-                if deleted:
-                    pipe.hdel(self._key, *deleted)
-                await pipe.execute()
+            return int(await self._client.eval(_CHANGE, 1, self._key, *args))
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from exc
 
@@ -375,18 +458,27 @@ class Membership:
     async def _update(self) -> None:
         """`refresh` under the lock."""
         assert self._client is not None
-        fields = await self._read()
+        fields, stamps = await self._read()
         generation = fields.get(_MARKER)
         if generation is None or (self._generation is not None and generation != self._generation):
             await self._write_back()
-            fields = await self._read()
+            fields, stamps = await self._read()
         first, self._generation = self._generation is None, fields.get(_MARKER)
+        self._stamps = stamps
         await self._apply(fields, first)
 
-    async def _read(self) -> dict[str, str]:
+    async def _read(self) -> tuple[dict[str, str], dict[str, tuple[int, bool]]]:
+        """The hash's fields, and the stamp of each field (0: none, a field an older release
+        wrote) and whether it is set (False: a tombstone)."""
         assert self._client is not None
-        raw = await self._client.hgetall(self._key)
-        return {_text(k): _text(v) for k, v in raw.items()}
+        raw = {_text(k): _text(v) for k, v in (await self._client.hgetall(self._key)).items()}
+        fields = {f: v for f, v in raw.items() if not f.startswith(_STAMP)}
+        stamps = {f: (0, True) for f in fields if f != _MARKER}
+        for name, value in raw.items():
+            if name.startswith(_STAMP) and name != _STAMP + _MARKER:
+                field = name.removeprefix(_STAMP)
+                stamps[field] = (int(value), field in fields)
+        return fields, stamps
 
     async def _apply(self, fields: dict[str, str], first: bool) -> None:
         """Take the hash's `fields` here (`first`: this replica's first read)."""
@@ -429,8 +521,9 @@ class Membership:
         intent = self.fleet.lora_intent
         shared = {f.removeprefix(_LORA): v for f, v in fields.items() if f[:2] == _LORA}
         for name in [n for n in self._loras if n not in shared]:
+            if _is_unload(self._loras.pop(name)):
+                continue  # an unload marker expired (`TOMBSTONE_READS`): taken already
             log.info("LoRA adapter %r unloaded through another controller replica", name)
-            del self._loras[name]
             intent.adopt(name, None)
         for name, value in shared.items():
             if self._loras.get(name) == value:
@@ -463,7 +556,22 @@ class Membership:
             {_REMOVED + e.address: "1" for e in self._config.engines if e.address not in present}
         )
         fields.update({_LORA + name: value for name, value in self._loras.items()})
-        await self._write(fields, [])
+        # Each with the stamp this replica knows it by: a field deleted since through another
+        # replica (its tombstone newer) stays deleted, and so do those this replica saw
+        # deleted (their tombstones) when another replica writes back an older view.
+        changes = [(f, "s", v, self._stamp_of(f, True)) for f, v in fields.items()]
+        changes += [
+            (f, "d", "", stamp)
+            for f, (stamp, held) in self._stamps.items()
+            if not held and f not in fields
+        ]
+        await self._change(changes, merge=True)
+
+    def _stamp_of(self, field: str, held: bool) -> int:
+        """The stamp of `field` as last read or written here, if it was `held` (set or not)
+        then; else 0 (older than any change)."""
+        stamp, was_held = self._stamps.get(field, (0, held))
+        return stamp if was_held == held else 0
 
 
 def _shares(config: ControllerConfig) -> bool:

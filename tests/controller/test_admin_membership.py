@@ -104,13 +104,11 @@ async def test_an_engine_registered_again_while_its_removal_runs_is_taken_once_i
         index.pause("remove_worker")
         removal = asyncio.ensure_future(fleet.admin.RemoveEngine(apb.EngineRef(engine=holder)))
         await index.paused.wait()
+        found = watch_removals(fleet)
         register = asyncio.ensure_future(
             fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
         )
-        membership = fleet.app.controller.membership
-        await eventually(
-            lambda: register.done() or membership._lock.locked(), 10, "the registration"
-        )
+        await eventually(lambda: register.done() or found.is_set(), 10, "the registration")
         index.resume.set()
         await removal
         await register
@@ -119,6 +117,21 @@ async def test_an_engine_registered_again_while_its_removal_runs_is_taken_once_i
     finally:
         index.resume.set()
         await close_fleet(fleet)
+
+
+def watch_removals(fleet: Fleet) -> asyncio.Event:
+    """Set once a caller of the fleet's `removal` (the registration) finds one running."""
+    found = asyncio.Event()
+    engines, removal = fleet.app.controller.fleet, fleet.app.controller.fleet.removal
+
+    def watched(address: str) -> asyncio.Task[None] | None:
+        running = removal(address)
+        if running is not None:
+            found.set()
+        return running
+
+    engines.removal = watched  # type: ignore[method-assign]
+    return found
 
 
 async def test_a_removal_whose_caller_gives_up_still_drops_what_the_engine_left() -> None:

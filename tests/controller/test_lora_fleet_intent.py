@@ -729,19 +729,33 @@ async def test_an_adapter_found_on_the_engines_and_unloaded_through_one_replica_
     hold it for the fleet, with nothing of it in the membership hash. Unloaded through b, it
     is not loaded back on e1 restarted by a. Before, b's unload left no field (it deletes the
     field of an adapter loaded nowhere, and there was none), a's intent kept x, and a loaded
-    it on e1's new process."""
+    it on e1's new process. The unload's marker (`l:x`, `{"unloaded": ...}`) then leaves the
+    hash with its stamp once its lifetime (ten read intervals) is over, at a later change of
+    the hash, and x stays unloaded. Before, the marker stayed until x was loaded again: one
+    field for every name ever unloaded so."""
     engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(2)]
     x, y = adapter(tmp_path, "x", 1), adapter(tmp_path, "y", 2)
     for engine in engines:
         await load_on(engine, x)
     a = await make_fleet(engines=engines, index=shared_index(redis))
     b = await make_fleet(engines=engines, index=shared_index(redis))
-    e1 = a.address(engines[1])
+    e0, e1 = (a.address(engine) for engine in engines)
+    membership, client = "kvplane:{default:0}:fm", redis.client()
     try:
         for replica in (a, b):
             await eventually(functools.partial(holds_x, replica), 15, "x found on the fleet")
         await unload_x_through_b_and_restart_e1(a, b, e1, y)
+
+        async def unload_gone() -> bool:
+            await a.admin.Uncordon(apb.EngineRef(engine=e0))  # a change: expired ones go
+            return set(client.hkeys(membership)) == {b"v", b"#v", b"l:y", b"#l:y"}
+
+        await eventually(unload_gone, 15, "the unload of x out of the membership hash")
+        for replica in (a, b):
+            await replica.app.controller.membership.refresh()
+            assert ("x", None) not in replica.app.controller.fleet.lora_intent.loads
     finally:
+        client.close()
         await close_replica(b)
         await close_fleet(a)
 

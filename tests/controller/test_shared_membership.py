@@ -7,7 +7,9 @@ through one replica leaves the others' routing as a drain, not a flap."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -198,17 +200,41 @@ async def test_a_config_engine_removed_stays_removed_after_redis_lost_the_member
 READ_WHEN_TOLD = {"poll_interval_s": 3600}
 
 
+async def restart_empty(redis: RedisServer) -> None:
+    """redis-server restarted without its data (no persistence)."""
+    await asyncio.to_thread(redis.kill)
+    await asyncio.to_thread(redis.start)
+
+
+@contextlib.asynccontextmanager
+async def replicas_reading_when_told(redis: RedisServer) -> AsyncIterator[tuple[Fleet, Fleet, str]]:
+    """Two replicas that read the shared membership only when told (`READ_WHEN_TOLD`), and
+    the address of an engine their config does not name."""
+    a: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
+    b: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
+    engine = await start_sim_engine("e0")
+    try:
+        yield a, b, f"127.0.0.1:{engine.port}"
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+        await engine.close()
+
+
+async def write_back_in_turn(first: Fleet, then: Fleet) -> None:
+    """Redis lost the hash: `first` finds it so and writes its membership back, `then` finds
+    another generation and adds its own, and `first` reads the merge."""
+    for replica in (first, then, first):
+        await replica.app.controller.membership.refresh()
+
+
 async def test_an_engine_removed_and_registered_again_between_two_reads_has_its_new_owner(
     redis: RedisServer,
 ) -> None:
     """Removed and registered again through one replica with another owner (or none) while
     the other does not read the membership: the other reports the owner the registration
     says. It used to keep the owner it read first, the engine being one it already had."""
-    a: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
-    b: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
-    engine = await start_sim_engine("e0")
-    address = f"127.0.0.1:{engine.port}"
-    try:
+    async with replicas_reading_when_told(redis) as (a, b, address):
         await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address, owner="old"))
         await b.app.controller.membership.refresh()
         assert (await workers(b))[address].owner == "old"
@@ -217,10 +243,6 @@ async def test_an_engine_removed_and_registered_again_between_two_reads_has_its_
             await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address, owner=owner))
             await b.app.controller.membership.refresh()
             assert (await workers(b))[address].owner == owner
-    finally:
-        await close_replica(b)
-        await close_fleet(a)
-        await engine.close()
 
 
 async def test_replicas_finding_the_membership_lost_in_turn_keep_an_engine_registered_again(
@@ -275,6 +297,60 @@ async def test_a_replica_started_while_the_membership_is_lost_learns_a_removal_f
     finally:
         await close_fleet(a)
         await engine.close()
+
+
+async def test_a_removal_through_one_replica_survives_redis_restarted_empty_before_the_other_read(
+    redis: RedisServer,
+) -> None:
+    """X removed through a; redis-server restarts empty before b read the removal, and b
+    writes its membership back first, X registered in it: the removal's tombstone, which a
+    writes back, is newer, and X stays removed on both. Before, a took b's write-back for a
+    registration and both routed to X again (docs/controller.md used to list it as not
+    handled)."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await b.app.controller.membership.refresh()
+        assert address in await workers(b)
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await restart_empty(redis)
+        await write_back_in_turn(b, a)
+        assert address not in await workers(a)
+        assert address not in await workers(b)
+
+
+async def test_an_uncordon_through_one_replica_survives_redis_restarted_empty_before_the_other_read(
+    redis: RedisServer,
+) -> None:
+    """X cordoned, then uncordoned through a; redis-server restarts empty before b read the
+    uncordon, and b writes back its membership, X cordoned in it: X stays uncordoned on both.
+    Before, both cordoned X again."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await a.admin.Cordon(apb.EngineRef(engine=address))
+        await b.app.controller.membership.refresh()
+        assert (await workers(b))[address].cordoned
+        await a.admin.Uncordon(apb.EngineRef(engine=address))
+        await restart_empty(redis)
+        await write_back_in_turn(b, a)
+        assert not (await workers(a))[address].cordoned
+        assert not (await workers(b))[address].cordoned
+
+
+async def test_an_engine_registered_again_after_a_removal_survives_redis_restarted_empty(
+    redis: RedisServer,
+) -> None:
+    """X removed through a, b reads the removal (its tombstone), X registered again through a;
+    redis-server restarts empty before b read the registration: b writes the tombstone back
+    first, but the registration is newer, and both route to X."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await b.app.controller.membership.refresh()
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await restart_empty(redis)
+        await write_back_in_turn(b, a)
+        assert address in await workers(a)
+        assert address in await workers(b)
 
 
 async def test_a_change_redis_does_not_take_is_refused_and_changes_nothing(
@@ -446,8 +522,10 @@ async def test_a_registration_arriving_while_a_read_of_the_hash_removes_the_engi
     afresh. Before, only a removal the registration's own read began was waited for: it was
     refused ALREADY_EXISTS "being removed"."""
     rare: dict[str, Any] = {"poll_interval_s": 3600}  # each reads the hash when told to only
-    a: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=rare)
-    b: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=rare)
+    # Redis's writes wait for the test's UNPAUSE, however long (the removal with them).
+    index = {**shared_index(redis), "redis": {"timeout_s": 120.0}}
+    a: Fleet = await make_fleet(engines=[], index=index, health=rare)
+    b: Fleet = await make_fleet(engines=[], index=index, health=rare)
     engine = await start_sim_engine("e0")
     address = f"127.0.0.1:{engine.port}"
     fleet_b, membership_b = b.app.controller.fleet, b.app.controller.membership
@@ -468,6 +546,11 @@ async def test_a_registration_arriving_while_a_read_of_the_hash_removes_the_engi
         )
         # The registration read the hash (reads go on): it waits for the removal, or not.
         await eventually(lambda: register.done() or hash_reads(redis) > reads, 20, "its read")
+        # b's other membership calls go on meanwhile (its periodic read here): the
+        # registration waits without holding the membership. Before, they waited as long.
+        read = asyncio.ensure_future(membership_b.refresh())
+        await eventually(read.done, 20, "b's read of the hash while the registration waits")
+        assert not register.done()  # (the removal waits for Redis's writes)
         redis.command("CLIENT", "UNPAUSE")
         await register
         await eventually(lambda: routes_to(b, address), 20, "b to route to it again")
