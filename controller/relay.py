@@ -1545,10 +1545,10 @@ def engine_failure(
     otherwise wait for the clients' deadlines), or the call's connection went silent while
     the engine answers on a new one (`Fleet._end_silent_calls`). Each way it fails as an
     unreachable engine does, saying why (UNAVAILABLE: retried elsewhere before output, one
-    terminal EngineError after; `Relay._abort_lost` tells the engine). Handled here rather than by closing a removed engine's channel
-    late: the fleet would have to know the relay's requests, and a grace period would only
-    delay the hang of the longest streams. The request's own cancellation (the client left,
-    the server stops) goes on."""
+    terminal EngineError after; `Relay._abort_lost` tells the engine). Handled here rather
+    than by closing a removed engine's channel late: the fleet would have to know the
+    relay's requests, and a grace period would only delay the hang of the longest streams.
+    The request's own cancellation (the client left, the server stops) goes on."""
     if isinstance(caught, grpc.aio.AioRpcError):
         return caught
     task = asyncio.current_task()
