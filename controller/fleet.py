@@ -30,9 +30,10 @@ the channel of one unreachable (its polls unanswered; an error answer is an answ
 for it or for their clients' deadlines; `why_calls_ended` tells the gateway which
 (`controller.relay.engine_failure`). A poll that times out has the engine dialled afresh, a
 new connection for the calls to come (the one gone silent may be dead without a reset, as
-behind a blackholed path); the calls under way stay on the old one, and end if it is dead
-(keepalive pings while calls are under way: within `health.keepalive_s` and
-`keepalive_timeout_s`).
+behind a blackholed path); the calls under way stay on the old one, which is polled too once
+the engine answers on the new one (`_end_silent_calls`): silent there, it is dead, and its
+calls end as an abandoned engine's do, instead of waiting for keepalive pings
+(`health.keepalive_s` and `keepalive_timeout_s`).
 
 On a shared Redis index, several controller replicas may follow one fleet: each polls every
 engine, but an engine's KV events are followed into the index (and its entries dropped on a
@@ -1074,6 +1075,8 @@ class Fleet:
                     unloads = bool(self.lora_intent.unconfirmed_on(address))
                     if unloads or engine.restore_due:  # (the usual case: neither)
                         self._lora_work_due(engine, unloads=unloads)
+                if engine.dialled.doubted:
+                    await self._end_silent_calls(engine)
                 delay = health.load_poll_interval_s
             except asyncio.CancelledError:
                 raise
@@ -1102,7 +1105,7 @@ class Fleet:
                     # Its connection may be dead without a reset (a blackholed path): polled
                     # on it, the engine would stay unreachable until the kernel gave up on it
                     # (some 15 minutes); a new one reaches it at once if it answers.
-                    engine.dialled.dial_afresh()
+                    engine.dialled.dial_afresh(doubted=True)
                 await self._excuse_shared_drain(engine, failure.state)
                 delay = self.registry.on_poll_failed(address, now, error, failure)
                 said = failure.state.value
@@ -1123,6 +1126,31 @@ class Fleet:
                 )
                 need_identity = True
             await engine.wait_poll_interval(delay)
+
+    async def _end_silent_calls(self, engine: _Engine) -> None:
+        """The engine answered a poll on a new connection, dialled after one timed out on the
+        old one, which still holds calls (relayed streams): each old connection so doubted is
+        polled too (Health, `rpc_timeout_s`; any answer, an error included, is one). One that
+        does not answer while the engine answers on the new one is dead without a reset (a
+        blackholed path, a NAT entry expired): its calls end at once, as an abandoned
+        engine's do (`abandon_calls`), instead of waiting for keepalive; one that answers
+        (the engine was only slow) keeps them."""
+        timeout_s = self.config.health.rpc_timeout_s
+
+        async def answers(channel: grpc.aio.Channel) -> bool:
+            try:
+                await pb_grpc.OpenEngineStub(channel).Health(pb.HealthRequest(), timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return poll_failure(exc.code().name) is PollFailure.ERROR_ANSWER
+            return True
+
+        silent = await engine.dialled.check_doubted(answers)
+        if not silent:
+            return
+        log.warning("engine %s went silent on the connection holding its calls, answering on "
+                    "a new one: ending them", engine.address)  # fmt: skip
+        engine.calls_ended_because = "went silent on the call's connection (a new one reaches it)"
+        await engine.dialled.end_calls_on(silent)
 
     async def _excuse_shared_drain(self, engine: _Engine, state: EngineState) -> None:
         """Before the engine takes `state`: a leave from ready that would count as a flap may

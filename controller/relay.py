@@ -103,6 +103,7 @@ from controller.router import AllEnginesBusyError, Decision, NoEngineAvailableEr
 from controller.service import Controller, Plan, PromptInput
 from controller.statuses import status_of
 from kvplane.server import abort_with
+from openengine.v1 import openengine_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,9 @@ ENGINE_FAULTS = frozenset(
 SESSION_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 # Finished request ids remembered for Abort's ALREADY_FINISHED (the engine remembers as many).
 FINISHED_MEMORY = 10_000
+# How long the Abort of a request whose call the fleet ended (`Relay._abort_lost`) waits for
+# its engine to be reached.
+LOST_ABORT_WAIT_S = 60.0
 
 
 class Usage(NamedTuple):
@@ -565,6 +569,8 @@ class Relay:
         self._unanswered: dict[str, StartedCall] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[Released]] = set()
+        # Aborts of requests whose calls the fleet ended, sent in the background: the same.
+        self._lost_aborts: set[asyncio.Task[None]] = set()
         # request id -> where it ran so far, told to its client (`kvplane-route`).
         self._routes: dict[str, RouteReport] = {}
 
@@ -1061,6 +1067,33 @@ class Relay:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
+    def _abort_lost(self, engine: str, request_id: str) -> None:
+        """The fleet ended the call to `engine` (`engine_failure`: its connection went
+        silent, its outage lasted too long), whose cancellation may never reach the engine
+        (lost with its connection), which would run the request on: an Abort of it is sent
+        in the background on the engine's current channel, waiting up to `LOST_ABORT_WAIT_S`
+        for the engine to be reached; best-effort (failing, a debug line). The retry of a
+        request with no output yet goes to another engine, which it cannot end."""
+        try:
+            stub = self.controller.fleet.stub(engine)
+        except KeyError:  # it left the fleet: its channel is closed
+            return
+
+        async def abort() -> None:
+            try:
+                await stub.Abort(
+                    pb.AbortRequest(request_id=request_id),
+                    timeout=LOST_ABORT_WAIT_S,
+                    wait_for_ready=True,
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.debug("request %s: its Abort on %s, whose call was ended, failed: %s: %s",
+                          request_id, engine, exc.code().name, exc.details())  # fmt: skip
+
+        task = asyncio.create_task(abort(), name=f"abort lost request {request_id} on {engine}")
+        self._lost_aborts.add(task)
+        task.add_done_callback(self._lost_aborts.discard)
+
     @staticmethod
     async def _release(
         handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
@@ -1241,6 +1274,8 @@ class Relay:
                 return
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
+                if isinstance(caught, asyncio.CancelledError):  # the fleet ended the call
+                    self._abort_lost(engine, request_id)
                 if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
                     for closing in await self._end_aborted(surface, request, stage, context):
                         yield closing
@@ -1505,14 +1540,15 @@ def engine_failure(
 ) -> grpc.aio.AioRpcError:
     """How an engine call failed. A call cancelled while this request is not (its handler's
     task has no cancellation pending) was cancelled by the fleet closing the engine's
-    channel: the engine left (RemoveEngine), or it was unreachable longer than
+    channel: the engine left (RemoveEngine), it was unreachable longer than
     `health.abandon_streams_after_s` (a stopped process, a vanished host: its calls would
-    otherwise wait for the clients' deadlines). Either way it fails as an unreachable
-    engine does, saying why (UNAVAILABLE: retried elsewhere before output, one terminal
-    EngineError after). Handled here rather than by closing a removed engine's channel
-    late: the fleet would have to know the relay's requests, and a grace period would only
-    delay the hang of the longest streams. The request's own cancellation (the client left,
-    the server stops) goes on."""
+    otherwise wait for the clients' deadlines), or the call's connection went silent while
+    the engine answers on a new one (`Fleet._end_silent_calls`). Each way it fails as an
+    unreachable engine does, saying why (UNAVAILABLE: retried elsewhere before output, one
+    terminal EngineError after; `Relay._abort_lost` tells the engine). Handled here rather
+    than by closing a removed engine's channel late: the fleet would have to know the
+    relay's requests, and a grace period would only delay the hang of the longest streams.
+    The request's own cancellation (the client left, the server stops) goes on."""
     if isinstance(caught, grpc.aio.AioRpcError):
         return caught
     task = asyncio.current_task()

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -260,7 +260,11 @@ class Redialling(Generic[_Stub]):
     its request; a subscription that never ends moves to the new channel itself
     (`dialled_again`, `kvplane.redialled_stream`). A call that failed with no connection up
     and files changed since (`after_failure`) closes its channel at once: nothing on it
-    reaches the server."""
+    reaches the server. An old channel dialled past because a deadline passed on it
+    (`dial_afresh(doubted=True)`) is kept open with its calls, not closing, until the client
+    asks it whether its connection is alive (`check_doubted`): one that does not answer while
+    the server answers on the new one is dead without a reset, and its calls are ended
+    (`end_calls_on`) rather than left to wait for keepalive."""
 
     def __init__(
         self,
@@ -276,6 +280,9 @@ class Redialling(Generic[_Stub]):
         self._make_stub = stub
         # Old channels closing as their calls end (`_follow_files`), each with its task.
         self._retiring: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+        # Old channels whose connection is doubted, kept open with their calls until
+        # `check_doubted` (or `redial`, `close`) decides.
+        self._doubted: list[grpc.aio.Channel] = []
         # Set (and replaced) each time the server is dialled again (`dialled_again`).
         self._redialled = asyncio.Event()
         self._channel, self._stub = self._dial()
@@ -319,17 +326,56 @@ class Redialling(Generic[_Stub]):
         log.info("%s: dialling it with its renewed TLS files from now on", self.target)
         self.dial_afresh()
 
-    def dial_afresh(self) -> None:
+    def dial_afresh(self, doubted: bool = False) -> None:
         """Make new calls on a new channel, a new connection; the calls under way end on the
         old one, which is closed once they have. For a server that let a deadline pass: its
         connection may be gone without a reset (its host vanished, a NAT entry expired), and
         gRPC goes on sending there until the kernel gives up (some 15 minutes; keepalive pings
         only while calls are under way, and minutes apart, `KEEPALIVE_TIME_S`), while a new
-        connection reaches the server at once if it is back."""
+        connection reaches the server at once if it is back. `doubted` (the deadline passed
+        on the old connection): one still holding calls is kept open, not closing, until
+        `check_doubted` asks it whether it is alive."""
         old = self._dial_again()
+        if doubted and _holds_calls(old):
+            self._doubted.append(old)
+        else:
+            self._retire_later(old)
+
+    def _retire_later(self, old: grpc.aio.Channel) -> None:
+        """Close `old` in the background once its calls have ended."""
         self._retiring[old] = asyncio.create_task(
             self._retire(old), name=f"close a channel to {self.target}"
         )
+
+    @property
+    def doubted(self) -> bool:
+        """Whether an old channel, its connection doubted, waits for `check_doubted`."""
+        return bool(self._doubted)
+
+    async def check_doubted(
+        self, answers: Callable[[grpc.aio.Channel], Awaitable[bool]]
+    ) -> list[grpc.aio.Channel]:
+        """Ask each doubted old channel (`dial_afresh`) whether its connection is alive:
+        `answers(channel)`, a call on it answered. One that answers, or whose calls have all
+        ended meanwhile, is closed once its calls end, as any old channel; those that do not
+        are returned, still doubted, for `end_calls_on` (their connection is dead without a
+        reset: their calls would wait for keepalive)."""
+        silent = []
+        for old in list(self._doubted):
+            if _holds_calls(old) and not await answers(old):
+                silent.append(old)
+            elif old in self._doubted:  # (not ended by `redial` or `close` meanwhile)
+                self._doubted.remove(old)
+                self._retire_later(old)
+        return [old for old in silent if old in self._doubted]
+
+    async def end_calls_on(self, silent: list[grpc.aio.Channel]) -> None:
+        """End every call on the doubted old channels `silent` (each fails as cancelled) and
+        close them."""
+        for old in silent:
+            self._doubted.remove(old)
+        for old in silent:
+            await old.close()  # (not closing yet: a close without grace cancels its calls)
 
     async def _retire(self, old: grpc.aio.Channel) -> None:
         try:
@@ -371,7 +417,11 @@ class Redialling(Generic[_Stub]):
         (their closes waited for with `asyncio.wait`: awaiting a task cancelled here raises
         CancelledError, and swallowing it swallowed this caller's own cancellation). A grpcio
         that keeps no record of a channel's calls (`_CALLS_RECORD`) leaves them running (a
-        warning): their channels close as they end, never waited for here."""
+        warning): their channels close as they end, never waited for here. The doubted ones
+        (`dial_afresh`) with them."""
+        for old in self._doubted:
+            self._retire_later(old)
+        self._doubted.clear()
         retiring, self._retiring = list(self._retiring.items()), {}
         running = [(old, task) for old, task in retiring if not _cancel_calls(old)]
         if running:
@@ -406,6 +456,13 @@ class Redialling(Generic[_Stub]):
 # Where a grpc.aio channel records its calls under way (grpcio 1.85; private, as it has no
 # public record): `Redialling` cancels those on its old channels from it.
 _CALLS_RECORD = "_active_calls"
+
+
+def _holds_calls(channel: grpc.aio.Channel) -> bool:
+    """Whether `channel` has calls under way (always, for a grpcio that keeps no record of
+    them: `_CALLS_RECORD`)."""
+    calls = getattr(channel, _CALLS_RECORD, None)
+    return calls is None or bool(calls)
 
 
 def _cancel_calls(channel: grpc.aio.Channel) -> bool:

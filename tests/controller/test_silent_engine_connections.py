@@ -1,10 +1,16 @@
 """The controller's connections to an engine gone silent without a reset (its host gone, a NAT
 entry expired, a blackholed path: a forwarder that drops what it reads, both ways, while new
 connections reach the engine), and the keepalive pings that find them: its polls go on a new
-connection, its KV-event subscription ends and is made again, and a kvplane server takes the
-pings of a client that sends them often."""
+connection, the gateway's streams on the silent one end once the engine answers on the new
+one (retried elsewhere before their first token, one EngineError after), its KV-event
+subscription ends and is made again, and a kvplane server takes the pings of a client that
+sends them often."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,9 +21,26 @@ from controller.registry import EngineState
 from engine.server.service import EngineApp
 from indexer.sources.openengine import OpenEngineSource
 from kvplane.channels import INSECURE
+from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import generate_request, start_sim_engine
+from tests.controller.conftest import (
+    EngineFleet,
+    ServedEngine,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_gateway import PREFIX
+from tests.controller.test_stalled_engines import (
+    EngineProcess,
+    engine_runs_nothing,
+    nothing_in_flight,
+    num_tokens,
+    two_streams_past_their_first_token,
+)
+from tests.grpc_streams import remaining_replies
 from tests.polling import eventually
 from tests.tcp_forwarder import TcpForwarder
 
@@ -140,3 +163,116 @@ async def test_a_kvplane_server_takes_frequent_keepalive_pings() -> None:
     finally:
         await forwarder.cut()
         await engine.close()
+
+
+class ForwardedEngine:
+    """A `kvplane engine serve --model sim` process that the controller reaches through a
+    forwarder (`port`: the forwarder's), whose connections a test can silence."""
+
+    def __init__(self, process: EngineProcess, forwarder: TcpForwarder) -> None:
+        self.process = process
+        self.forwarder = forwarder
+
+    @property
+    def port(self) -> int:
+        return int(self.forwarder.address.rpartition(":")[2])
+
+    @property
+    def direct(self) -> str:
+        """The engine process's own address, not through the forwarder."""
+        return f"127.0.0.1:{self.process.port}"
+
+    async def close(self) -> None:
+        await self.forwarder.cut()
+        await self.process.close()
+
+
+SilentFleet = tuple[EngineFleet[ServedEngine], ForwardedEngine]
+
+
+@pytest.fixture
+async def silent_fleet(tmp_path: Path) -> AsyncIterator[SilentFleet]:
+    """A controller in front of a forwarded engine process (the first engine) and an
+    in-process sim engine ("healthy"), every new request routed to the forwarded one (the
+    healthy engine cordoned). Its pings wait 5 minutes for an answer, so that they cannot be
+    what ends a stream on a silent connection here: by default keepalive ends one within 5
+    min 20 s, or 20 s after a ping gRPC sends as data comes in (its flow-control probe)."""
+    process = await EngineProcess.start(tmp_path, "forwarded")
+    forwarded = ForwardedEngine(process, await TcpForwarder.start(f"127.0.0.1:{process.port}"))
+    healthy = await start_sim_engine("healthy", time_scale=1.0)
+    engines: list[ServedEngine] = [forwarded, healthy]
+    fleet = await make_fleet(
+        engines=engines,
+        router={"session_metadata_key": "s"},
+        health={"keepalive_timeout_s": 300.0},
+    )
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
+        yield fleet, forwarded
+    finally:
+        await close_fleet(fleet)
+
+
+def leftovers(address: str) -> list[str]:
+    """The controller's background tasks still about the engine at `address`: an Abort of a
+    request whose call was ended, the closing of one of its old channels."""
+    return [
+        task.get_name()
+        for task in asyncio.all_tasks()
+        if task.get_name().startswith("abort lost request")
+        or task.get_name() == f"close a channel to {address}"
+    ]
+
+
+async def test_streams_on_a_connection_gone_silent_end_with_an_error_naming_the_engine(
+    silent_fleet: SilentFleet,
+) -> None:
+    """The connection holding an OpenEngine stream and a vllm.Generate one, both past their
+    first token, goes silent while the engine answers on new ones: once its polls found it
+    unreachable there and answering on a new connection, the streams end (one EngineError;
+    UNAVAILABLE), the engine is told to abort them on its new connection, and the controller
+    serves on. Before, they waited for keepalive to end the silent connection (its pings'
+    timeout: 5 minutes here, 20 s by default), the engine running them on meanwhile."""
+    fleet, forwarded = silent_fleet
+    address = fleet.address(forwarded)
+    streams = await two_streams_past_their_first_token(fleet)
+    forwarded.forwarder.silence()
+    await streams.end_naming(f"engine {address} went silent on the call's connection")
+    await nothing_in_flight(fleet)
+    # The engine, which ran on into the silent connection, was told to abort both.
+    await engine_runs_nothing(forwarded.direct)
+    # It serves on, through the controller, on its new connection.
+    await fleet.wait_routable(1)
+    served = [r async for r in fleet.gateway.Generate(generate_request("after", [7], 4))]
+    assert served[-1].WhichOneof("event") == "finished", served[-1]
+    assert fleet.app.controller.fleet.registry.get(address).state is EngineState.READY
+    await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
+
+
+async def test_a_stream_on_a_silent_connection_before_its_first_token_is_answered_elsewhere(
+    silent_fleet: SilentFleet,
+) -> None:
+    """A request sent on a connection gone silent: once the engine answers on a new one,
+    the request, with no output yet, is retried on the other engine and answered in full.
+    Before, it waited for keepalive to end the silent connection (its pings' timeout: 5
+    minutes here; by default up to 5 min 20 s for a stream that received nothing)."""
+    fleet, forwarded = silent_fleet
+    address = fleet.address(forwarded)
+    # A session started on the forwarded engine: its next request goes there too while it
+    # is routable, and, once it failed there, to the other engine.
+    warm = [r async for r in fleet.gateway.Generate(generate_request("warm", [1], s="pin"))]
+    assert warm[-1].WhichOneof("event") == "finished", warm[-1]
+    await fleet.admin.Uncordon(apb.EngineRef(engine="healthy"))
+    forwarded.forwarder.silence()  # before the request is sent: nothing of it comes back
+    request = generate_request("held", [*PREFIX, 1], max_tokens=8, s="pin")
+    stream = asyncio.create_task(remaining_replies(fleet.gateway.Generate(request)))
+    relay = fleet.app.gateway.relay
+    await eventually(lambda: relay.holding.get("held") == address, 15, "held by the engine")
+    async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+        responses = await stream
+    assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+    assert num_tokens(responses) == 8
+    assert not [r for r in responses if r.WhichOneof("event") == "error"]
+    await nothing_in_flight(fleet)
+    await engine_runs_nothing(forwarded.direct)
+    await eventually(lambda: not leftovers(address), 15, "no task left about the engine")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import pytest
@@ -186,38 +186,12 @@ async def test_streams_stopped_after_output_end_with_an_error_naming_the_engine(
     stalling: EngineProcess,
 ) -> None:
     """OpenEngine: one in-band EngineError; vllm.Generate (no in-band error): UNAVAILABLE."""
-    from vllm_grpc import vllm_grpc_pb2 as vpb
-    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
-
     fleet = await fleet_with(stalling, abandon_after_s=1.0)
     try:
         stopped = await only_on(fleet, stalling)
-        openengine = fleet.gateway.Generate(
-            generate_request("oe", [*PREFIX, 1], max_tokens=100_000)
-        )
-        vllm = vpb_grpc.GenerateStub(fleet.channel).GenerateStream(
-            vpb.GenerateRequest(
-                request_id="vllm", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 2]),
-                stopping=vpb.StoppingCriteria(max_new_tokens=100_000, ignore_eos=True),
-            )
-        )  # fmt: skip
-        while (await next_reply(openengine)).WhichOneof("event") != "token":
-            pass
-        while not (await next_reply(vllm)).outputs.num_tokens:
-            pass
+        streams = await two_streams_past_their_first_token(fleet)
         stalling.stop()
-        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            rest = await remaining_replies(openengine)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await remaining_replies(vllm)
-        error = rest[-1]
-        assert error.WhichOneof("event") == "error", error
-        assert [r.WhichOneof("event") for r in rest].count("error") == 1
-        assert f"engine {stopped} unreachable for " in error.error.message, error
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        assert (err.value.details() or "").startswith(f"engine {stopped} unreachable for "), (
-            err.value
-        )
+        await streams.end_naming(f"engine {stopped} unreachable for ")
         await nothing_in_flight(fleet)
         # Back, the engine finds both streams cancelled and frees their requests.
         stalling.resume()
@@ -226,9 +200,53 @@ async def test_streams_stopped_after_output_end_with_an_error_naming_the_engine(
         await close_fleet(fleet)
 
 
+class TwoStreams(NamedTuple):
+    """An OpenEngine Generate and a vllm.Generate stream through the controller."""
+
+    openengine: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]
+    vllm: grpc.aio.UnaryStreamCall[Any, Any]
+
+    async def end_naming(self, why: str) -> None:
+        """Both end as on an engine lost after output, saying `why` (the engine and what
+        happened to it): OpenEngine with one in-band EngineError, vllm.Generate (no in-band
+        error) UNAVAILABLE."""
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            rest = await remaining_replies(self.openengine)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await remaining_replies(self.vllm)
+        error = rest[-1]
+        assert error.WhichOneof("event") == "error", error
+        assert [r.WhichOneof("event") for r in rest].count("error") == 1
+        assert why in error.error.message, error
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert (err.value.details() or "").startswith(why), err.value
+
+
+async def two_streams_past_their_first_token(fleet: EngineFleet[Any]) -> TwoStreams:
+    """Long streams (OpenEngine and vllm.Generate), each read up to its first token."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    openengine = fleet.gateway.Generate(generate_request("oe", [*PREFIX, 1], max_tokens=100_000))
+    vllm = vpb_grpc.GenerateStub(fleet.channel).GenerateStream(
+        vpb.GenerateRequest(
+            request_id="vllm", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 2]),
+            stopping=vpb.StoppingCriteria(max_new_tokens=100_000, ignore_eos=True),
+        )
+    )  # fmt: skip
+    while (await next_reply(openengine)).WhichOneof("event") != "token":
+        pass
+    while not (await next_reply(vllm)).outputs.num_tokens:
+        pass
+    return TwoStreams(openengine, vllm)
+
+
 async def test_an_engine_back_before_the_limit_keeps_its_streams(
     stalling: EngineProcess,
 ) -> None:
+    """A pause longer than a poll's timeout, shorter than the limit: the connection holding
+    the stream, on which a poll timed out, answers the poll made on it once the engine
+    answers on a new one (`Fleet._end_silent_calls`), and keeps the stream."""
     fleet = await fleet_with(stalling, abandon_after_s=10.0)
     try:
         stopped = await only_on(fleet, stalling)
