@@ -16,8 +16,9 @@ cache salt, prefix cache bypass). An engine that does not report a limit or an o
 take any. `max_output_tokens` is not: an engine caps an output at its context (LENGTH).
 
 Cheap on the routing path: each model's bounds over its engines (`_Bounds`) are kept until
-the registry changes; a request within the smallest limits and using no option an engine
-lacks (every request, where the engines are alike) passes with no look at its candidates."""
+the registry changes; where its engines are alike (none would be chosen over another) a
+request is not even read, and one within the smallest limits using no option an engine
+lacks passes with no look at its candidates."""
 
 from __future__ import annotations
 
@@ -77,22 +78,41 @@ class RequestNeeds(NamedTuple):
     def with_prompt(self, prompt_tokens: int) -> RequestNeeds:
         """With the context its prompt of `prompt_tokens` needs."""
         context = (CONTEXT_LIMIT, prompt_tokens + self.min_output_tokens)
-        return self._replace(limits=(context, *self.limits))
+        return RequestNeeds((context, *self.limits), self.options, self.min_output_tokens)
 
 
 NO_NEEDS = RequestNeeds()
+# The needs of most requests: their input kind only (built once, not per request).
+_PLAIN = {
+    None: NO_NEEDS,
+    "prompt": RequestNeeds(options=frozenset({"supports_text_input"})),
+    "token_ids": RequestNeeds(options=frozenset({"supports_token_ids_input"})),
+}
 
 
 def needs_of(request: pb.GenerateRequest) -> RequestNeeds:
     """What an OpenEngine Generate asks (its context: `RequestNeeds.with_prompt`, once its
-    prompt's tokens are known)."""
+    prompt's tokens are known). A request using no option but its input (most) is told at a
+    glance."""
+    which = request.WhichOneof("input")
+    sampling, stopping, kv = request.sampling, request.stopping, request.kv
+    if not (
+        request.HasField("response")
+        or request.HasField("guided")
+        or request.HasField("priority")
+        or sampling.num_sequences > 1
+        or stopping.min_tokens
+        or stopping.include_stop_in_output
+        or kv.bypass_prefix_cache
+        or kv.HasField("cache_salt")
+    ):
+        return _PLAIN[which]
     limits: list[tuple[str, int]] = []
     options: set[str] = set()
-    which = request.WhichOneof("input")
     if which is not None:
         options.add("supports_text_input" if which == "prompt" else "supports_token_ids_input")
-    if request.sampling.HasField("num_sequences") and request.sampling.num_sequences > 1:
-        limits.append(("generation.max_num_sequences", request.sampling.num_sequences))
+    if sampling.num_sequences > 1:
+        limits.append(("generation.max_num_sequences", sampling.num_sequences))
     response = request.response
     for kind in ("prompt", "output"):
         if getattr(response, f"return_{kind}_logprobs"):
@@ -104,13 +124,13 @@ def needs_of(request: pb.GenerateRequest) -> RequestNeeds:
         options.add("generation.guided_decoding.supported")
     if request.HasField("priority"):
         options.add("generation.supports_priority")
-    if request.stopping.include_stop_in_output:
+    if stopping.include_stop_in_output:
         options.add("generation.supports_stop_in_output")
-    if request.kv.HasField("cache_salt"):
+    if kv.HasField("cache_salt"):
         options.add("generation.supports_cache_salt")
-    if request.kv.bypass_prefix_cache:
+    if kv.bypass_prefix_cache:
         options.add("generation.supports_prefix_cache_bypass")
-    return RequestNeeds(tuple(limits), frozenset(options), max(1, request.stopping.min_tokens))
+    return RequestNeeds(tuple(limits), frozenset(options), max(1, stopping.min_tokens))
 
 
 def unmet(facts: ModelFacts, needs: RequestNeeds) -> str | None:
@@ -131,6 +151,9 @@ class _Bounds(NamedTuple):
     largest: dict[str, int]  # where every engine reports it: the largest
     lacked_by_one: frozenset[str]  # ROUTED_OPTIONS some engine reports unsupported
     lacked_by_all: frozenset[str]  # ROUTED_OPTIONS every engine reports unsupported
+    # Every engine reports the same limits and lacks the same options: none is chosen over
+    # another, and a request past them is refused by whichever engine it goes to.
+    alike: bool
 
 
 def bounds_of(serving: list[ModelFacts]) -> _Bounds:
@@ -143,12 +166,10 @@ def bounds_of(serving: list[ModelFacts]) -> _Bounds:
             if len(values) == len(serving):
                 largest[path] = max(values)
     lacked = [f.unsupported.intersection(ROUTED_OPTIONS) for f in serving]
-    return _Bounds(
-        smallest,
-        largest,
-        frozenset().union(*lacked),
-        frozenset.intersection(*lacked) if lacked else frozenset(),
-    )
+    lacked_by_one = frozenset().union(*lacked)
+    lacked_by_all = frozenset.intersection(*lacked) if lacked else frozenset()
+    alike = smallest == largest and lacked_by_one == lacked_by_all
+    return _Bounds(smallest, largest, lacked_by_one, lacked_by_all, alike)
 
 
 def generating_facts(records: Iterable[EngineRecord], model: str | None) -> list[ModelFacts]:
@@ -184,20 +205,33 @@ class Eligibility:
         return bounds
 
     def candidates(
-        self, model: str | None, candidates: tuple[Candidate, ...], needs: RequestNeeds
-    ) -> tuple[Candidate, ...]:
-        """Those of `candidates` (engines serving `model`) that take a request of `needs`;
-        BeyondFleetError when it is past a limit of every engine generating the model,
-        routable or not (one that takes it but takes no traffic now leaves none: the caller's
-        UNAVAILABLE). An option every engine lacks does not count: any engine refuses it, in
-        its own words (`this engine has no tokenizer: send token_ids`)."""
-        if needs is NO_NEEDS:
-            return candidates
+        self,
+        model: str | None,
+        candidates: tuple[Candidate, ...],
+        request: pb.GenerateRequest | None,
+        prompt_tokens: int | None,
+    ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
+        """Those of `candidates` (engines serving `model`) that take the request (`request`:
+        an OpenEngine Generate's options, None for none; `prompt_tokens`: its prompt's
+        tokens, None when not known), and what it needs (NO_NEEDS where the model's engines
+        are alike: it is not read then). BeyondFleetError when it is past a limit of every
+        engine generating the model, routable or not (one that takes it but takes no traffic
+        now leaves none: the caller's UNAVAILABLE). An option every engine lacks does not
+        count: any engine refuses it, in its own words (`this engine has no tokenizer: send
+        token_ids`)."""
         bounds = self._of(model)
-        if not any(
-            path in bounds.smallest and need > bounds.smallest[path] for path, need in needs.limits
-        ) and not (needs.options & bounds.lacked_by_one):
-            return candidates  # every engine takes it
+        if bounds.alike:
+            return candidates, NO_NEEDS
+        needs = NO_NEEDS if request is None else needs_of(request)
+        if prompt_tokens is not None:
+            needs = needs.with_prompt(prompt_tokens)
+        smallest = bounds.smallest
+        for path, need in needs.limits:
+            if need > smallest.get(path, need):
+                break
+        else:
+            if not needs.options & bounds.lacked_by_one:
+                return candidates, needs  # every engine takes it
         self._refuse_beyond(model, bounds, needs)
         needs = needs._replace(options=needs.options - bounds.lacked_by_all)
         out = []
@@ -207,7 +241,7 @@ class Eligibility:
                 continue
             if unmet(record.identity.facts_of(model), needs) is None:
                 out.append(candidate)
-        return tuple(out)
+        return tuple(out), needs
 
     def lacking(self, model: str | None, needs: RequestNeeds) -> str:
         """What each engine taking traffic for `model` lacks for a request of `needs` ("":

@@ -92,7 +92,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from controller.eligibility import ROUTED_OPTIONS, needs_of
+from controller.eligibility import ROUTED_OPTIONS
 from controller.fleet import (
     CAPABILITY_FLAGS,
     KV_BLOCK_SIZE_ATTRIBUTE,
@@ -512,7 +512,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else "",
             session_key=request.metadata.get(key) if key else None,
             bypass_prefix_cache=request.kv.bypass_prefix_cache,
-            needs=needs_of(request),
+            generate_request=request,
         )
         stream = self.relay.generate(
             self._generate, request, query, context, handoff=self._generate

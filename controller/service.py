@@ -42,6 +42,7 @@ from indexer.backends import open_backend
 from indexer.size_gauges import refresh_wait_s
 from indexer.sources.resync import connect_resync
 from kvplane.tokenize import tokenize_off_loop
+from openengine.v1 import openengine_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,10 @@ class PromptInput(NamedTuple):
     truncate_prompt_tokens: int = 0
     # `kv.bypass_prefix_cache`: the engine reads no cached prefix for it (RouteRequest.reads_cache).
     bypass_prefix_cache: bool = False
-    # What it asks of the engine taking it (controller.eligibility): only engines that take
-    # it are candidates.
-    needs: RequestNeeds = NO_NEEDS
+    # The OpenEngine Generate it came as (None: another front end, admin route): what it
+    # asks of the engine taking it, read where its model's engines differ
+    # (controller.eligibility: only engines that take it are candidates).
+    generate_request: pb.GenerateRequest | None = None
 
 
 class Plan(NamedTuple):
@@ -80,7 +82,8 @@ class Plan(NamedTuple):
     tokenized: bool
     model: str = ""  # as the request named it ("": the default model)
     lora_name: str = ""  # the LoRA adapter it names ("": none)
-    # What it asks of the engine taking it (its candidates take it: controller.eligibility).
+    # What it asks of the engine taking it (its candidates take it: controller.eligibility;
+    # NO_NEEDS where its model's engines are alike).
     needs: RequestNeeds = NO_NEEDS
 
 
@@ -226,8 +229,12 @@ class Controller:
         num_tokens = len(tokens) if tokens is not None else max(1, len(query.prompt or "") // 4)
         # Only the engines that take it (BeyondFleetError: none serving the model can); its
         # context only where its tokens are known.
-        needs = query.needs.with_prompt(num_tokens) if tokens is not None else query.needs
-        eligible = self.eligibility.candidates(query.model or None, view.candidates, needs)
+        eligible, needs = self.eligibility.candidates(
+            query.model or None,
+            view.candidates,
+            query.generate_request,
+            num_tokens if tokens is not None else None,
+        )
         if eligible is not view.candidates:
             view = view._replace(candidates=eligible)
         request = RouteRequest(
