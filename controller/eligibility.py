@@ -4,8 +4,8 @@ of one model may differ in limits and options (a long-context engine beside shor
 with guided decoding beside one without): a request past one engine's limit, or using an
 option it reports unsupported, is routed among those that take it; past every engine's
 limit, it is refused before any engine is asked, INVALID_ARGUMENT (as an engine refuses it),
-naming the limit and the largest the fleet has (an option every engine lacks is left to the
-engine to refuse, in its own words).
+naming the limit and the largest the fleet has (an option every engine lacks, or a limit of
+engines that are all alike, is left to the engine to refuse, in its own words).
 
 What is checked (`ROUTED_LIMITS`, `ROUTED_OPTIONS`): the context (a prompt's tokens and the
 output it must produce, one token or `min_tokens`, within `max_context_length`, as an
