@@ -1,6 +1,7 @@
 """What a controller's gateway tells of its fleet to a controller fronting it as an engine:
 each model's facts over the engines serving it (`fleet_facts`: what GetModelInfo answers
-with: the smallest request limits, the options all take, the summed capacity, ...), and
+with: the smallest request limits, or the largest where routing honours each engine's, the
+options all take, the summed capacity, ...), and
 the version of that view (`fleet_view`: the models the fleet serves, each one's summarised
 facts and its engines' own, the controllers it fronts), as a short digest sent in
 GetLoad's `attributes` and in GetEngineInfo's trailing metadata under `FLEET_VIEW_KEY`. It
@@ -15,6 +16,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import fields
 
+from controller.eligibility import CONTEXT_LIMIT, ROUTED_LIMITS, ROUTED_OPTIONS, bounds_of
 from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts
 
 FLEET_VIEW_KEY = "kvplane-fleet-view"
@@ -38,9 +40,11 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     """The fleet's facts of `model` over the engines serving it (read, compatible; routable
     or not: a request may be routed to any of them), as the gateway's GetModelInfo answers
     them: each request limit (REQUEST_LIMITS) the smallest any reports, so that a request
-    within them is not refused wherever it goes; a request option (CAPABILITY_FLAGS)
-    unsupported when one says so (a pooling task's, of those with the task:
-    `ModelFacts.constrains`); the capacity, `total_kv_blocks` and `max_running_requests`,
+    within them is not refused wherever it goes, but one routing honours per engine
+    (controller.eligibility) the largest; a request option (CAPABILITY_FLAGS) unsupported
+    when one says so (a pooling task's, of those with the task: `ModelFacts.constrains`),
+    one routing honours when every one says so; the model's name (`served_name`) while they
+    agree on one; the capacity, `total_kv_blocks` and `max_running_requests`,
     their sum (KV blocks only while they are of one size, else None); the block size while
     they agree on one; the pooling tasks any has; generated when any generates it; LoRA
     supported when an engine generating it says so (False when every one says not). None
@@ -52,11 +56,23 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
         and r.state is not EngineState.INCOMPATIBLE
         and r.identity.serves(model)
     ]
+    # Where routing honours an engine's limit or option (ROUTED_LIMITS, ROUTED_OPTIONS: a
+    # Generate goes only to an engine that takes it), the largest any engine generating the
+    # model takes, and an option unsupported only when every one says so. Not the context
+    # of a model with pooling tasks: their inputs are routed by load only.
+    generating = [f for f in serving if f.generates]
+    routed = bounds_of(generating)
+    has_tasks = any(f.tasks for f in serving)
     limits: dict[str, int] = {}
     for facts in serving:
         for path, limit in facts.limits:
             if facts.constrains(path) and (path not in limits or limit < limits[path]):
                 limits[path] = limit
+    for path in ROUTED_LIMITS:
+        largest = max((v for f in generating for p, v in f.limits if p == path), default=None)
+        if largest is not None and not (path == CONTEXT_LIMIT and has_tasks):
+            limits[path] = largest
+    served = {f.served_name for f in serving if f.served_name}
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
     kv = [f.total_kv_blocks for f in serving if f.total_kv_blocks is not None]
     kv_sizes = {f.block_size for f in serving if f.total_kv_blocks is not None}
@@ -71,8 +87,12 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
         limits=tuple(sorted(limits.items())),
         max_running_requests=sum(seats) if seats else None,
         unsupported=frozenset(
-            flag for f in serving for flag in f.unsupported if f.constrains(flag)
+            flag
+            for f in serving
+            for flag in f.unsupported
+            if f.constrains(flag) and (flag not in ROUTED_OPTIONS or flag in routed.lacked_by_all)
         ),
+        served_name=next(iter(served)) if len(served) == 1 else "",
     )
 
 

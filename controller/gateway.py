@@ -2,7 +2,9 @@
 
 - Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
   shares, never to an engine that serves the request's model for pooling only (each
-  model's own GetModelInfo, `EngineIdentity.facts_of`): FAILED_PRECONDITION for a request
+  model's own GetModelInfo, `EngineIdentity.facts_of`), nor to one whose GetModelInfo says
+  it does not take the request (controller.eligibility: INVALID_ARGUMENT for one past every
+  engine's limit, naming the limit and the largest): FAILED_PRECONDITION for a request
   carrying `kv.session` (the gateway is AGGREGATED), NOT_FOUND for a model no engine serves,
   INVALID_ARGUMENT for a request naming none when the engines serve different models to
   such a request (`Registry.default_model`),
@@ -68,8 +70,9 @@
   (`controller.fleet_view`), which a controller fronting this one follows.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
   answered as an engine answers them (the probe: every engine taking traffic runs its own).
-  GetModelInfo: a routable engine serving the model answers, with the pooling tasks and
-  LoRA support other engines serving it have (its refusal passes, unless it is one another
+  GetModelInfo: a routable engine serving the model answers, with the fleet's limits,
+  options, block size and model name (`fleet_facts`), the pooling tasks and LoRA support
+  other engines serving it have (its refusal passes, unless it is one another
   engine may not have, such as UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND
   for a model no engine serves, UNAVAILABLE while no engine serving it can answer.
 - "A model no engine serves" (NOT_FOUND) is said only of a fleet that has engines: one with
@@ -89,7 +92,9 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
+from controller.eligibility import ROUTED_OPTIONS
 from controller.fleet import (
+    CAPABILITY_FLAGS,
     KV_BLOCK_SIZE_ATTRIBUTE,
     KV_TOKEN_ATTRIBUTES,
     Fleet,
@@ -438,14 +443,15 @@ def fleet_health_state(
 ) -> pb.HealthState.ValueType:
     """The state of the fleet `records` are of, as the gateway's Health answers it: DRAINING
     from the moment the controller stops accepting new requests (a drain, a shutdown),
-    whatever its engines' state; else NOT_READY while no engine is routable (none
-    registered, or none that takes traffic), READY when every one is, DEGRADED when some
-    are. With `generating`, of the engines a Generate needs only, as routing takes them
-    (`Registry.routable(generating=True)`, `Controller.disaggregated`): an aggregated engine,
-    or a decode engine (which prefills by itself when no prefill engine is up). A
-    pooling-only engine, none of whose models generates, is left out (one whose models are
-    not known yet may generate), and so is a prefill engine: prefill engines alone serve no
-    Generate. The vLLM front end's `grpc.health.v1` status follows that
+    whatever its engines' state; else, while no engine is routable, STARTING while one is
+    still being read (not reached yet, or its identity being read) or says it is starting,
+    NOT_READY otherwise (none registered, or none that takes traffic); READY when every one
+    is, DEGRADED when some are. With `generating`, of the engines a Generate needs only, as
+    routing takes them (`Registry.routable(generating=True)`, `Controller.disaggregated`): an
+    aggregated engine, or a decode engine (which prefills by itself when no prefill engine is
+    up). A pooling-only engine, none of whose models generates, is left out (one whose models
+    are not known yet may generate), and so is a prefill engine: prefill engines alone serve
+    no Generate. The vLLM front end's `grpc.health.v1` status follows that
     (`VllmGatewayServicer.report_health`), Health itself the whole fleet (it serves Embed,
     Classify and Score too)."""
     if controller.draining:
@@ -458,6 +464,9 @@ def fleet_health_state(
         ]
     routable = sum(r.routable for r in records)
     if routable == 0:
+        # As an engine loading its model: none can serve yet, but one may soon.
+        if any(r.state in _STARTING_STATES for r in records):
+            return pb.HEALTH_STATE_STARTING
         return pb.HEALTH_STATE_NOT_READY
     if routable < len(records):
         return pb.HEALTH_STATE_DEGRADED
@@ -503,6 +512,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else "",
             session_key=request.metadata.get(key) if key else None,
             bypass_prefix_cache=request.kv.bypass_prefix_cache,
+            generate_request=request,
         )
         stream = self.relay.generate(
             self._generate, request, query, context, handoff=self._generate
@@ -1608,7 +1618,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             await self._add_served_elsewhere(reply, r, fleet, request)
-            _as_the_fleets(reply, fleet)
+            _as_the_fleets(reply, fleet, request.model)
             return reply
         states = registry.generating_states if generating else registry.engine_states
         why = "; ".join(refusals) if refusals else states(request.model)
@@ -1619,24 +1629,38 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
 
 
-def _as_the_fleets(reply: pb.ModelInfo, fleet: ModelFacts) -> None:
+def _as_the_fleets(reply: pb.ModelInfo, fleet: ModelFacts, model: str) -> None:
     """Make the answering engine's ModelInfo the fleet's (`fleet`: `fleet_facts`, of the
-    engines serving the model: a request may be routed to any of them): its request limits the
-    smallest, so that one within them is not refused wherever it goes, as on one engine
-    (seed: ModelInfo advertises limits for the request options), a request option supported
-    only when none of them says it is not, its capacity, `total_kv_blocks` and
+    engines serving the model): its request limits the smallest, so that one within them is
+    not refused wherever it goes, as on one engine (seed: ModelInfo advertises limits for the
+    request options), but those routing honours per engine (controller.eligibility), the
+    largest; a request option supported only when none of them says it is not, or, routing
+    honouring it, when one does not; its capacity, `total_kv_blocks` and
     `max_running_requests`, their sum (absent when none reports it, or KV blocks of
     several sizes, as GetLoad's). The fleet view (`fleet_view`) is a digest of the same
     facts: a controller fronting this one reads them again when they move."""
     for path, limit in fleet.limits:
         holder, name = field_holder(reply, path)
-        if holder is not None and (not holder.HasField(name) or limit < getattr(holder, name)):
-            setattr(holder, name, limit)
-    # A request option one refuses is not advertised: it would be refused there.
-    for flag in fleet.unsupported:
-        holder, name = field_holder(reply, flag)
         if holder is not None:
+            setattr(holder, name, limit)
+    # A request option one refuses is not advertised: it would be refused there. One that
+    # routing honours (ROUTED_OPTIONS) is, while an engine does not refuse it.
+    for flag in CAPABILITY_FLAGS:
+        holder, name = field_holder(reply, flag)
+        if holder is None:
+            continue
+        if flag in fleet.unsupported:
             setattr(holder, name, False)
+        elif flag in ROUTED_OPTIONS and holder.HasField(name) and not getattr(holder, name):
+            setattr(holder, name, True)
+    # Not the answering engine's, where engines differ: the block size they share (absent
+    # when they differ, as GetLoad's `kv_block_size` lists them), the model's name they
+    # share (the name asked for when they differ: every one serves it).
+    if fleet.block_size is None:
+        reply.ClearField("kv_block_size")
+    else:
+        reply.kv_block_size = fleet.block_size
+    reply.served_model_name = fleet.served_name or model
     for capacity in ("max_running_requests", "total_kv_blocks"):
         summed = getattr(fleet, capacity)
         if summed is None:
@@ -1726,6 +1750,8 @@ def _queue_depth(record: EngineRecord) -> int:
     return (record.load.running_requests or 0) + (record.load.queued_requests or 0)
 
 
+# An engine on its way to serving: not read yet, or starting by its own word.
+_STARTING_STATES = frozenset({EngineState.UNKNOWN, EngineState.STARTING})
 # The engines GetModelInfo does not ask for a task the answering engine lacks.
 _NOT_ASKED = frozenset({EngineState.UNREACHABLE, EngineState.INCOMPATIBLE})
 

@@ -88,6 +88,7 @@ from typing import Any, Literal, NamedTuple, NoReturn, Protocol, TypeVar
 
 import grpc
 
+from controller.eligibility import BeyondFleetError
 from controller.fleet import Fleet
 from controller.metrics import RequestOutcome
 from controller.registry import (
@@ -733,10 +734,11 @@ class Relay:
         disaggregated = c.disaggregated(query.model)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
-        except (LoraRoutingError, ModelRequiredError) as exc:
+        except (LoraRoutingError, ModelRequiredError, BeyondFleetError) as exc:
             # No routable engine holds the request's LoRA adapter; or, for a request naming
             # no model, the engines' default models came to differ after `check_model` (an
-            # engine of another model read meanwhile): its session is keyed by that model.
+            # engine of another model read meanwhile): its session is keyed by that model; or
+            # no engine serving the model takes it (controller.eligibility).
             status = status_of(exc)
             self._count("invalid" if status in CLIENT_ERRORS else "no_engine")
             await abort_with(context, status, str(exc))

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from controller.config import ControllerConfig
+from controller.eligibility import NO_NEEDS, Eligibility, RequestNeeds
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
 from controller.membership import Membership
 from controller.metrics import ControllerMetrics
@@ -41,6 +42,7 @@ from indexer.backends import open_backend
 from indexer.size_gauges import refresh_wait_s
 from indexer.sources.resync import connect_resync
 from kvplane.tokenize import tokenize_off_loop
+from openengine.v1 import openengine_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,10 @@ class PromptInput(NamedTuple):
     truncate_prompt_tokens: int = 0
     # `kv.bypass_prefix_cache`: the engine reads no cached prefix for it (RouteRequest.reads_cache).
     bypass_prefix_cache: bool = False
+    # The OpenEngine Generate it came as (None: another front end, admin route): what it
+    # asks of the engine taking it, read where its model's engines differ
+    # (controller.eligibility: only engines that take it are candidates).
+    generate_request: pb.GenerateRequest | None = None
 
 
 class Plan(NamedTuple):
@@ -76,6 +82,9 @@ class Plan(NamedTuple):
     tokenized: bool
     model: str = ""  # as the request named it ("": the default model)
     lora_name: str = ""  # the LoRA adapter it names ("": none)
+    # What it asks of the engine taking it (its candidates take it: controller.eligibility;
+    # NO_NEEDS where its model's engines are alike).
+    needs: RequestNeeds = NO_NEEDS
 
 
 class Controller:
@@ -115,6 +124,7 @@ class Controller:
             on_implausible_event_stamp=self._implausible_event_stamp,
             instance_id=self.instance_id,
         )
+        self.eligibility = Eligibility(self.fleet.registry)
         self.metrics = ControllerMetrics(
             self.fleet.registry,
             self.fleet.event_counters,
@@ -218,6 +228,16 @@ class Controller:
         )
         # No tokenizer: a rough size (4 characters a token) keeps the load terms meaningful.
         num_tokens = len(tokens) if tokens is not None else max(1, len(query.prompt or "") // 4)
+        # Only the engines that take it (BeyondFleetError: none serving the model can); its
+        # context only where its tokens are known.
+        eligible, needs = self.eligibility.candidates(
+            query.model or None,
+            view.candidates,
+            query.generate_request,
+            num_tokens if tokens is not None else None,
+        )
+        if eligible is not view.candidates:
+            view = view._replace(candidates=eligible)
         request = RouteRequest(
             query.request_id,
             num_tokens,
@@ -226,7 +246,7 @@ class Controller:
             self._session_of(query),
             reads_cache=not query.bypass_prefix_cache,
         )
-        return Plan(request, view, tokenized, query.model, query.lora_name)
+        return Plan(request, view, tokenized, query.model, query.lora_name, needs)
 
     def _session_of(self, query: PromptInput) -> str | None:
         """The router's session key of the request: its session per model, a request naming
@@ -311,7 +331,7 @@ class Controller:
         if not candidates and plan.lora_name:
             self._check_lora_still_held(plan)
         if not candidates and not exclude:
-            raise NoEngineAvailableError(self.fleet.registry.why_unavailable(plan.model))
+            raise NoEngineAvailableError(self._why_unavailable(plan))
         with self._counting_refusal():
             decision = self.router.route(
                 plan.request,
@@ -322,6 +342,13 @@ class Controller:
             )
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision
+
+    def _why_unavailable(self, plan: Plan) -> str:
+        """Each engine serving the plan's model and its state, and, of those taking traffic,
+        what each lacks for the request (`Eligibility.lacking`)."""
+        why = self.fleet.registry.why_unavailable(plan.model)
+        lacking = self.eligibility.lacking(plan.model or None, plan.needs)
+        return f"{why}; {lacking}" if lacking else why
 
     @contextmanager
     def _counting_refusal(self) -> Iterator[None]:
@@ -444,7 +471,7 @@ class Controller:
             assert decision is not None  # one of the two is the first hop
             return decision
         if not plan.view.candidates:
-            raise NoEngineAvailableError(self.fleet.registry.why_unavailable(plan.model))
+            raise NoEngineAvailableError(self._why_unavailable(plan))
         return self.router.explain(
             plan.request,
             plan.view.candidates,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from controller.eligibility import BeyondFleetError
 from controller.membership import MembershipUnavailableError
 from controller.registry import (
     DuplicateEngineError,
@@ -27,6 +28,7 @@ _STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
     (EmptyEngineRefError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownModelError, grpc.StatusCode.NOT_FOUND),
     (ModelRequiredError, grpc.StatusCode.INVALID_ARGUMENT),
+    (BeyondFleetError, grpc.StatusCode.INVALID_ARGUMENT),
     (NoEngineRegisteredError, grpc.StatusCode.UNAVAILABLE),
     (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
     (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),

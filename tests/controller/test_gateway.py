@@ -1480,32 +1480,54 @@ async def test_session_affinity_by_metadata_key() -> None:
         await close_fleet(fleet)
 
 
-async def test_model_info_has_the_limits_every_engine_accepts_and_the_fleets_capacity() -> None:
+async def test_model_info_has_the_largest_limits_routing_honours_and_the_fleets_capacity() -> None:
     """Engines of one model with different limits (a shorter context, fewer sequences):
-    GetModelInfo advertises the smallest, whichever engine answers it, so a request within
-    what it advertises is served on every engine the router may choose, as on one engine. It
-    used to be the answering engine's own: with the small engine cordoned, 8192 and 64 were
-    advertised, and a request within them routed to the small one was refused. Its capacity
-    is the fleet's, the sum (it was one engine's: a controller fronting this one took this
-    fleet's cache for one engine's)."""
-    big = await start_sim_engine("big", max_model_len=8192, max_num_seqs=64)
+    GetModelInfo advertises the largest context and sequence count, whichever engine answers
+    it, as routing sends a request only to an engine that takes it (controller.eligibility);
+    the output limit stays the smallest (routing does not honour it: an engine caps an output
+    at its context). A request at the advertised limits goes to the big engine; while only
+    the small one takes traffic, it is UNAVAILABLE (worth retrying) naming what the small one
+    lacks, not refused by it; one within the small one's limits is served there. Its capacity
+    is the fleet's, the sum."""
+    big = await start_sim_engine("big", max_model_len=8192, max_num_seqs=64, num_kv_blocks=1024)
     small = await start_sim_engine("small", max_model_len=1024, max_num_seqs=8)
     fleet = await make_fleet(engines=[big, small])
+
+    def at(context: int, sequences: int, request_id: str) -> pb.GenerateRequest:
+        request = generate_request(request_id, list(range(1, context)), 1)
+        request.sampling.num_sequences = sequences
+        return request
+
     try:
         for cordoned, routed in ((small, big), (big, small)):
             await fleet.admin.Cordon(apb.EngineRef(engine=cordoned.instance_id))
             await fleet.wait_routable(1)
             info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
-            assert info.max_context_length == 1024 and info.max_output_tokens == 1023
-            assert info.generation.max_num_sequences == 8
+            assert info.max_context_length == 8192 and info.max_output_tokens == 1023
+            assert info.generation.max_num_sequences == 64
             # Its capacity is the fleet's: both engines' KV blocks and seats.
-            assert (info.total_kv_blocks, info.max_running_requests) == (2 * 256, 64 + 8)
-            # At the limits advertised, on the engine that takes traffic now.
-            request = generate_request(
-                f"at-limits-{routed.instance_id}", list(range(1, info.max_context_length)), 1
-            )
-            request.sampling.num_sequences = info.generation.max_num_sequences
-            call = fleet.gateway.Generate(request)
+            assert (info.total_kv_blocks, info.max_running_requests) == (1024 + 256, 64 + 8)
+            for request, lacking in (
+                (at(8192, 1, f"long-{routed.instance_id}"), "small max_context_length 1024 < 8192"),
+                (
+                    at(64, 64, f"wide-{routed.instance_id}"),
+                    "small generation.max_num_sequences 8 < 64",
+                ),
+            ):
+                call = fleet.gateway.Generate(request)
+                if routed is big:
+                    reply = [r async for r in call]
+                    route = read_route(await call.trailing_metadata())
+                    assert route is not None and route["instance_id"] == "big"
+                    outputs = request.sampling.num_sequences
+                    assert sum(r.HasField("finished") for r in reply) == outputs
+                    continue
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    [r async for r in call]
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert lacking in (caught.value.details() or "")
+            # Within the small engine's limits: served where it is routed.
+            call = fleet.gateway.Generate(at(1024, 8, f"at-small-{routed.instance_id}"))
             reply = [r async for r in call]
             route = read_route(await call.trailing_metadata())
             assert route is not None and route["instance_id"] == routed.instance_id
@@ -1533,31 +1555,44 @@ class OlderBuild(Forwarding):
             yield response
 
 
-async def test_model_info_advertises_a_request_option_only_when_every_engine_takes_it() -> None:
+async def test_model_info_advertises_a_request_option_one_engine_takes_and_routes_to_it() -> None:
     """A fleet in a rolling upgrade: one engine takes `kv.cache_salt`, one of the older build
     says it does not (and refuses it), and takes fewer logprob candidates. GetModelInfo says
-    `supports_cache_salt: false` and the smaller `max_top_n`, whichever engine answers, as
-    the seed has clients use an option only when advertised; it used to be the answering
-    engine's, true from the new one, and a client salting its requests had those the router
-    sent to the old one refused."""
+    `supports_cache_salt: true` and the larger `max_top_n`, whichever engine answers, as
+    routing sends a salted request, or one asking more candidates, to the new engine only;
+    while only the old engine takes traffic such a request is UNAVAILABLE, naming what the
+    old one lacks, never refused by it."""
     new = await start_sim_engine("new")
     old = await start_fronted_engine("old", OlderBuild)
     fleet = await make_fleet(engines=engines_of_kinds(new, old))
+
+    def salted(request_id: str) -> pb.GenerateRequest:
+        request = generate_request(request_id, [1, 2, 3])
+        request.kv.cache_salt = "tenant-a"
+        return request
+
     try:
-        salted = generate_request("salted", [1, 2, 3])
-        salted.kv.cache_salt = "tenant-a"
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await engine_answer_or_raise(fleet.address(old), salted)
+            await engine_answer_or_raise(fleet.address(old), salted("direct"))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for i in range(4):  # round and round: each goes to the new engine
+            call = fleet.gateway.Generate(salted(f"salted{i}"))
+            assert [r async for r in call][-1].HasField("finished")
+            route = read_route(await call.trailing_metadata())
+            assert route is not None and route["instance_id"] == "new"
         for cordoned in ("old", "new"):
             await fleet.admin.Cordon(apb.EngineRef(engine=cordoned))
             await fleet.wait_routable(1)
             info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
-            assert info.generation.HasField("supports_cache_salt")
-            assert not info.generation.supports_cache_salt
+            assert info.generation.supports_cache_salt
             assert info.generation.supports_priority  # what both take stays advertised
-            assert info.generation.output_logprobs.max_top_n == 20  # and the smaller limit
-            assert info.generation.prompt_logprobs.max_top_n > 20
+            assert info.generation.output_logprobs.max_top_n > 20  # and the larger limit
+            if cordoned == "new":
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    [r async for r in fleet.gateway.Generate(salted("while-old"))]
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                details = caught.value.details() or ""
+                assert "old generation.supports_cache_salt false" in details, details
             await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
             await fleet.wait_routable(2)
     finally:

@@ -1,0 +1,276 @@
+"""Which engines serving a model can take a Generate, by what each one's GetModelInfo told
+(the registry's `ModelFacts`, read with its identity: nothing is asked per request). Engines
+of one model may differ in limits and options (a long-context engine beside short ones, one
+with guided decoding beside one without): a request past one engine's limit, or using an
+option it reports unsupported, is routed among those that take it; past every engine's
+limit, it is refused before any engine is asked, INVALID_ARGUMENT (as an engine refuses it),
+naming the limit and the largest the fleet has (an option every engine lacks, or a limit of
+engines that are all alike, is left to the engine to refuse, in its own words).
+
+What is checked (`ROUTED_LIMITS`, `ROUTED_OPTIONS`): the context (a prompt's tokens and the
+output it must produce, one token or `min_tokens`, within `max_context_length`, as an
+engine checks it; only where the gateway knows the prompt's tokens: token ids, or a text
+prompt with a tokenizer), the number of outputs, the logprob candidates, and the options a
+request uses (text or token input, logprobs, guided decoding, priority, stop in output,
+cache salt, prefix cache bypass). An engine that does not report a limit or an option may
+take any. `max_output_tokens` is not: an engine caps an output at its context (LENGTH).
+
+Cheap on the routing path: each model's bounds over its engines (`_Bounds`) are kept until
+the registry changes; where its engines are alike (none would be chosen over another) a
+request is not even read, and one within the smallest limits using no option an engine
+lacks passes with no look at its candidates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from controller.registry import EngineRecord, EngineState, ModelFacts, Registry
+from controller.router import Candidate
+from kvplane.errors import KvplaneError
+from openengine.v1 import openengine_pb2 as pb
+
+# How many models' bounds are kept between two changes of the fleet (a request may name any
+# model, as `Registry.routable`'s memo).
+_MEMO_SIZE = 64
+CONTEXT_LIMIT = "max_context_length"
+# ModelInfo's limits (of controller.fleet's REQUEST_LIMITS, named here: controller.fleet
+# imports fleet_view, which imports this module) that routing honours per engine: the
+# context and generation's. Not `max_output_tokens` (an engine caps an output at its
+# context), nor a pooling task's (pooling tasks are routed by load only).
+ROUTED_LIMITS = (
+    CONTEXT_LIMIT,
+    "generation.max_num_sequences",
+    "generation.prompt_logprobs.max_top_n",
+    "generation.output_logprobs.max_top_n",
+)
+# ModelInfo's flags (of CAPABILITY_FLAGS) of the request options routing honours per engine:
+# the input kinds and generation's options (not multimodal input, nor a pooling task's).
+ROUTED_OPTIONS = (
+    "supports_text_input",
+    "supports_token_ids_input",
+    "generation.prompt_logprobs.supported",
+    "generation.output_logprobs.supported",
+    "generation.guided_decoding.supported",
+    "generation.supports_priority",
+    "generation.supports_stop_in_output",
+    "generation.supports_cache_salt",
+    "generation.supports_prefix_cache_bypass",
+)
+
+
+class BeyondFleetError(KvplaneError):
+    """A request past a limit of every engine serving its model: INVALID_ARGUMENT, as an
+    engine refuses it."""
+
+
+class RequestNeeds(NamedTuple):
+    """What a Generate asks of the engine taking it (a named tuple: one per request)."""
+
+    # (ROUTED_LIMITS path, the least value an engine's limit must have), but the context.
+    limits: tuple[tuple[str, int], ...] = ()
+    # ROUTED_OPTIONS the request uses.
+    options: frozenset[str] = frozenset()
+    # The output it must produce at least (`min_tokens`, one token at least): its context is
+    # its prompt's tokens and these.
+    min_output_tokens: int = 1
+
+    def with_prompt(self, prompt_tokens: int) -> RequestNeeds:
+        """With the context its prompt of `prompt_tokens` needs."""
+        context = (CONTEXT_LIMIT, prompt_tokens + self.min_output_tokens)
+        return RequestNeeds((context, *self.limits), self.options, self.min_output_tokens)
+
+
+NO_NEEDS = RequestNeeds()
+# The needs of most requests: their input kind only (built once, not per request).
+_PLAIN = {
+    None: NO_NEEDS,
+    "prompt": RequestNeeds(options=frozenset({"supports_text_input"})),
+    "token_ids": RequestNeeds(options=frozenset({"supports_token_ids_input"})),
+}
+
+
+def needs_of(request: pb.GenerateRequest) -> RequestNeeds:
+    """What an OpenEngine Generate asks (its context: `RequestNeeds.with_prompt`, once its
+    prompt's tokens are known). A request using no option but its input (most) is told at a
+    glance."""
+    which = request.WhichOneof("input")
+    sampling, stopping, kv = request.sampling, request.stopping, request.kv
+    if not (
+        request.HasField("response")
+        or request.HasField("guided")
+        or request.HasField("priority")
+        or sampling.num_sequences > 1
+        or stopping.min_tokens
+        or stopping.include_stop_in_output
+        or kv.bypass_prefix_cache
+        or kv.HasField("cache_salt")
+    ):
+        return _PLAIN[which]
+    limits: list[tuple[str, int]] = []
+    options: set[str] = set()
+    if which is not None:
+        options.add("supports_text_input" if which == "prompt" else "supports_token_ids_input")
+    if sampling.num_sequences > 1:
+        limits.append(("generation.max_num_sequences", sampling.num_sequences))
+    response = request.response
+    for kind in ("prompt", "output"):
+        if getattr(response, f"return_{kind}_logprobs"):
+            options.add(f"generation.{kind}_logprobs.supported")
+            candidates = getattr(response, f"{kind}_candidates")
+            if candidates.WhichOneof("selection") == "top_n":
+                limits.append((f"generation.{kind}_logprobs.max_top_n", candidates.top_n))
+    if request.HasField("guided") and request.guided.WhichOneof("guide") is not None:
+        options.add("generation.guided_decoding.supported")
+    if request.HasField("priority"):
+        options.add("generation.supports_priority")
+    if stopping.include_stop_in_output:
+        options.add("generation.supports_stop_in_output")
+    if kv.HasField("cache_salt"):
+        options.add("generation.supports_cache_salt")
+    if kv.bypass_prefix_cache:
+        options.add("generation.supports_prefix_cache_bypass")
+    return RequestNeeds(tuple(limits), frozenset(options), max(1, stopping.min_tokens))
+
+
+def unmet(facts: ModelFacts, needs: RequestNeeds) -> str | None:
+    """The first limit or option of `needs` the engine of `facts` does not take (None: it
+    takes the request)."""
+    reported = dict(facts.limits)
+    for path, need in needs.limits:
+        limit = reported.get(path)
+        if limit is not None and need > limit:
+            return path
+    return next((o for o in sorted(needs.options) if o in facts.unsupported), None)
+
+
+class _Bounds(NamedTuple):
+    """A model's limits and options over the engines generating it."""
+
+    smallest: dict[str, int]  # each ROUTED_LIMITS path some engine reports: the smallest
+    largest: dict[str, int]  # where every engine reports it: the largest
+    lacked_by_one: frozenset[str]  # ROUTED_OPTIONS some engine reports unsupported
+    lacked_by_all: frozenset[str]  # ROUTED_OPTIONS every engine reports unsupported
+    # Every engine reports the same limits and lacks the same options: none is chosen over
+    # another, and a request past them is refused by whichever engine it goes to.
+    alike: bool
+
+
+def bounds_of(serving: list[ModelFacts]) -> _Bounds:
+    smallest: dict[str, int] = {}
+    largest: dict[str, int] = {}
+    for path in ROUTED_LIMITS:
+        values = [v for f in serving for p, v in f.limits if p == path]
+        if values:
+            smallest[path] = min(values)
+            if len(values) == len(serving):
+                largest[path] = max(values)
+    lacked = [f.unsupported.intersection(ROUTED_OPTIONS) for f in serving]
+    lacked_by_one = frozenset().union(*lacked)
+    lacked_by_all = frozenset.intersection(*lacked) if lacked else frozenset()
+    alike = smallest == largest and lacked_by_one == lacked_by_all
+    return _Bounds(smallest, largest, lacked_by_one, lacked_by_all, alike)
+
+
+def generating_facts(records: Iterable[EngineRecord], model: str | None) -> list[ModelFacts]:
+    """The facts of `model` on each read, compatible engine generating it (routable or not)."""
+    return [
+        facts
+        for r in records
+        if r.identity is not None
+        and r.state is not EngineState.INCOMPATIBLE
+        and r.identity.serves(model)
+        and (facts := r.identity.facts_of(model)).generates
+    ]
+
+
+class Eligibility:
+    """The engines that can take a request, among a model's candidates (see the module doc)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._bounds: dict[str | None, _Bounds] = {}
+        self._version = registry.version
+
+    def _of(self, model: str | None) -> _Bounds:
+        if self._version != self.registry.version:
+            self._bounds.clear()
+            self._version = self.registry.version
+        bounds = self._bounds.get(model)
+        if bounds is None:
+            if len(self._bounds) >= _MEMO_SIZE:
+                self._bounds.clear()
+            serving = generating_facts(self.registry.records(), model)
+            bounds = self._bounds[model] = bounds_of(serving)
+        return bounds
+
+    def candidates(
+        self,
+        model: str | None,
+        candidates: tuple[Candidate, ...],
+        request: pb.GenerateRequest | None,
+        prompt_tokens: int | None,
+    ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
+        """Those of `candidates` (engines serving `model`) that take the request (`request`:
+        an OpenEngine Generate's options, None for none; `prompt_tokens`: its prompt's
+        tokens, None when not known), and what it needs (NO_NEEDS where the model's engines
+        are alike: it is not read then). BeyondFleetError when it is past a limit of every
+        engine generating the model, routable or not (one that takes it but takes no traffic
+        now leaves none: the caller's UNAVAILABLE). An option every engine lacks does not
+        count: any engine refuses it, in its own words (`this engine has no tokenizer: send
+        token_ids`)."""
+        bounds = self._of(model)
+        if bounds.alike:
+            return candidates, NO_NEEDS
+        needs = NO_NEEDS if request is None else needs_of(request)
+        if prompt_tokens is not None:
+            needs = needs.with_prompt(prompt_tokens)
+        smallest = bounds.smallest
+        for path, need in needs.limits:
+            if need > smallest.get(path, need):
+                break
+        else:
+            if not needs.options & bounds.lacked_by_one:
+                return candidates, needs  # every engine takes it
+        self._refuse_beyond(model, bounds, needs)
+        needs = needs._replace(options=needs.options - bounds.lacked_by_all)
+        out = []
+        for candidate in candidates:
+            record = self.registry.by_engine_id(candidate.engine_id)
+            if record is None or record.identity is None:
+                continue
+            if unmet(record.identity.facts_of(model), needs) is None:
+                out.append(candidate)
+        return tuple(out), needs
+
+    def lacking(self, model: str | None, needs: RequestNeeds) -> str:
+        """What each engine taking traffic for `model` lacks for a request of `needs` ("":
+        none lacks anything): why routing found none to take it, though one not taking
+        traffic now would."""
+        told = []
+        for record in self.registry.routable(model, generating=True):
+            if record.identity is None:
+                continue
+            facts = record.identity.facts_of(model)
+            path = unmet(facts, needs)
+            if path is None:
+                continue
+            need = dict(needs.limits).get(path)
+            has = dict(facts.limits).get(path)
+            told.append(
+                f"{record.engine_id} {path} {has} < {need}"
+                if need is not None
+                else f"{record.engine_id} {path} false"
+            )
+        return "those taking traffic do not take the request: " + ", ".join(told) if told else ""
+
+    @staticmethod
+    def _refuse_beyond(model: str | None, bounds: _Bounds, needs: RequestNeeds) -> None:
+        named = f"model {model!r}" if model else "the default model"
+        for path, need in needs.limits:
+            largest = bounds.largest.get(path)
+            if largest is not None and need > largest:
+                raise BeyondFleetError(
+                    f"the request needs {path} {need}; the largest any engine serving "
+                    f"{named} takes is {largest}"
+                )

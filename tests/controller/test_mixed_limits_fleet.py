@@ -1,0 +1,135 @@
+"""A fleet whose engines of one model differ in their limits (a short-context sim engine
+beside a long-context one) behind the controller, through real servers: a prompt only the
+long-context engine takes goes there and succeeds, one past every engine's context is
+refused by the gateway naming the limit and the largest the fleet has, and GetModelInfo
+advertises the largest context (routing honours each engine's)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from controller.fleet import CAPABILITY_FLAGS, REQUEST_LIMITS
+from controller.route_report import ROUTE_METADATA_KEY
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.fronted_engine import start_fronted_engine
+from tests.controller.test_fleet_health import SaysHealth
+from tests.controller.test_gateway import generate_routed
+
+pytestmark = pytest.mark.timeout(60)
+
+SHORT, LONG = 128, 1024  # each engine's max_model_len (its KV cache holds more)
+
+
+@pytest.fixture
+async def mixed() -> AsyncIterator[Fleet]:
+    engines = [
+        await start_sim_engine("short0", max_model_len=SHORT),
+        await start_sim_engine("short1", max_model_len=SHORT),
+        await start_sim_engine("long", max_model_len=LONG),
+    ]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_long_prompt_goes_to_the_engine_that_takes_it(mixed: Fleet) -> None:
+    """Round robin would send two of every three requests to a short engine, which refuses
+    a 300-token prompt: each goes to the long engine and succeeds; a short prompt still goes
+    anywhere."""
+    long_engine = f"127.0.0.1:{mixed.engines[2].port}"
+    for i in range(4):
+        reply, route = await generate_routed(
+            mixed, generate_request(f"long{i}", [i + 1] * 300, max_tokens=4)
+        )
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert route is not None and route["engine"] == long_engine
+    served = set()
+    for i in range(3):
+        _, route = await generate_routed(mixed, generate_request(f"short{i}", [i + 7] * 40))
+        assert route is not None
+        served.add(route["engine"])
+    assert len(served) == 3
+
+
+async def test_a_prompt_past_every_engines_context_is_refused_naming_the_largest(
+    mixed: Fleet,
+) -> None:
+    call = mixed.gateway.Generate(generate_request("huge", [5] * LONG, max_tokens=4))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details() or ""
+    assert "max_context_length" in details and str(LONG) in details, details
+    # Refused before any engine was asked: no route told.
+    trailing = await call.trailing_metadata() or ()
+    assert ROUTE_METADATA_KEY not in [k for k, _ in trailing]
+
+
+async def test_model_info_advertises_the_largest_context_and_the_fleets_names(
+    mixed: Fleet,
+) -> None:
+    """The largest context (routing honours each engine's), the output limit still the
+    smallest (an engine caps its output at its context); the block size and the model's name
+    the engines share, whichever engine answers."""
+    for _ in range(3):
+        info = await mixed.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        assert info.max_context_length == LONG
+        assert info.max_output_tokens == SHORT - 1
+        assert info.kv_block_size == 16
+        assert info.served_model_name == "sim"
+
+
+async def test_health_is_starting_while_the_only_engine_starts() -> None:
+    """An engine that says STARTING takes no traffic: the fleet of it alone is STARTING (it
+    will serve), not NOT_READY."""
+    scripted = await start_fronted_engine("s0", SaysHealth)
+    fleet = await make_fleet(engines=[scripted])
+    try:
+        scripted.servicer.state = pb.HEALTH_STATE_STARTING
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(lambda: not registry.routable(), 10.0)
+        health = await fleet.gateway.Health(pb.HealthRequest())
+        assert health.state == pb.HEALTH_STATE_STARTING
+    finally:
+        await close_fleet(fleet)
+
+
+def test_what_routing_honours_is_of_what_model_info_tells() -> None:
+    from controller.eligibility import ROUTED_LIMITS, ROUTED_OPTIONS  # (fails alone on old code)
+
+    assert set(ROUTED_LIMITS) <= set(REQUEST_LIMITS)
+    assert set(ROUTED_OPTIONS) <= set(CAPABILITY_FLAGS)
+
+
+async def test_model_info_tells_the_fleets_block_size_and_name_whichever_engine_answers() -> None:
+    """Engines serving `x` with different block sizes, one as its name, one as an alias of
+    `m`: GetModelInfo leaves `kv_block_size` out (no one size: as GetLoad's lists them) and
+    names the model `x` (the name every one of them serves), whichever engine answers. It
+    used to be the answering engine's: 16 or 32, `m` or `x`, by which was routable."""
+    aliased = await start_sim_engine("aliased", served_model_name="m", served_model_aliases=["x"])
+    named = await start_sim_engine("named", served_model_name="x", block_size=32)
+    fleet = await make_fleet(engines=[aliased, named])
+    try:
+        for cordoned in ("aliased", "named"):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(1)
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="x"))
+            assert not info.HasField("kv_block_size")
+            assert info.served_model_name == "x"
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(2)
+    finally:
+        await close_fleet(fleet)
