@@ -671,15 +671,25 @@ def drain(
 
     drained = f"engine {engine}" if engine is not None else server.address
     # Ctrl-C stops following the drain, not the drain (the seed has no RPC that undoes one).
-    with _said_if_interrupted(f"the drain of {drained} goes on (leaving it does not undo it)"):
-        _follow_drain(
-            server,
-            engine,
-            deadline_ms=deadline_ms,
-            abort_after_deadline=abort_after_deadline,
-            metadata=metadata,
-            follow=follow,
-        )
+    try:
+        with _said_if_interrupted(f"the drain of {drained} goes on (leaving it does not undo it)"):
+            _follow_drain(
+                server,
+                engine,
+                deadline_ms=deadline_ms,
+                abort_after_deadline=abort_after_deadline,
+                metadata=metadata,
+                follow=follow,
+            )
+    except RpcCallError as exc:
+        if not events:
+            raise
+        # The stream broke once the drain had started (the target's process died, the
+        # network went): the drain is not undone by that, and may go on.
+        raise RpcCallError(
+            f"{exc} (the drain of {drained} had started: `kvplane admin workers` or `health` "
+            "shows whether it goes on)"
+        ) from None
     if output is OutputFormat.json:
         emit({"events": events}, output, str)
     last = events[-1] if events else {}

@@ -497,13 +497,16 @@ def _tls_hint(channels: ClientChannels, details: str, settings: ClientSettings) 
 
 
 def failure_details(
-    channels: ClientChannels, code: grpc.StatusCode, details: str, settings: ClientSettings
+    channels: ClientChannels,
+    code: grpc.StatusCode | None,
+    details: str,
+    settings: ClientSettings,
 ) -> str:
     """A failed call's `details` as an operator reads them: gRPC's account of a connection
     that could not be made cut to what to act on (`plain_details`), with the `setting_hint`.
-    For a relay's calls, streams that may be cut as they run: a hang-up is put down to the
-    settings only as the connection is made, not once the server answered (its process
-    died, which a TLS hint would misread)."""
+    For streams that may be cut as they run (a relay's, a CLI's drain): a hang-up is put down
+    to the settings only as the connection is made, not once the server answered (its
+    process died, which a TLS hint would misread)."""
     if HUNG_UP in details and _CONNECT_FAILED.search(details) is None:
         return details
     return plain_details(details) + setting_hint(channels, code, details, settings)
