@@ -3,6 +3,7 @@ it (a subprocess): what the one line on stderr says of the port."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.processes import DEFAULT_SIGNALS
 from tests.redis_servers import RedisServer
 
 
@@ -66,3 +68,39 @@ def test_a_silent_server_is_named_by_the_calls_without_a_deadline(silent_listene
     running = [_admin(silent_listener, *command) for command in commands]  # side by side
     for command, process in zip(commands, running, strict=True):
         assert _failed_with(process) == says, command
+
+
+def test_a_drain_interrupted_before_any_reply_is_not_said_to_go_on() -> None:
+    """Ctrl-C while `drain --self` waits for a target that took the connection and has not
+    answered: it said "the drain of HOST:PORT goes on (leaving it does not undo it)", of a
+    drain no server had even heard of; now that none answered yet, and where to look."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(60)  # a hang guard
+        target = f"127.0.0.1:{listener.getsockname()[1]}"
+        drain = subprocess.Popen(
+            [
+                *DEFAULT_SIGNALS,
+                sys.executable,
+                "-m",
+                "kvplane",
+                "admin",
+                "-t",
+                target,
+                "drain",
+                "--self",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        connection, _ = listener.accept()  # the CLI is in the call
+        with connection:
+            drain.send_signal(signal.SIGINT)
+            out, err = drain.communicate()
+    assert (drain.returncode, out) == (130, ""), err
+    assert err == (
+        f"kvplane: interrupted: no reply to the drain of {target} yet: `kvplane admin workers` "
+        "or `health` shows whether it started\n"
+    )
