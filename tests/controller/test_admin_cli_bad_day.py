@@ -1,11 +1,11 @@
-"""`kvplane admin drain ENGINE` whose controller dies while the CLI follows the drain, every
-part its own process, as on an operator's bad day: one line that neither blames a TLS setting
-the CLI already got through with nor lets the drain pass for undone."""
+"""`kvplane admin` against a controller on an operator's bad day, every part its own process:
+the controller dying while the CLI follows a drain, a fleet whose engines are all down."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,3 +120,35 @@ def test_a_controller_lost_mid_drain_is_not_put_down_to_tls(
     # And it does: the engine drains still, its request running.
     health = _admin_json(engine, "health")
     assert health["state"] == "HEALTH_STATE_DRAINING", health
+
+
+@pytest.mark.timeout(120)
+def test_abort_all_in_a_fleet_of_unreachable_engines_names_them(
+    tmp_path: Path, started: list[subprocess.Popen[Any]]
+) -> None:
+    """`abort --all` when no engine of the fleet can be reached said "no engine could be
+    reached: the fleet has no engine", of a fleet that has one: now the engines, each with
+    its state, as `route` names them."""
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        engine = f"127.0.0.1:{closed.getsockname()[1]}"
+    controller = _serve(
+        tmp_path,
+        started,
+        "controller",
+        f"listen: 127.0.0.1:0\nengines:\n  - {{address: {engine}}}\n",
+    )
+    _until(
+        lambda: _admin_json(controller, "workers")["workers"][0]["state"] == "unreachable",
+        "the controller finds the engine unreachable",
+    )
+    result = subprocess.run(
+        [*KVPLANE, "admin", "--target", controller, "abort", "--all"],
+        capture_output=True,
+        text=True,
+    )
+    assert (result.returncode, result.stdout) == (1, ""), result.stderr
+    assert result.stderr == (
+        f"kvplane: error: {controller}: UNAVAILABLE: no engine could be reached: {engine} "
+        "unreachable\n"
+    )
