@@ -61,6 +61,23 @@ def _serve(tmp_path: Path, started: list[subprocess.Popen[Any]], kind: str, conf
     return f"127.0.0.1:{_wait_port(port_file, process)}"
 
 
+def _controller_of(
+    tmp_path: Path, started: list[subprocess.Popen[Any]], engine: str, state: str
+) -> str:
+    """A controller process whose fleet is `engine`, once it shows the engine in `state`."""
+    controller = _serve(
+        tmp_path,
+        started,
+        "controller",
+        f"listen: 127.0.0.1:0\nengines:\n  - {{address: {engine}}}\n",
+    )
+    _until(
+        lambda: _admin_json(controller, "workers")["workers"][0]["state"] == state,
+        f"the controller finds the engine {state}",
+    )
+    return controller
+
+
 @pytest.mark.timeout(180)
 def test_a_controller_lost_mid_drain_is_not_put_down_to_tls(
     tmp_path: Path, started: list[subprocess.Popen[Any]]
@@ -76,16 +93,7 @@ def test_a_controller_lost_mid_drain_is_not_put_down_to_tls(
         "listen: 127.0.0.1:0\nmodel: sim\nsim: {time_scale: 10.0}\n"
         "kv_events: {zmq_enabled: false}\n",
     )
-    controller = _serve(
-        tmp_path,
-        started,
-        "controller",
-        f"listen: 127.0.0.1:0\nengines:\n  - {{address: {engine}}}\n",
-    )
-    _until(
-        lambda: _admin_json(controller, "workers")["workers"][0]["routable"],
-        "the controller routes the engine",
-    )
+    controller = _controller_of(tmp_path, started, engine, "ready")
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(" ".join(str(i) for i in range(1, 65)))
     given = ["--tokens-file", str(tokens), "--max-tokens", "3000"]
@@ -132,16 +140,7 @@ def test_abort_all_in_a_fleet_of_unreachable_engines_names_them(
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         engine = f"127.0.0.1:{closed.getsockname()[1]}"
-    controller = _serve(
-        tmp_path,
-        started,
-        "controller",
-        f"listen: 127.0.0.1:0\nengines:\n  - {{address: {engine}}}\n",
-    )
-    _until(
-        lambda: _admin_json(controller, "workers")["workers"][0]["state"] == "unreachable",
-        "the controller finds the engine unreachable",
-    )
+    controller = _controller_of(tmp_path, started, engine, "unreachable")
     result = subprocess.run(
         [*KVPLANE, "admin", "--target", controller, "abort", "--all"],
         capture_output=True,
