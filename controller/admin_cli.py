@@ -670,16 +670,36 @@ def drain(
                 typer.echo(_render_drain(data))
 
     drained = f"engine {engine}" if engine is not None else server.address
-    # Ctrl-C stops following the drain, not the drain (the seed has no RPC that undoes one).
-    with _said_if_interrupted(f"the drain of {drained} goes on (leaving it does not undo it)"):
-        _follow_drain(
-            server,
-            engine,
-            deadline_ms=deadline_ms,
-            abort_after_deadline=abort_after_deadline,
-            metadata=metadata,
-            follow=follow,
+
+    def left() -> str:
+        """Ctrl-C stops following the drain, not the drain (the seed has no RPC that undoes
+        one). Before its first event, whether the target got the request is not known."""
+        if events:
+            return f"the drain of {drained} goes on (leaving it does not undo it)"
+        return (
+            f"no reply to the drain of {drained} yet: `kvplane admin workers` or `health` "
+            "shows whether it started"
         )
+
+    try:
+        with _said_if_interrupted(left):
+            _follow_drain(
+                server,
+                engine,
+                deadline_ms=deadline_ms,
+                abort_after_deadline=abort_after_deadline,
+                metadata=metadata,
+                follow=follow,
+            )
+    except RpcCallError as exc:
+        if not events:
+            raise
+        # The stream broke once the drain had started (the target's process died, the
+        # network went): the drain is not undone by that, and may go on.
+        raise RpcCallError(
+            f"{exc} (the drain of {drained} had started: `kvplane admin workers` or `health` "
+            "shows whether it goes on)"
+        ) from None
     if output is OutputFormat.json:
         emit({"events": events}, output, str)
     last = events[-1] if events else {}
@@ -715,14 +735,15 @@ def _follow_drain(
 
 
 @contextmanager
-def _said_if_interrupted(what_goes_on: str) -> Iterator[None]:
+def _said_if_interrupted(what_goes_on: Callable[[], str]) -> Iterator[None]:
     """A command that waits on what it started at the server (a drain, a registration):
-    Ctrl-C stops the waiting, not what the server does, so `what_goes_on` is said on stderr
-    before the interrupt ends the command (exit 130), lest the operator take it for undone."""
+    Ctrl-C stops the waiting, not what the server does, so `what_goes_on()` (as it is when
+    interrupted) is said on stderr before the interrupt ends the command (exit 130), lest the
+    operator take it for undone."""
     try:
         yield
     except KeyboardInterrupt:
-        typer.echo(f"kvplane: interrupted: {what_goes_on}", err=True)
+        typer.echo(f"kvplane: interrupted: {what_goes_on()}", err=True)
         raise
 
 
@@ -844,7 +865,7 @@ def register_engine(
     data = _dict(reply)
     if wait_s > 0:
         stays = f"engine {address} stays registered (remove it: kvplane admin remove {address})"
-        with _said_if_interrupted(stays):
+        with _said_if_interrupted(lambda: stays):
             data = _wait_until_reached(server, address, wait_s)
     emit(data, output, lambda d: _render_workers({"workers": [d]}))
 

@@ -860,10 +860,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             codes = {r.code() for _, r in results if isinstance(r, grpc.aio.AioRpcError)}
             if len(codes) == 1 and (code := codes.pop()) not in _UNREACHED:
                 await abort_with(context, code, summary)
+            # None asked: the fleet's engines are all out of reach (each with its state), or
+            # there are none.
+            registry = self.controller.fleet.registry
+            fleet = registry.engine_states("") if registry.records() else "the fleet has no engine"
             await abort_with(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
-                f"no engine could be reached: {summary or 'the fleet has no engine'}",
+                f"no engine could be reached: {summary or fleet}",
             )
         aborted = unrouted + unaccepted > 0 or any(
             r.status == pb.ABORT_STATUS_ABORTED for r in answered

@@ -254,8 +254,8 @@ TOKENS_FILE_FORMATS = (
 def read_token_ids(path: Path) -> list[int]:
     """The token ids of a `--tokens-file` (both admin CLIs): a JSON array, a JSON object with
     `token_ids` or `prompt_token_ids` (as vLLM logs requests), or ids separated by spaces,
-    commas or newlines; each an integer in the proto's uint32 range. A file missing,
-    unreadable or holding anything else is a usage error naming the option."""
+    commas or newlines; each an integer in the proto's uint32 range, at least one. A file
+    missing, unreadable, empty or holding anything else is a usage error naming the option."""
     with usage_error_for("--tokens-file"):
         return _token_ids_in(path)
 
@@ -280,6 +280,9 @@ def _token_ids_in(path: Path) -> list[int]:
         loaded = loaded.get("token_ids", loaded.get("prompt_token_ids"))
     if not isinstance(loaded, list) or not all(type(t) is int for t in loaded):
         raise invalid
+    if not loaded:
+        # An empty prompt, as a blank --prompt is: nothing to match, route or complete.
+        raise KvplaneError(f"{path} holds no token ids")
     bad = next((t for t in loaded if not 0 <= t <= MAX_UINT32), None)
     if bad is not None:
         raise KvplaneError(f"{path}: token id {bad} is out of range (0 to {MAX_UINT32})")

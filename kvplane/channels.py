@@ -554,13 +554,16 @@ def _tls_hint(channels: ClientChannels, details: str, settings: ClientSettings) 
 
 
 def failure_details(
-    channels: ClientChannels, code: grpc.StatusCode, details: str, settings: ClientSettings
+    channels: ClientChannels,
+    code: grpc.StatusCode | None,
+    details: str,
+    settings: ClientSettings,
 ) -> str:
     """A failed call's `details` as an operator reads them: gRPC's account of a connection
     that could not be made cut to what to act on (`plain_details`), with the `setting_hint`.
-    For a relay's calls, streams that may be cut as they run: a hang-up is put down to the
-    settings only as the connection is made, not once the server answered (its process
-    died, which a TLS hint would misread)."""
+    For streams that may be cut as they run (a relay's, a CLI's drain): a hang-up is put down
+    to the settings only as the connection is made, not once the server answered (its
+    process died, which a TLS hint would misread)."""
     if HUNG_UP in details and _CONNECT_FAILED.search(details) is None:
         return details
     return plain_details(details) + setting_hint(channels, code, details, settings)
@@ -579,17 +582,27 @@ _EXPIRED = "certificate has expired"
 _NOT_YET_VALID = "certificate is not yet valid"
 # What gRPC says of a server certificate whose names do not include the host dialled.
 _WRONG_NAME = "Hostname Verification Check failed"
-# What gRPC says of a server that answers in HTTP/1 (a /metrics address, a web server):
-# "Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)".
+# What gRPC says of a server that answers in anything but HTTP/2: "Failed parsing HTTP/2
+# (Expected SETTINGS frame as the first frame, got frame type 82)", the "type" being the
+# answer's fourth byte (Redis's "-ERR ...": 82). An HTTP/1 server shows as such: its status
+# line ("... (Trying to connect an http1.x server (HTTP status 400))"), or the HTML page that
+# Python's HTTP servers, a /metrics address's included, send a request they cannot read
+# ("<!DOCTYPE": 79).
 _NOT_HTTP2 = "Failed parsing HTTP/2"
+_HTTP1 = re.compile(r"http1\.x server|got frame type 79\)")
+# What gRPC says of a server that takes the connection and sends nothing (a stopped or hung
+# process, a service that waits for its client to speak first) when its connect timeout
+# passes: a call without a deadline of its own (a drain, an index dump) fails so.
+_SILENT = "connection attempt timed out before receiving SETTINGS frame"
 
 
 def plain_details(details: str) -> str:
     """`details` of a call that could not connect, as an operator reads them: "TLS handshake
     failed: CERTIFICATE_VERIFY_FAILED: certificate has expired", "TLS handshake failed: the
     server certificate's names do not include the host dialled", "the server closed the
-    connection (Socket closed)", "the server answers HTTP/1, not gRPC (a /metrics address?)";
-    any other details as they are."""
+    connection (Socket closed)", "the server answers HTTP/1, not gRPC (a /metrics address?)",
+    "the server does not speak gRPC (another service listens there?)" (a Redis), "the server
+    took the connection but did not answer (...)"; any other details as they are."""
     connect = _CONNECT_FAILED.search(details)
     if connect is None:
         return details
@@ -608,7 +621,14 @@ def plain_details(details: str) -> str:
     if cause == HUNG_UP:
         return f"the server closed the connection ({HUNG_UP})"
     if cause.startswith(_NOT_HTTP2):
-        return "the server answers HTTP/1, not gRPC (a /metrics address?)"
+        if _HTTP1.search(cause):
+            return "the server answers HTTP/1, not gRPC (a /metrics address?)"
+        return "the server does not speak gRPC (another service listens there?)"
+    if cause.startswith(_SILENT):
+        return (
+            "the server took the connection but did not answer (is its process hung, stopped "
+            "or overloaded, or is it not a gRPC server? check it and its log)"
+        )
     return details
 
 

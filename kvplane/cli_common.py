@@ -22,8 +22,7 @@ from kvplane.channels import (
     ClientChannels,
     ClientSettings,
     Metadata,
-    plain_details,
-    setting_hint,
+    failure_details,
 )
 from kvplane.client_tls import TlsFileError, TlsFileField
 from kvplane.config import (
@@ -444,8 +443,7 @@ def rpc_channel(
                 ) from None
             name = code.name if code is not None else "ERROR"
             raise RpcCallError(
-                f"{target}: {name}: {plain_details(details)}"
-                f"{setting_hint(channels, code, details, _CLIENT_FLAGS)}"
+                f"{target}: {name}: {failure_details(channels, code, details, _CLIENT_FLAGS)}"
             ) from None
 
 
