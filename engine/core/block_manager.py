@@ -7,6 +7,8 @@ Invariants (checked by `check_invariants`, kept on every change):
 - a block's ref count equals the number of block tables that hold it;
 - `_cached` maps each cached key to exactly one block, whose `_keys[block]` is that key; a block
   on the free list may still hold a key (an evictable cached block);
+- a standby copy (`_standby`) is a used block without a key whose KV is that of a cached key
+  (see Duplicates);
 - the KV events recorded so far, replayed in order, give exactly the keys of `_cached`.
 
 Free list. An O(1) doubly linked list over block ids (arrays `_prev`/`_next`, sentinel at index
@@ -21,6 +23,14 @@ block_size, lora_name=, cache_salt=, parent=)`, so the engine and the index agre
 is. A hit is checked against the stored token ids, parent key and namespace, so a key
 collision can never serve the wrong KV; the check is made once per stored block and token list
 (`_Lookup`: admission asks about the same list repeatedly, and a waiting head at every step).
+
+Duplicates. Two sequences that compute the same block at once both hold its KV; the first to
+finish it caches it, the second copy stays private (one BlockStored per key, as the index counts
+blocks, not copies) but stands by: were the cached copy evicted while the second is still held,
+the second takes the key over, with no event, and the key stays cached. vLLM caches both copies
+(block tables are append-only there too) and keeps the hash until its last copy goes; without the
+standby, the key would be lost while a running sequence still holds its KV, and that sequence's
+next blocks would be stored under a parent no longer cached (unreachable by any prefix match).
 
 Full prompt hits. The runner needs the logits of the last prompt token, so a hit never covers
 it: at most `(num_prompt_tokens - 1) // block_size` blocks are reused (a block-aligned prompt
@@ -118,7 +128,11 @@ class BlockManager:
         self._tables: dict[int, _Table] = {}
         self._events: list[KvEvent] = []
         self._lookup: _Lookup | None = None
-        self._cache_version = 0  # bumped whenever a key enters or leaves `_cached`
+        self._cache_version = 0  # bumped whenever a key enters, leaves or moves in `_cached`
+        # Private copies of cached keys, held by the sequences that computed them second: key ->
+        # {block: what it holds}, oldest first, and block -> key.
+        self._standby: dict[BlockKey, dict[int, _CachedBlock]] = {}
+        self._standby_key: dict[int, BlockKey] = {}
         # Doubly linked free list; index `num_blocks` is the sentinel.
         sentinel = num_blocks
         self._next: list[int] = [*range(1, num_blocks + 1), 0]
@@ -162,16 +176,41 @@ class BlockManager:
         self._unlink(block_id)
         key = self._keys[block_id]
         if key is not None:  # evict the least recently used cached block
-            del self._cached[key]
             self._cache_version += 1
             self._keys[block_id] = None
             self._contents[block_id] = None
-            evicted.append(key)
+            if not self._take_over(key):
+                del self._cached[key]
+                evicted.append(key)
         return block_id
+
+    def _take_over(self, key: BlockKey) -> bool:
+        """Let the oldest standby copy of `key` (if any) be its cached block."""
+        standby = self._standby.get(key)
+        if not standby:
+            return False
+        block_id = next(iter(standby))
+        content = standby.pop(block_id)
+        if not standby:
+            del self._standby[key]
+        del self._standby_key[block_id]
+        self._cached[key] = block_id
+        self._keys[block_id] = key
+        self._contents[block_id] = content
+        return True
+
+    def _drop_standby(self, block_id: int) -> None:
+        key = self._standby_key.pop(block_id)
+        standby = self._standby[key]
+        del standby[block_id]
+        if not standby:
+            del self._standby[key]
 
     def _release(self, block_id: int) -> None:
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
+            if block_id in self._standby_key:  # its holder is gone: it holds nothing worth keeping
+                self._drop_standby(block_id)
             sentinel = self.num_blocks
             anchor = self._prev[sentinel] if self._keys[block_id] is not None else sentinel
             self._link_after(anchor, block_id)
@@ -364,10 +403,10 @@ class BlockManager:
         if num_full <= table.num_cached_blocks:
             return
         size = self.block_size
+        ns = table.namespace
         if len(table.block_keys) < num_full:
             start = len(table.block_keys)
             parent = table.block_keys[-1] if table.block_keys else None
-            ns = table.namespace
             table.block_keys.extend(
                 self.compute_keys(
                     token_ids[start * size : num_full * size], ns.lora_name, ns.cache_salt, parent
@@ -377,15 +416,18 @@ class BlockManager:
         for i in range(table.num_cached_blocks, num_full):
             block_id = table.block_ids[i]
             key = table.block_keys[i]
-            if key in self._cached or self._keys[block_id] is not None:
-                # Another sequence computed the same block first: this copy stays private.
-                continue
             parent = table.block_keys[i - 1] if i > 0 else None
-            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            content = _CachedBlock(parent, tuple(token_ids[i * size : (i + 1) * size]), ns)
+            if key in self._cached:
+                # Another sequence computed the same block first: this copy stays private, a
+                # standby for the cached one (see Duplicates).
+                self._standby.setdefault(key, {})[block_id] = content
+                self._standby_key[block_id] = key
+                continue
             self._cached[key] = block_id
             self._cache_version += 1
             self._keys[block_id] = key
-            self._contents[block_id] = _CachedBlock(parent, tokens, table.namespace)
+            self._contents[block_id] = content
             stored.append(i)
         table.num_cached_blocks = num_full
         self._record_stored(table, stored)
@@ -446,6 +488,9 @@ class BlockManager:
         adapter must never be hit. The caller ensures no running sequence uses the name (it
         would chain new blocks from dropped keys); a block still held (a KV session's scratch
         table, which never grows) stays with its holder, uncached."""
+        for block_id, key in list(self._standby_key.items()):
+            if self._standby[key][block_id].namespace.lora_name == lora_name:
+                self._drop_standby(block_id)
         dropped: list[BlockKey] = []
         for key, block_id in list(self._cached.items()):
             content = self._contents[block_id]
@@ -521,3 +566,8 @@ class BlockManager:
         for key, block_id in self._cached.items():
             assert self._keys[block_id] == key
         assert sum(k is not None for k in self._keys) == len(self._cached)
+        for block_id, key in self._standby_key.items():
+            assert block_id in self._standby[key], f"standby {block_id} not under its key"
+            assert self._ref_counts[block_id] > 0 and self._keys[block_id] is None
+            assert key in self._cached, f"standby {block_id} of a key not cached"
+        assert sum(map(len, self._standby.values())) == len(self._standby_key)

@@ -185,6 +185,38 @@ def test_a_key_collision_never_serves_another_prompts_blocks(
     bm.check_invariants()
 
 
+def test_a_duplicate_still_held_keeps_the_key_cached_when_the_first_copy_is_evicted() -> None:
+    # Two sequences compute the same prompt at once; the first caches it, the second's copy
+    # is private. The first ends and its copy is evicted while the second still runs: vLLM
+    # keeps the hash (it caches both copies); the second copy must take the key over, or the
+    # prefix is lost and the second sequence's next block is stored under a parent that no
+    # longer exists.
+    bm = BlockManager(6, 2)
+    prompt = [1, 2, 3, 4, 5]
+    bm.allocate(1, prompt, 5)
+    running = list(prompt)
+    bm.allocate(2, running, 5)
+    bm.cache_blocks(1, prompt, 5)
+    bm.cache_blocks(2, running, 5)
+    cached = replay(bm.take_events())
+    assert cached == set(block_keys(prompt, 2))
+    bm.free(1)
+    bm.allocate(3, [9] * 6, 6)  # takes the three free blocks: evicts the first copy
+    assert not any(isinstance(e, BlockRemoved) for e in bm.take_events())
+    assert bm.cached_keys() == cached
+    assert bm.count_hit_tokens(prompt) == 4
+    running.append(6)  # the second sequence decodes into its third block
+    bm.cache_blocks(2, running, 6)
+    (stored,) = bm.take_events()
+    assert isinstance(stored, BlockStored) and stored.parent_key in cached
+    bm.check_invariants()
+    second_copy = bm.block_table(2)[:2]
+    bm.free(2)
+    assert bm.allocate(4, prompt, 5) == 4
+    assert bm.block_table(4)[:2] == second_copy
+    bm.check_invariants()
+
+
 def test_reset_prefix_cache_refused_while_blocks_are_used() -> None:
     bm = BlockManager(4, 2)
     bm.allocate(1, [1, 2, 3], 3)

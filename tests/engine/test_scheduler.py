@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.api import (
+    BlockRemoved,
+    BlockStored,
     EngineRequest,
     FinishReason,
     RequestOutput,
@@ -63,13 +65,30 @@ def request(
     )
 
 
+def follow_kv_events(core: EngineCore, live: set[int]) -> None:
+    """Apply the core's new KV events to `live` (the keys an index following them holds): a
+    block is stored under a parent the index still holds, and the result is the core's cache."""
+    for event in core.take_kv_events():
+        if isinstance(event, BlockStored):
+            assert event.parent_key is None or event.parent_key in live, "parent not cached"
+            live.update(event.block_keys)
+        elif isinstance(event, BlockRemoved):
+            assert live.issuperset(event.block_keys)
+            live.difference_update(event.block_keys)
+        else:
+            live.clear()
+    assert live == core.block_manager.cached_keys()
+
+
 def run_to_end(
     core: EngineCore, hold_steps: int = 0, max_steps: int = 10_000
 ) -> dict[str, list[RequestOutput]]:
     """Step until nothing is left, releasing each KV session (named as its request)
-    `hold_steps` steps after its request ended."""
+    `hold_steps` steps after its request ended; the KV events are followed at every step."""
     outputs: dict[str, list[RequestOutput]] = defaultdict(list)
     held: dict[str, int] = {}  # session id -> the step it was held at
+    core.take_kv_events()  # followed from here: from the cache as it is now
+    live = core.block_manager.cached_keys()
     for step in range(max_steps):
         for session_id, since in list(held.items()):
             if step - since >= hold_steps:
@@ -81,6 +100,7 @@ def run_to_end(
             outputs[out.request_id].append(out)
             if out.held_kv_session:
                 held[out.request_id] = step
+        follow_kv_events(core, live)
     raise AssertionError("the engine did not finish")
 
 
