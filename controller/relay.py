@@ -1407,13 +1407,14 @@ class Relay:
         acceptance), refused it because it does not hold the adapter: an UnloadLora landed
         after the request was routed there (it takes the adapter out of routing before the
         engine is asked, so the registry knows by now), or the controller's knowledge is
-        stale (a process restarted faster than a poll, an unload behind its back, or in the
-        instant between the engine's check and its engine thread taking the request: the
-        engine's adapters are read again). An engine still holding it refused something
-        else (an unknown base model): False. True: the request goes to another engine
-        holding the adapter, else gets the fleet's LoRA status (NOT_FOUND "no engine has
-        LoRA adapter ..."), never the engine's bare refusal; not the one retry of a failed
-        request, as nothing ran. Generate and the pooling tasks alike ask here."""
+        stale (a process restarted faster than a poll, an unload behind its back, or, on an
+        engine that ends an accepted request MODEL_NOT_FOUND, in the instant between its check
+        and its engine thread taking the request: the engine's adapters are read again). An
+        engine still holding it refused something else (an unknown base model): False. True:
+        the request goes to another engine holding the adapter, else gets the fleet's LoRA
+        status (NOT_FOUND "no engine has LoRA adapter ..."), never the engine's bare refusal;
+        not the one retry of a failed request, as nothing ran. Generate and the pooling tasks
+        alike ask here."""
         if not lora_name:
             return False
         fleet = self.controller.fleet

@@ -164,7 +164,8 @@ class LoraConfig(StrictModel):
     # Off: every LoRA call and a Generate naming an adapter is FAILED_PRECONDITION and
     # ModelInfo says supports_lora false (vLLM serves LoRA only with --enable-lora too).
     enabled: StrictBool = False
-    # Adapters loaded at once (LoadLora beyond: RESOURCE_EXHAUSTED). Unlike vLLM's max_loras
+    # Adapters loaded at once (LoadLora beyond: RESOURCE_EXHAUSTED); one unloaded while
+    # requests use it counts until they end (they hold its weights). Unlike vLLM's max_loras
     # (adapters per batch, default 1, the rest cached on the CPU), every loaded adapter is
     # resident and any mix of them runs in one step.
     max_loras: StrictInt = Field(default=8, gt=0)

@@ -409,8 +409,10 @@ class ScheduledSequence(NamedTuple):
     `prompt_logprobs` is set, return the logprob of each prompt token at positions
     `start_position + 1 .. min(start_position + len(token_ids), len(prompt_token_ids) - 1)`.
     `allowed_token_ids` (guided decoding, sampling sequences only): sample among these ids
-    alone (never empty); None: the whole vocabulary. The sequences passed here are views
-    valid during the call only: do not keep them.
+    alone (never empty); None: the whole vocabulary. `lora_key`: the LoRA weights to apply,
+    as the runner holds them (`LoraRunner.add_lora`; one per load of an adapter, not its
+    name); None: the base model. The sequences passed here are views valid during the call
+    only: do not keep them.
     """
 
     seq_id: int
@@ -425,7 +427,7 @@ class ScheduledSequence(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     prompt_logprobs: LogprobRequest | None = None
-    lora_name: str | None = None
+    lora_key: str | None = None
     allowed_token_ids: Sequence[int] | None = None
 
 

@@ -63,7 +63,7 @@ from engine.core.errors import (
 )
 from engine.core.guided import compile_guide
 from engine.core.guided_vocab import GuidedState, GuideRegistry, GuideTooCostlyError, TokenMasker
-from engine.core.lora import LoraAdapter, LoraLoad, LoraRegistry, LoraRunner
+from engine.core.lora import LoraAdapter, LoraLoad, LoraRegistry, LoraRunner, LoraSlot
 from engine.core.scheduler import ScheduledWork, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner
@@ -94,6 +94,7 @@ class _HeldSession:
 @dataclass(slots=True, eq=False)
 class _RequestState:
     request: EngineRequest
+    lora: LoraSlot | None = None  # held from acceptance to the end (`EngineCore.acquire_lora`)
     outputs: list[_Output] = field(default_factory=list)
     num_unfinished: int = 0
     held_kv_session: bool = False
@@ -158,9 +159,10 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
 
-    def check_request(self, request: EngineRequest) -> None:
+    def check_request(self, request: EngineRequest, *, lora: LoraSlot | None = None) -> None:
         """Validate without side effects; reads only immutable configuration and the LoRA
-        registry's immutable snapshot (thread-safe)."""
+        registry's immutable snapshot (thread-safe). `lora`: the slot the request holds
+        already (`acquire_lora`), which serves it whether or not its name is loaded now."""
         if not request.request_id:
             raise InvalidRequestError("request_id must be non-empty")
         if not request.prompt_token_ids:
@@ -186,8 +188,8 @@ class EngineCore:
                     "(sim runner or no tokenizer) has none"
                 )
             compile_guide(request.guided)  # memoised: add_request's masker reuses it
-        if request.lora_name is not None:
-            # The registry's snapshot: the engine thread checks again when it adds the request.
+        if request.lora_name is not None and lora is None:
+            # The registry's snapshot: the request holds the adapter from `acquire_lora`.
             if self.loras is None:
                 raise LoraNotFoundError("this engine serves no LoRA adapters")
             self.loras.check_request(request.lora_name)
@@ -218,23 +220,42 @@ class EngineCore:
                 f"({bm.num_blocks} blocks of {bm.block_size})"
             )
 
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request (one sequence per output). Raises before accepting anything."""
-        self.check_request(request)
-        if request.request_id in self._requests:
-            raise DuplicateRequestError(f"request {request.request_id!r} is already running")
-        if request.lora_name is not None and self.loras is not None:
-            self.loras.acquire(request.lora_name)  # raises if unloaded since check_request
+    def acquire_lora(self, request: EngineRequest) -> LoraSlot | None:
+        """The slot of the request's adapter, held from now (any thread: a server calls this
+        as it accepts the request) until the request ends: an unload, or another adapter
+        loaded under the name, never takes it from the request. None without an adapter;
+        raises LoraNotFoundError when its adapter is not loaded."""
+        if request.lora_name is None:
+            return None
+        if self.loras is None:
+            raise LoraNotFoundError("this engine serves no LoRA adapters")
+        return self.loras.acquire(request.lora_name)
+
+    def add_request(self, request: EngineRequest, *, lora: LoraSlot | None = None) -> None:
+        """Queue a request (one sequence per output). Raises before accepting anything.
+        `lora`: its adapter's slot, acquired at acceptance (`acquire_lora`); None: acquired
+        here. The request owns the slot from here: released when it ends, or at once if this
+        raises."""
+        try:
+            self.check_request(request, lora=lora)
+            if request.request_id in self._requests:
+                raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+            if lora is None:
+                lora = self.acquire_lora(request)
+        except Exception:
+            if lora is not None:
+                self.release_lora(lora)
+            raise
         sampling = request.sampling
         num_prompt = len(request.prompt_token_ids)
         room = self.max_model_len - num_prompt
         max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
-        state = _RequestState(request, num_unfinished=sampling.num_sequences)
+        state = _RequestState(request, lora, num_unfinished=sampling.num_sequences)
         if sampling.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * num_prompt
         now_s = self.clock()
         for index in range(sampling.num_sequences):
-            seq = Sequence(self._new_seq_id(), request, index, self._next_arrival, now_s)
+            seq = Sequence(self._new_seq_id(), request, index, self._next_arrival, now_s, lora=lora)
             self._next_arrival += 1
             detok = None
             if self.tokenizer is not None:
@@ -300,6 +321,7 @@ class EngineCore:
             state.request.kv_session_id is not None
             and out.sequence.output_index == 0
             and reason in (FinishReason.STOP, FinishReason.LENGTH)
+            and out.sequence.caches_blocks
         ):
             # Before `remove` frees the sequence's blocks: they must not become evictable.
             state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
@@ -310,8 +332,8 @@ class EngineCore:
         if state.num_unfinished == 0:
             usage = state.usage()
             del self._requests[state.request.request_id]
-            if state.request.lora_name is not None:
-                self._release_lora(state.request.lora_name)
+            if state.lora is not None:
+                self.release_lora(state.lora)
         return RequestOutput(
             request_id=state.request.request_id,
             output_index=out.sequence.output_index,
@@ -336,38 +358,40 @@ class EngineCore:
 
     def load_lora(self, adapter: LoraAdapter, weights: object) -> LoraLoad:
         """Serve `weights` (the runner's `read_lora`) as `adapter` (`LoraLoad` says what was
-        done). Loaded afresh, the name's cached blocks, computed with an earlier adapter of that
-        name, are dropped first (BlockRemoved), and so are the KV sessions held with it (a
-        later pull of one is NOT_FOUND): prefix hits never cross adapters. Resumed (this very
-        adapter, unloaded while its requests still run), it is served again as it is: the
+        done). Loaded afresh, in a new slot (`LoraSlot`), the name's cached blocks, computed
+        with an earlier adapter of that name, are dropped first (BlockRemoved), and so are the
+        KV sessions held with it (a later pull of one is NOT_FOUND): prefix hits never cross
+        adapters. Requests still holding the name's earlier slot (unloaded while they ran) run
+        on with its weights, out of the prefix cache (`LoraSlot.superseded`). Resumed (this
+        very adapter, unloaded while its requests still run), it is served again as it is: the
         runner's weights, its cached blocks and sessions are its own (`weights` is unused)."""
         loras, runner = self._lora_runner()
-        outcome = loras.check_load(adapter)
-        if outcome is LoraLoad.LOADED:
+        if loras.check_load(adapter) is LoraLoad.LOADED:
             stale = [
                 sid for sid, held in self._kv_sessions.items() if held.lora_name == adapter.name
             ]
             for session_id in stale:
                 self.release_kv_session(session_id)
             self.block_manager.drop_lora_blocks(adapter.name)
-            runner.add_lora(adapter.name, weights)
-        if outcome is not LoraLoad.ALREADY_LOADED:
-            loras.add(adapter)
+        outcome, slot = loras.load(adapter)
+        if outcome is LoraLoad.LOADED:
+            runner.add_lora(slot.key, weights)
         return outcome
 
     def unload_lora(self, name: str) -> LoraAdapter:
         """Forget the name for new requests; the runner keeps the weights until the requests
-        already using them end (as vLLM)."""
+        already holding them end (as vLLM: a request accepted before the unload is served)."""
         loras, runner = self._lora_runner()
-        adapter = loras.remove(name)
-        if not loras.num_requests(name):
-            runner.remove_lora(name)
+        adapter, freed = loras.remove(name)
+        if freed is not None:
+            runner.remove_lora(freed.key)
         return adapter
 
-    def _release_lora(self, name: str) -> None:
+    def release_lora(self, slot: LoraSlot) -> None:
+        """A request holding `slot` ended, or was never added (engine thread)."""
         loras, runner = self._lora_runner()
-        if loras.release(name):
-            runner.remove_lora(name)
+        if loras.release(slot):
+            runner.remove_lora(slot.key)
 
     # ---------------------------------------------------------------- KV sessions
 
@@ -631,7 +655,7 @@ class EngineCore:
                     prompt_token_ids=seq.request.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
                     prompt_logprobs=sampling.prompt_logprobs if want_prompt_logprobs else None,
-                    lora_name=seq.request.lora_name,
+                    lora_key=None if seq.lora is None else seq.lora.key,
                     allowed_token_ids=allowed,
                 )
             )
@@ -678,7 +702,8 @@ class EngineCore:
     ) -> RequestOutput | None:
         seq = work.sequence
         seq.num_computed_tokens += work.num_new_tokens
-        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if seq.caches_blocks:
+            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         state = self._requests[seq.request_id]
         out = self._outputs_by_seq[seq.seq_id]
         if result is None:

@@ -34,7 +34,8 @@ from engine.core.api import (
     StepResult,
     Usage,
 )
-from engine.core.errors import DuplicateRequestError, EngineStoppedError, LoraNotFoundError
+from engine.core.errors import DuplicateRequestError, EngineStoppedError
+from engine.core.lora import LoraSlot
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore
@@ -66,9 +67,7 @@ def asyncio_sink(loop: _CallSoonThreadsafe, queue: _PutNowait) -> OutputSink:
     return sink
 
 
-def _failed_outputs(
-    request: EngineRequest, message: str, error: ErrorKind = ErrorKind.ENGINE
-) -> list[RequestOutput]:
+def _failed_outputs(request: EngineRequest, message: str) -> list[RequestOutput]:
     """ERROR outputs ending every output of a request the core never finished."""
     last = request.sampling.num_sequences - 1
     return [
@@ -77,7 +76,7 @@ def _failed_outputs(
             output_index=index,
             finish_reason=FinishReason.ERROR,
             message=message,
-            error=error,
+            error=ErrorKind.ENGINE,
             usage=Usage(len(request.prompt_token_ids), 0, 0) if index == last else None,
         )
         for index in range(request.sampling.num_sequences)
@@ -189,6 +188,7 @@ class EngineLoop:
         *,
         before: Callable[[EngineCore], object] | None = None,
         admit: Callable[[], object] | None = None,
+        lora: LoraSlot | None = None,
     ) -> None:
         """Validate (raising before acceptance) and queue a request; outputs go to `sink`.
 
@@ -197,8 +197,14 @@ class EngineLoop:
         first). It runs under the loop's lock, which it may take again (`num_queued`).
         `before(core)` runs in the engine thread just before the request is added, in the same
         command (nothing is scheduled in between): a DECODE engine imports the request's
-        pulled KV blocks there. It only prepares: if it fails, the request runs without it."""
-        self.core.check_request(request)
+        pulled KV blocks there. It only prepares: if it fails, the request runs without it.
+
+        The request's LoRA adapter is acquired last (`EngineCore.acquire_lora`: raising
+        LoraNotFoundError if it was unloaded since the check) and held from here to the
+        request's end: an unload before the engine thread adds it does not take it away.
+        `lora`: the slot the caller acquired already (a request admitted before, `end_pull`);
+        the request owns it once this returns, the caller still if it raises."""
+        self.core.check_request(request, lora=lora)
         with self._cond:
             if self._stopping:
                 raise EngineStoppedError("the engine is stopping")
@@ -206,6 +212,8 @@ class EngineLoop:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
             if admit is not None:  # under the lock: no other submit between check and queue
                 admit()
+            if lora is None:
+                lora = self.core.acquire_lora(request)  # nothing raises after this
             self._sinks[request.request_id] = (sink, request)
             num_seqs = request.sampling.num_sequences
             self._submitted = _Submitted(
@@ -220,13 +228,7 @@ class EngineLoop:
                     except Exception:
                         logger.exception("preparing request %s failed", request.request_id)
                 try:
-                    self.core.add_request(request)
-                except LoraNotFoundError as exc:
-                    # Its adapter was unloaded since check_request (a race of one call): the
-                    # request's own failure, as the refusal it would have got a moment later,
-                    # not the engine's (a router would count it toward ejecting the engine).
-                    logger.info("request %s: %s", request.request_id, exc)
-                    return _failed_outputs(request, str(exc), ErrorKind.NOT_FOUND)
+                    self.core.add_request(request, lora=lora)
                 except Exception as exc:  # cannot happen after check_request; never hang
                     logger.exception("could not add request %s", request.request_id)
                     return _failed_outputs(request, str(exc))

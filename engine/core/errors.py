@@ -27,8 +27,9 @@ class EngineStoppedError(EngineCoreError):
 
 class InvalidLoraError(InvalidRequestError):
     """A LoadLora request or the adapter it names is malformed: a non-positive id, an empty
-    name, a relative or missing directory, an unreadable or incomplete adapter_config.json or
-    safetensors file, or a PEFT option this engine does not implement (INVALID_ARGUMENT)."""
+    name (UnloadLora's too), a relative or missing directory, an unreadable or incomplete
+    adapter_config.json or safetensors file, or a PEFT option this engine does not implement
+    (INVALID_ARGUMENT)."""
 
 
 class LoraMismatchError(EngineCoreError):

@@ -9,18 +9,21 @@ is NOT_FOUND. Paths are compared as directories: `/a/x/` and `/a/./x` are `/a/x`
 spelling must neither load one adapter twice under two names nor fail a repeated load). At
 most `max_loras` adapters are loaded at once (RESOURCE_EXHAUSTED beyond).
 
-Unloading while requests use the adapter (vLLM's behaviour: its unload only forgets the name,
-requests already admitted keep their adapter): the name is gone at once for new requests, and
-the runner drops the weights when the last request using them ends. Until then the same triple
-may be loaded again (`LoraLoad.RESUMED`: the adapter is served again as it is, its weights,
-cached blocks and KV sessions kept, and its running requests go on), but no other adapter under
-that name (LoraMismatchError, FAILED_PRECONDITION): its running requests and the prefix cache
-must never mix the old adapter's KV with the new one's (`EngineCore.load_lora` drops the name's
-cached blocks when it loads another).
+A request holds its adapter from its acceptance to its end (`LoraSlot`: one load of an
+adapter, its weights in the runner under the slot's key): a request accepted is served with
+the adapter it was accepted with, whatever unloads or loads follow (vLLM's behaviour: its
+request carries the adapter). Unloading forgets the name at once for new requests; the slot,
+and its place among `max_loras`, lives until the last request holding it ends. Until then the
+same triple may be loaded again (`LoraLoad.RESUMED`: the same slot, served again as it is, its
+weights, cached blocks and KV sessions kept, and its requests go on); another adapter under
+that name takes a new slot (and a place of its own): new requests get the new weights, the old
+slot's requests keep the old ones, and, the prefix cache's namespace being the name, they no
+longer use the cache (`LoraSlot.superseded`), whose blocks of the name
+`EngineCore.load_lora` drops: a prefix hit never mixes the two adapters' KV.
 
-Threads: the engine thread mutates the registry; `adapters` is an immutable snapshot, replaced
-on every change, that any thread may read (servers check a request's adapter before
-acceptance, and again in the engine thread).
+Threads: the engine thread loads, unloads and releases; servers acquire a request's slot as
+they accept it; a lock orders them. `adapters` is an immutable snapshot, replaced on every
+change, that any thread may read (servers check a request's adapter before acceptance).
 
 `read_adapter_config` parses a PEFT `adapter_config.json` (stdlib only).
 """
@@ -32,6 +35,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,48 +214,71 @@ def read_adapter_config(directory: Path, *, max_rank: int) -> AdapterConfig:
 
 @runtime_checkable
 class LoraRunner(Protocol):
-    """A `ModelRunner` that serves LoRA adapters. Scheduled sequences name theirs in
-    `ScheduledSequence.lora_name`."""
+    """A `ModelRunner` that serves LoRA adapters. It holds each load of an adapter under the
+    key of its slot (`LoraSlot.key`); scheduled sequences name theirs in
+    `ScheduledSequence.lora_key`."""
 
     def read_lora(self, path: Path, *, max_rank: int) -> object:
         """Read and check an adapter against the base model (any thread: file I/O). Raises
         InvalidLoraError or LoraMismatchError; returns what `add_lora` takes."""
         ...
 
-    def add_lora(self, name: str, weights: object) -> None:
-        """Serve `weights` (from `read_lora`) under `name` (engine thread, between steps)."""
+    def add_lora(self, key: str, weights: object) -> None:
+        """Serve `weights` (from `read_lora`) under `key` (engine thread, between steps)."""
         ...
 
-    def remove_lora(self, name: str) -> None:
+    def remove_lora(self, key: str) -> None:
         """Forget the adapter (engine thread; no running sequence uses it any more)."""
         ...
 
 
+@dataclass(eq=False, slots=True)
+class LoraSlot:
+    """One load of an adapter: the weights the runner holds under `key` (unique per load, so
+    a name loaded again with other weights never mixes with this one) and the requests that
+    hold them. A request holds its slot from its acceptance to its end (`LoraRegistry.acquire`,
+    `release`): an unload, or another adapter loaded under the name, never takes the weights
+    from a request already accepted. `superseded`: another load of the name serves new
+    requests now; this slot's requests run on with these weights, out of the prefix cache (the
+    cache's namespace is the name, now the new weights')."""
+
+    adapter: LoraAdapter
+    key: str
+    num_requests: int = 0
+    superseded: bool = False
+
+
 class LoraRegistry:
-    """The loaded adapters and the number of live requests per adapter name."""
+    """The loaded adapters by name, and the slots requests hold (`LoraSlot`).
+
+    A slot lives while its adapter is loaded or a request holds it, and counts against
+    `max_loras` while it lives: an adapter unloaded (or replaced under its name) while requests
+    use it still takes a place until they end. Thread-safe (one lock): servers acquire a slot
+    as they accept a request, the engine thread loads, unloads and releases."""
 
     def __init__(self, max_loras: int) -> None:
         if max_loras < 1:
             raise ValueError("max_loras must be >= 1")
         self.max_loras = max_loras
+        self._lock = threading.Lock()
         self._adapters: Mapping[str, LoraAdapter] = MappingProxyType({})
-        # Live requests per name, unloaded names included (their weights stay until 0).
-        self._num_requests: dict[str, int] = {}
-        # The adapters unloaded while requests still use them, by name (engine thread only).
-        self._unloaded_in_use: dict[str, LoraAdapter] = {}
+        self._loaded: dict[str, LoraSlot] = {}  # by name: what new requests get
+        self._latest: dict[str, LoraSlot] = {}  # by name: its last load, while the slot lives
+        self._unloaded_in_use: dict[str, LoraSlot] = {}  # by key: unloaded, still held
+        self._num_loads = 0
 
     @property
     def adapters(self) -> Mapping[str, LoraAdapter]:
         """An immutable snapshot, safe to read from any thread."""
         return self._adapters
 
-    def num_requests(self, name: str) -> int:
-        return self._num_requests.get(name, 0)
-
     def check_load(self, adapter: LoraAdapter) -> LoraLoad:
-        """What loading `adapter` would do (`LoraLoad`); raises on a conflict, when full, or
-        while requests of another adapter unloaded under that name still run."""
+        """What loading `adapter` would do (`LoraLoad`); raises on a conflict or when full."""
         adapter.validate()
+        with self._lock:
+            return self._check_load(adapter)
+
+    def _check_load(self, adapter: LoraAdapter) -> LoraLoad:
         loaded = self._adapters.get(adapter.name)
         if loaded is not None and loaded.same_as(adapter):
             return LoraLoad.ALREADY_LOADED
@@ -266,51 +293,82 @@ class LoraRegistry:
                     f"conflicts with loaded adapter {other.name!r} (id {other.lora_id}, "
                     f"{other.path})"
                 )
-        if len(self._adapters) >= self.max_loras:
+        latest = self._latest.get(adapter.name)
+        if latest is not None and latest.adapter.same_as(adapter):
+            return LoraLoad.RESUMED  # takes no new slot
+        num_slots = len(self._loaded) + len(self._unloaded_in_use)
+        if num_slots >= self.max_loras:
             raise LoraCapacityError(
-                f"{len(self._adapters)} LoRA adapters are loaded, this engine's max_loras: "
-                "unload one first"
-            )
-        unloaded = self._unloaded_in_use.get(adapter.name)
-        if unloaded is not None:
-            if unloaded.same_as(adapter):
-                return LoraLoad.RESUMED
-            raise LoraMismatchError(
-                f"{self.num_requests(adapter.name)} requests of the unloaded LoRA adapter "
-                f"{adapter.name!r} (id {unloaded.lora_id}, {unloaded.path}) still run: load "
-                "another adapter under that name once they finish"
+                f"{len(self._loaded)} LoRA adapters are loaded and {len(self._unloaded_in_use)} "
+                f"unloaded ones still serve requests, this engine's max_loras: unload one "
+                "first (an unloaded adapter's place is free once its requests end)"
             )
         return LoraLoad.LOADED
 
-    def add(self, adapter: LoraAdapter) -> None:
-        self._unloaded_in_use.pop(adapter.name, None)
-        self._adapters = MappingProxyType({**self._adapters, adapter.name: adapter})
+    def load(self, adapter: LoraAdapter) -> tuple[LoraLoad, LoraSlot]:
+        """Serve `adapter` under its name: a fresh slot (LOADED: the name's previous slot, if
+        requests still hold it, is superseded), the name's last slot again (RESUMED), or the
+        slot already loaded (ALREADY_LOADED). Raises as `check_load`."""
+        adapter.validate()
+        with self._lock:
+            outcome = self._check_load(adapter)
+            if outcome is LoraLoad.ALREADY_LOADED:
+                return outcome, self._loaded[adapter.name]
+            if outcome is LoraLoad.RESUMED:
+                slot = self._latest[adapter.name]
+                del self._unloaded_in_use[slot.key]
+            else:
+                previous = self._latest.get(adapter.name)
+                if previous is not None:
+                    previous.superseded = True
+                self._num_loads += 1
+                slot = LoraSlot(adapter, f"{adapter.name}#{self._num_loads}")
+                self._latest[adapter.name] = slot
+            self._loaded[adapter.name] = slot
+            self._adapters = MappingProxyType({**self._adapters, adapter.name: adapter})
+            return outcome, slot
 
-    def remove(self, name: str) -> LoraAdapter:
-        adapter = self._adapters.get(name)
-        if adapter is None:
-            raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
-        self._adapters = MappingProxyType({k: v for k, v in self._adapters.items() if k != name})
-        if self.num_requests(name):
-            self._unloaded_in_use[name] = adapter
-        return adapter
+    def remove(self, name: str) -> tuple[LoraAdapter, LoraSlot | None]:
+        """Unload `name` for new requests; the slot too when no request holds it (returned:
+        its weights can go), else it lives on until its last request ends."""
+        with self._lock:
+            slot = self._loaded.pop(name, None)
+            if slot is None:
+                raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
+            self._adapters = MappingProxyType(
+                {k: v for k, v in self._adapters.items() if k != name}
+            )
+            if slot.num_requests:
+                self._unloaded_in_use[slot.key] = slot
+                return slot.adapter, None
+            self._forget(slot)
+            return slot.adapter, slot
 
     def check_request(self, name: str) -> None:
         if name not in self._adapters:
             raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
 
-    def acquire(self, name: str) -> None:
-        """A request using `name` starts (the adapter must be loaded)."""
-        self.check_request(name)
-        self._num_requests[name] = self.num_requests(name) + 1
+    def acquire(self, name: str) -> LoraSlot:
+        """A request using `name` is accepted: it holds the name's slot until `release`
+        (any thread). Raises LoraNotFoundError when the name is not loaded."""
+        with self._lock:
+            slot = self._loaded.get(name)
+            if slot is None:
+                raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
+            slot.num_requests += 1
+            return slot
 
-    def release(self, name: str) -> bool:
-        """A request using `name` ended; True when the adapter is unloaded and now unused (its
+    def release(self, slot: LoraSlot) -> bool:
+        """A request holding `slot` ended; True when the slot is unloaded and now unheld (its
         weights can go)."""
-        left = self._num_requests[name] - 1
-        if left:
-            self._num_requests[name] = left
-            return False
-        del self._num_requests[name]
-        self._unloaded_in_use.pop(name, None)
-        return name not in self._adapters
+        with self._lock:
+            slot.num_requests -= 1
+            if slot.num_requests or self._loaded.get(slot.adapter.name) is slot:
+                return False
+            del self._unloaded_in_use[slot.key]
+            self._forget(slot)
+            return True
+
+    def _forget(self, slot: LoraSlot) -> None:
+        if self._latest.get(slot.adapter.name) is slot:
+            del self._latest[slot.adapter.name]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.core.api import EngineRequest
+from engine.core.lora import LoraSlot
 
 
 class SequenceStatus(Enum):
@@ -34,6 +35,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prefix hits at the first admission
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
+    lora: LoraSlot | None = None  # the request's adapter, held since its acceptance
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -63,9 +65,18 @@ class Sequence:
     def use_prefix_cache(self) -> bool:
         sampling = self.request.sampling
         # Prompt logprobs need every prompt position computed.
-        return not self.request.bypass_prefix_cache and (
-            sampling.prompt_logprobs is None or self.output_index != 0
+        return (
+            not self.request.bypass_prefix_cache
+            and self.caches_blocks
+            and (sampling.prompt_logprobs is None or self.output_index != 0)
         )
+
+    @property
+    def caches_blocks(self) -> bool:
+        """Whether its computed blocks enter the prefix cache: not when its adapter's name
+        serves other weights now (`LoraSlot.superseded`), since the cache's namespace is the
+        name; such a sequence takes no prefix hits either."""
+        return self.lora is None or not self.lora.superseded
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -232,12 +232,12 @@ class SimRunner:
     def read_lora(self, path: Path, *, max_rank: int) -> AdapterConfig:
         return read_adapter_config(path, max_rank=max_rank)
 
-    def add_lora(self, name: str, weights: object) -> None:
+    def add_lora(self, key: str, weights: object) -> None:
         assert isinstance(weights, AdapterConfig)
-        self.loras[name] = weights
+        self.loras[key] = weights
 
-    def remove_lora(self, name: str) -> None:
-        self.loras.pop(name, None)
+    def remove_lora(self, key: str) -> None:
+        self.loras.pop(key, None)
 
     # KV transfer: the simulator holds no KV data, so a block is zero bytes; the layout names
     # the block size, so sim engines exchange sessions like real ones (tests, benchmarks).

@@ -70,6 +70,7 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.core.guided import compile_guide
+from engine.core.lora import LoraSlot
 from engine.core.pooling import Pooler, PoolingParams, PoolingTask
 from engine.server.errors import (
     DrainingError,
@@ -157,7 +158,8 @@ class TaskHandle:
     `waiting`: a pooling task until its first batch begins on the engine thread (set false
     there, read on the event loop: one attribute, so no lock); a pull never waits here (it is
     counted queued as a pull). `queued_batch`: the engine-thread command of a pooling task's
-    current batch (`run_task`), which stopping the task cancels if it has not begun."""
+    current batch (`run_task`), which stopping the task cancels if it has not begun. `lora`: a
+    pulling request's LoRA adapter, held since its admission (`begin_pull`)."""
 
     def __init__(self, request_id: str, *, waiting: bool, converting: bool = False) -> None:
         self.request_id = request_id
@@ -165,6 +167,7 @@ class TaskHandle:
         self.waiting = waiting
         self.converting = converting
         self.queued_batch: Future[Any] | None = None
+        self.lora: LoraSlot | None = None
 
     def drop_queued_batch(self) -> bool:
         """Take the task's batch out of the engine thread's queue; True if it had not begun
@@ -423,11 +426,19 @@ class EngineService:
         if self.metrics is not None:
             self.metrics.on_pull("ok", num_blocks)
         if handle.aborted.is_set():
+            self._release_lora(handle)
             raise RequestAbortedError(f"request {request.request_id!r} was aborted")
-        return self.submit(request, before=before, admitted=True)
+        try:
+            stream = self.submit(request, before=before, admitted=True, lora=handle.lora)
+        except BaseException:
+            self._release_lora(handle)
+            raise
+        handle.lora = None  # the request's now
+        return stream
 
     def abandon_pull(self, handle: TaskHandle, error: BaseException) -> None:
         """The pull failed (`error`) or the client left: the request was never submitted."""
+        self._release_lora(handle)
         self._end_pull(handle)
         if self.metrics is not None:
             self.metrics.on_pull(_pull_outcome(error))
@@ -455,6 +466,12 @@ class EngineService:
             self.metrics.on_outputs(outputs)
         return outputs
 
+    def _release_lora(self, handle: TaskHandle) -> None:
+        """Let go of the adapter a pulling request held (never submitted)."""
+        slot, handle.lora = handle.lora, None
+        if slot is not None:
+            self.engine_loop.call(lambda core: core.release_lora(slot))
+
     def _end_pull(self, handle: TaskHandle) -> None:
         self._num_pulling -= 1
         self.end_task(handle)
@@ -466,8 +483,10 @@ class EngineService:
         internal: bool = False,
         admitted: bool = False,
         before: Callable[[EngineCore], object] | None = None,
+        lora: LoraSlot | None = None,
     ) -> RequestStream:
         """Validate and accept `request` (raising before acceptance), or refuse while draining.
+        `lora`: its adapter, held since its admission (`end_pull`; `EngineLoop.submit`).
 
         `internal` requests (the health probe) are accepted while draining and past the
         admission bound, and so are those `admitted` before (`end_pull`). `before(core)` runs in
@@ -482,6 +501,7 @@ class EngineService:
             asyncio_sink(self._aio_loop, stream),
             before=before,
             admit=None if internal or admitted else lambda: self._check_admission("generate"),
+            lora=lora,
         )
         self._live[request.request_id] = stream
         if internal:
@@ -550,12 +570,16 @@ class EngineService:
         """Accept a pooling `task` (embed, classify, score), or the `request` a DECODE engine
         is about to pull a KV session for (task generate; checked by the core as `submit`
         would: a refusal after the pull would waste the session), raising before acceptance
-        as `submit` does; the caller ends it with `end_task`, whatever happens."""
+        as `submit` does; the caller ends it with `end_task`, whatever happens. The `request`'s
+        LoRA adapter is held from here (`TaskHandle.lora`): an unload during the pull does not
+        take it from the request."""
         self._check_accepting(request_id, internal=False)
         if request is not None:
             self.engine_loop.core.check_request(request)
         self._check_admission(task)
         handle = TaskHandle(request_id, waiting=request is None)
+        if request is not None:
+            handle.lora = self.engine_loop.core.acquire_lora(request)
         self._live_tasks[request_id] = handle
         self._finished.pop(request_id, None)
         self._in_flight_changed.set()
@@ -581,7 +605,9 @@ class EngineService:
         (`handle.aborted`) instead of running it; so does a drain's deadline. It counts as in
         flight, not as queued nor as a running task. An id already taken, or none (the engine
         names the request), is not held: acceptance refuses a duplicate as before, after the
-        checks of the request itself. The hold ends with the block, before acceptance."""
+        checks of the request itself. The hold ends with the block, before acceptance. A
+        conversion that fails after such an Abort still answers with its refusal: there is no
+        request (prompt, outputs) to end aborted."""
         handle = TaskHandle(request_id, waiting=False, converting=True)
         held = bool(request_id) and not (request_id in self._live_tasks or request_id in self._live)
         if held:

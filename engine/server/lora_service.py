@@ -6,7 +6,8 @@ the runner reads and checks the adapter in a worker thread (file I/O and tensor 
 both the event loop and the engine thread); the engine thread then installs it between steps
 (`EngineCore.load_lora`, which checks everything again: the registry belongs to that thread).
 LoRA calls run one at a time (a lock), so two loads never read the same adapter twice or race
-on a name. UnloadLora and ListLoras go to the registry (an unload through the engine thread).
+on a name. UnloadLora and ListLoras go to the registry (an unload through the engine thread);
+UnloadLora with an empty name is malformed (INVALID_ARGUMENT, as LoadLora's).
 A fresh load of a name drops the KV sessions a PREFILL engine held with that name's earlier
 load (the core released them): Drain must not wait for them until their TTL; this follows the
 engine thread's answer, so a LoadLora whose client leaves as the load completes drops them too.
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from engine.core.engine_core import EngineLoop
+from engine.core.errors import InvalidLoraError
 from engine.core.lora import LoraAdapter, LoraLoad, LoraRegistry, LoraRunner
 from engine.server.kv_transfer import KvSessionStore
 
@@ -68,6 +70,8 @@ class LoraService:
             return outcome is LoraLoad.ALREADY_LOADED
 
     async def unload(self, name: str) -> LoraAdapter:
+        if not name:
+            raise InvalidLoraError("lora_name must be non-empty")
         async with self._lock:
             return await asyncio.wrap_future(self._loop.call(lambda core: core.unload_lora(name)))
 

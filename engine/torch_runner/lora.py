@@ -217,19 +217,20 @@ class LoraBatch:
         adapters: Mapping[str, LoraWeights],
         device: torch.device,
     ) -> LoraBatch | None:
-        """None when no sequence of the step names an adapter. Raises KeyError for an adapter
-        the runner does not hold (the core never schedules one)."""
+        """None when no sequence of the step names an adapter (`adapters`: by `lora_key`).
+        Raises KeyError for an adapter the runner does not hold (the core never schedules
+        one)."""
         rows: dict[str, list[int]] = {}
         offset = 0
         for seq in sequences:
             num_tokens = len(seq.token_ids)
-            if seq.lora_name is not None:
-                rows.setdefault(seq.lora_name, []).extend(range(offset, offset + num_tokens))
+            if seq.lora_key is not None:
+                rows.setdefault(seq.lora_key, []).extend(range(offset, offset + num_tokens))
             offset += num_tokens
         if not rows:
             return None
         groups: list[tuple[LoraWeights, Rows]] = []
-        for name, indices in rows.items():
+        for key, indices in rows.items():
             selection: Rows
             if len(indices) == offset:
                 selection = None
@@ -237,7 +238,7 @@ class LoraBatch:
                 selection = slice(indices[0], indices[-1] + 1)
             else:
                 selection = torch.tensor(indices, dtype=torch.int64, device=device)
-            groups.append((adapters[name], selection))
+            groups.append((adapters[key], selection))
         return cls(tuple(groups))
 
     def apply(self, layer: int, site: Site, x: torch.Tensor, y: torch.Tensor) -> None:

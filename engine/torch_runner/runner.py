@@ -10,8 +10,9 @@ memory behind them (`PagedKvCache`). It keeps no per-sequence state (seeded samp
 each step's generator from the seed and the output length), so `release` has nothing to free.
 
 LoRA (`engine.core.lora.LoraRunner`): adapters read by `read_lora` (any thread) are served
-under their names once `add_lora` runs (the engine thread, between steps); each step applies
-every sequence's adapter to its own rows (`engine.torch_runner.lora.LoraBatch`).
+under their slots' keys (one per load) once `add_lora` runs (the engine thread, between
+steps); each step applies every sequence's adapter to its own rows
+(`engine.torch_runner.lora.LoraBatch`).
 """
 
 from __future__ import annotations
@@ -191,13 +192,13 @@ class TorchModelRunner:
             path, self.model.config, self.model.dtype, self.model.device, max_rank=max_rank
         )
 
-    def add_lora(self, name: str, weights: object) -> None:
+    def add_lora(self, key: str, weights: object) -> None:
         if not isinstance(weights, LoraWeights):
             raise TypeError("add_lora takes what read_lora returned")
-        self._loras[name] = weights
+        self._loras[key] = weights
 
-    def remove_lora(self, name: str) -> None:
-        self._loras.pop(name, None)
+    def remove_lora(self, key: str) -> None:
+        self._loras.pop(key, None)
 
     @property
     def kv_layout(self) -> str:

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from engine.config import LoraConfig
+from engine.core.api import ErrorKind, FinishReason, RequestOutput, Usage
 from engine.core.engine_core import EngineCore
 from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
@@ -147,26 +148,35 @@ async def test_an_unload_behind_the_controllers_back_is_noticed_at_the_refusal(
 
 
 def unload_as_added(engine: EngineApp, lora_name: str, armed: list[bool]) -> None:
-    """Pin the engine's race of one call: a request naming `lora_name` that an engine sharing
-    `armed` accepts while `armed` is not empty (taking one from it) has the adapter unloaded
-    in the engine thread just before the add, after its check passed, behind the
-    controller's back. The engine ends it with one EngineError MODEL_NOT_FOUND after
-    acceptance, before any output."""
+    """Pin the race of an engine that checks a request's adapter only when it accepts it: a
+    request naming `lora_name` that an engine sharing `armed` accepts while `armed` is not
+    empty (taking one from it) has the adapter unloaded in the engine thread behind the
+    controller's back, and ends with one EngineError MODEL_NOT_FOUND after acceptance, before
+    any output. (kvplane's engine did so before an accepted request held its adapter; it now
+    serves it: another OpenEngine server may still answer so.)"""
     loop = engine.service.engine_loop
     submit = loop.submit
 
-    def racing(request: Any, sink: Any, *, before: Any = None, admit: Any = None) -> None:
+    def racing(request: Any, sink: Any, **options: Any) -> None:
         if request.lora_name != lora_name or not armed:
-            submit(request, sink, before=before, admit=admit)
+            submit(request, sink, **options)
             return
         armed.pop()
 
-        def unload_first(core: EngineCore) -> None:
+        def unload_and_fail(core: EngineCore) -> None:
             core.unload_lora(lora_name)
-            if before is not None:
-                before(core)
+            sink(
+                RequestOutput(
+                    request.request_id,
+                    0,
+                    finish_reason=FinishReason.ERROR,
+                    message=f"LoRA adapter {lora_name!r} is not loaded",
+                    error=ErrorKind.NOT_FOUND,
+                    usage=Usage(len(request.prompt_token_ids), 0, 0),
+                )
+            )
 
-        submit(request, sink, before=unload_first, admit=admit)
+        loop.call(unload_and_fail)
 
     loop.submit = racing  # type: ignore[method-assign]
 

@@ -80,6 +80,10 @@ async def test_load_list_unload_follow_the_seed(tmp_path: Path) -> None:
         assert await names(engine) == ["y"]
         unknown = await rpc_error(engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x")))
         assert unknown.code() == grpc.StatusCode.NOT_FOUND
+        # A malformed request, as LoadLora's empty name (and vLLM's 400), not an unknown one.
+        nameless = await rpc_error(engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="")))
+        assert nameless.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert nameless.details() == "lora_name must be non-empty"
         _, refused = await stream_error(
             engine.stub.Generate(generate_request(PROMPT, lora_name="x"))
         )
@@ -227,9 +231,9 @@ SLOW_SIM = sim_config(lora=lora_config(), sim=SimTimingConfig(time_scale=1.0, vo
 
 
 async def test_unloading_an_adapter_in_use_lets_its_requests_finish(tmp_path: Path) -> None:
-    """As vLLM: the name goes at once, the running request keeps its adapter to the end; no
-    other adapter can be loaded under the name until then, and a new load drops the old
-    adapter's blocks."""
+    """As vLLM: the name goes at once, the running request keeps its adapter to the end;
+    another adapter loaded under the name meanwhile serves the new requests, and nothing
+    cached under the old one is hit (the old request caches nothing more either)."""
     x = write_adapter_config(tmp_path / "x")
     other = write_adapter_config(tmp_path / "other")
     async with running_engine(SLOW_SIM) as engine:
@@ -241,15 +245,35 @@ async def test_unloading_an_adapter_in_use_lets_its_requests_finish(tmp_path: Pa
             engine.stub.Generate(generate_request(PROMPT, lora_name="x"))
         )
         assert refused.code() == grpc.StatusCode.NOT_FOUND
-        for lora_id, path in ((1, other), (2, x)):  # another path, another id
-            busy = await rpc_error(load(engine, "x", path, lora_id))
-            assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "still run" in (busy.details() or "")
-        await _finish_long_request(stream, responses)
-        await asyncio.wait_for(load(engine, "x", other, 1), 10)
-        # The reloaded adapter may hold other weights: nothing cached under the old one is hit.
+        assert not (await asyncio.wait_for(load(engine, "x", other, 1), 10)).already_loaded
         again = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
         assert usage(again).cached_prompt_tokens == 0
+        await _finish_long_request(stream, responses)
+        runner = engine.app.service.engine_loop.core.runner
+        assert isinstance(runner, SimRunner)
+        assert len(runner.loras) == 1  # the old request ended: its weights went with it
+        after = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
+        assert usage(after).cached_prompt_tokens == 8  # the new adapter's own blocks
+
+
+async def test_an_adapter_unloaded_in_use_keeps_its_place_until_its_requests_end(
+    tmp_path: Path,
+) -> None:
+    """Its requests still hold its weights: it counts against max_loras until they end."""
+    x = write_adapter_config(tmp_path / "x")
+    y = write_adapter_config(tmp_path / "y")
+    config = sim_config(
+        lora=lora_config(max_loras=1), sim=SimTimingConfig(time_scale=1.0, vocab_size=1000)
+    )
+    async with running_engine(config) as engine:
+        await load(engine, "x", x, 1)
+        stream, responses = await _start_long_request(engine)
+        await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        full = await rpc_error(load(engine, "y", y, 2))
+        assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 unloaded ones still serve requests" in (full.details() or "")
+        await _finish_long_request(stream, responses)
+        assert not (await asyncio.wait_for(load(engine, "y", y, 2), 10)).already_loaded
 
 
 async def test_the_same_adapter_loaded_back_while_its_requests_run_is_served_again(
@@ -271,20 +295,19 @@ async def test_the_same_adapter_loaded_back_while_its_requests_run_is_served_aga
         await _finish_long_request(stream, responses)
         runner = engine.app.service.engine_loop.core.runner
         assert isinstance(runner, SimRunner)
-        assert "x" in runner.loras  # the last old request took no weights away
+        assert len(runner.loras) == 1  # the last old request took no weights away
         after = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
         assert usage(after).cached_prompt_tokens == 8
         assert (await load(engine, "x", x, 1)).already_loaded
 
 
-async def test_a_request_whose_adapter_is_unloaded_as_it_is_added_fails_for_itself(
+async def test_a_request_whose_adapter_is_unloaded_as_it_is_added_is_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The race of one call: the request passed its check, then its adapter was unloaded
-    before the engine thread added it (pinned here by unloading in the engine thread just
-    before the add). It ends with one EngineError MODEL_NOT_FOUND, as the refusal a moment
-    later would say, not INTERNAL: a router counts the engine's own failures toward ejecting
-    it, and this one is the request's."""
+    """The race of one call: the request was accepted, then its adapter was unloaded before
+    the engine thread added it (pinned here by unloading in the engine thread just before the
+    add). As vLLM, whose request carries its adapter, it is served to its end with the adapter
+    it was accepted with, whose weights go once it ends."""
     x = write_adapter_config(tmp_path / "x")
     async with running_engine(sim_config(lora=lora_config())) as engine:
         await load(engine, "x", x, 1)
@@ -292,19 +315,21 @@ async def test_a_request_whose_adapter_is_unloaded_as_it_is_added_fails_for_itse
         submit = loop.submit
 
         def unloaded_as_added(
-            request: Any, sink: Any, *, before: Any = None, admit: Any = None
+            request: Any, sink: Any, *, before: Any = None, **options: Any
         ) -> None:
             def unload_first(core: EngineCore) -> None:
                 core.unload_lora("x")
                 if before is not None:
                     before(core)
 
-            submit(request, sink, before=unload_first, admit=admit)
+            submit(request, sink, before=unload_first, **options)
 
         monkeypatch.setattr(loop, "submit", unloaded_as_added)
         responses = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
-        errors = [r.error for r in responses if r.HasField("error")]
-        assert [(e.code, e.message) for e in errors] == [
-            (pb.ERROR_CODE_MODEL_NOT_FOUND, "LoRA adapter 'x' is not loaded")
-        ]
+        assert [r for r in responses if r.HasField("error")] == []
+        finished = [r.finished for r in responses if r.HasField("finished")]
+        assert [f.reason for f in finished] == [pb.FINISH_REASON_LENGTH]
         assert await names(engine) == []
+        runner = loop.core.runner
+        assert isinstance(runner, SimRunner)
+        assert runner.loras == {}

@@ -255,20 +255,83 @@ async def test_target_modules_are_read_as_peft_reads_them(base_model: Path, tmp_
 async def test_an_adapter_unloaded_in_use_serves_its_request_to_the_end(
     base_model: Path, tmp_path: Path
 ) -> None:
-    """Another adapter under the name is refused until the request ends; the same one loaded
-    back meanwhile is served again, the request running on with the same weights."""
+    """The same adapter loaded back meanwhile is served again, the request running on with
+    the same weights."""
     x = write_adapter(tmp_path / "x", base_model, b_scale=0.2, seed=3)
-    other = write_adapter(tmp_path / "other", base_model, b_scale=0.2, seed=4)
     request = greedy(PROMPT, lora="x", max_tokens=400)
     async with running_engine(torch_config(base_model, max_model_len=1024)) as engine:
         await load(engine, "x", x, 1)
         stream = engine.stub.Generate(request)
         responses = [await anext(aiter(stream))]
         await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
-        busy = await rpc_error(load(engine, "x", other, 1))
-        assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert not (await asyncio.wait_for(load(engine, "x", x, 1), 10)).already_loaded
         responses += [r async for r in stream]
         fresh = await collect(engine.stub, request)
     assert tokens_and_logprobs(responses)[0] == tokens_and_logprobs(fresh)[0]
     assert len(tokens_and_logprobs(fresh)[0]) == 400
+
+
+async def test_a_name_loaded_with_other_weights_serves_new_requests_with_them_alone(
+    base_model: Path, tmp_path: Path
+) -> None:
+    """Unloaded while a request uses it, then loaded from another path: new requests get the
+    new weights, the running request keeps the old ones to its end (and no prefix hit mixes
+    the two)."""
+    x = write_adapter(tmp_path / "x", base_model, b_scale=0.2, seed=3)
+    other = write_adapter(tmp_path / "other", base_model, b_scale=0.2, seed=4)
+    request = greedy(PROMPT, lora="x", max_tokens=400)
+    short = greedy(PROMPT, lora="x")
+    async with running_engine(torch_config(base_model, max_model_len=1024)) as engine:
+        await load(engine, "other", other, 2)
+        with_other = tokens_and_logprobs(await collect(engine.stub, greedy(PROMPT, lora="other")))
+        await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="other"))
+        await load(engine, "x", x, 1)
+        alone = await collect(engine.stub, request)
+        stream = engine.stub.Generate(request)
+        responses = [await anext(aiter(stream))]
+        await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        assert not (await asyncio.wait_for(load(engine, "x", other, 1), 10)).already_loaded
+        renamed = await collect(engine.stub, short)
+        responses += [r async for r in stream]
+        again = await collect(engine.stub, short)
+    assert tokens_and_logprobs(responses)[0] == tokens_and_logprobs(alone)[0]
+    assert tokens_and_logprobs(renamed)[0] == with_other[0] == tokens_and_logprobs(again)[0]
+    assert with_other[0] != tokens_and_logprobs(alone)[0][:24]
+    assert cached(renamed) == 0  # the old adapter's blocks are never hit under the new one
+
+
+async def test_a_request_accepted_before_its_adapter_is_unloaded_is_served_with_it(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accepted, then its adapter unloaded (and another loaded under its name) before the
+    engine thread adds it (pinned by doing so on the engine thread just before the add): it
+    is served with the adapter it was accepted with, to its end."""
+    x = write_adapter(tmp_path / "x", base_model, b_scale=0.2, seed=3)
+    other = write_adapter(tmp_path / "other", base_model, b_scale=0.2, seed=4)
+    other_weights = TorchModelRunner.read_lora  # read on the engine thread below
+    request = greedy(PROMPT, lora="x")
+    async with running_engine(torch_config(base_model)) as engine:
+        await load(engine, "x", x, 1)
+        alone = tokens_and_logprobs(await collect(engine.stub, request))
+        base = tokens_and_logprobs(await collect(engine.stub, greedy(PROMPT)))
+        loop = engine.app.service.engine_loop
+        submit = loop.submit
+
+        def replaced_as_added(
+            request: Any, sink: Any, *, before: Any = None, **options: Any
+        ) -> None:
+            def replace_first(core: EngineCore) -> None:
+                core.unload_lora("x")
+                runner = core.runner
+                assert isinstance(runner, TorchModelRunner)
+                weights = other_weights(runner, other, max_rank=16)
+                core.load_lora(LoraAdapter(1, "x", str(other)), weights)
+                if before is not None:
+                    before(core)
+
+            submit(request, sink, before=replace_first, **options)
+
+        monkeypatch.setattr(loop, "submit", replaced_as_added)
+        responses = await collect(engine.stub, request)
+    assert [r for r in responses if r.HasField("error")] == []
+    assert tokens_and_logprobs(responses)[0] == alone[0] != base[0]

@@ -17,6 +17,7 @@ import pytest
 
 from engine.config import KvTransferConfig, LoraConfig
 from engine.core.lora import LoraAdapter
+from engine.core.sim_runner import SimRunner
 from engine.server.kv_pull import MAX_IDLE_PEERS
 from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, TlsConfig
@@ -613,6 +614,35 @@ async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> 
         while last.state != pb.DRAIN_STATE_COMPLETE:
             last = await _drain_reply(drain)
         assert last.in_flight_requests == 0
+
+
+async def test_a_request_whose_adapter_is_unloaded_during_its_pull_is_served_with_it(
+    tmp_path: Path,
+) -> None:
+    """Admitted, the request holds its adapter: an unload while its KV session is pulled
+    does not take it away (it used to be refused NOT_FOUND after the pull, the session
+    consumed); the adapter's weights go once it ends."""
+    async with (
+        held_prefill_engine() as (held, session),
+        engines(sim_config(role="decode", lora=LoraConfig(enabled=True))) as (decoder,),
+    ):
+        adapter = pb.LoraAdapter(
+            lora_id=1, lora_name="a", source_path=str(write_adapter_config(tmp_path / "a"))
+        )
+        await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        request = with_session(session)
+        request.lora_name = "a"
+        generation = asyncio.create_task(collect(decoder.stub, request))
+        await asyncio.wait_for(held.pulling.wait(), 10)
+        await decoder.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a"))
+        held.release.set()
+        decoded = await generation
+        assert decoded[-1].WhichOneof("event") == "finished", decoded[-1]
+        assert decoded[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+        runner = decoder.app.service.engine_loop.core.runner
+        assert isinstance(runner, SimRunner)
+        assert runner.loras == {}
 
 
 async def test_an_abort_during_the_pull_ends_the_request_as_one_aborted_before_its_prefill() -> (
