@@ -84,11 +84,10 @@ def _keyed_otherwise(
     keying: ipb.WorkerKeying, key_space: ipb.KeySpace.ValueType, hash_seed: str | None
 ) -> str | None:
     """How the indexer keys `keying`'s worker when no prompt hashed in `key_space` with
-    `hash_seed` can match it there; None when one may (an engine's own hashes whose vLLM
-    algorithm its source does not declare may be any vLLM key space, never canonical)."""
+    `hash_seed` can match it there; None when one may: an engine's own hashes whose vLLM
+    algorithm its source does not declare may be in any key space (a kvplane engine's own
+    hashes are canonical keys, a vLLM engine's its algorithm's)."""
     if not keying.HasField("key_space"):
-        if key_space == ipb.KEY_SPACE_CANONICAL:
-            return "by the engine's own hashes (hash: engine)"
         return None
     seed = keying.hash_seed if keying.HasField("hash_seed") else None
     theirs = _keyed(keying.key_space, seed)
