@@ -96,7 +96,9 @@ TOMBSTONE_READS = 10
 # lifetime in ms, "1" for a merge, then per field its name, "s" (set to the value) or "d"
 # (delete), the value, and (a merge's) the stamp the writer knows the field by. Every field
 # set or deleted has its stamp, `#<field>`: Redis's clock in ms when it changed (above the
-# field's last stamp: increasing whatever the clock). A merge takes a field only when its
+# field's last stamp: increasing whatever the clock), a field deleted that the hash did not
+# hold included (a replica that knew it set, and had not read the hash since Redis lost it,
+# may write it back). A merge takes a field only when its
 # stamp is newer than the hash's: a view written back resurrects no field deleted since
 # (its stamp, the tombstone, is newer). Tombstones (a stamp without its field) and unload
 # markers older than the lifetime, in a generation as old, go. Returns the change's stamp.
@@ -116,10 +118,9 @@ for i = 4, #ARGV, 4 do
   local last = tonumber(redis.call('HGET', key, '#' .. field))
   if merge then at = tonumber(ARGV[i + 3]) end
   if not merge or last == nil or at > last then
-    local existed = 1
     if set then redis.call('HSET', key, field, ARGV[i + 2])
-    else existed = redis.call('HDEL', key, field) end
-    if existed == 1 or last ~= nil or merge then redis.call('HSET', key, '#' .. field, at) end
+    else redis.call('HDEL', key, field) end
+    redis.call('HSET', key, '#' .. field, at)
   end
 end
 local old = now - ttl

@@ -336,6 +336,24 @@ async def test_an_uncordon_through_one_replica_survives_redis_restarted_empty_be
         assert not (await workers(b))[address].cordoned
 
 
+async def test_an_uncordon_through_a_replica_that_had_not_read_the_cordon_survives_redis_restarted(
+    redis: RedisServer,
+) -> None:
+    """X cordoned through b; redis-server restarts empty before a read the cordon, and X is
+    uncordoned through a (a no-op in a's view, which Redis had lost the cordon from): b then
+    writes back its membership, X cordoned in it, but the uncordon is newer, and X stays
+    uncordoned on both. Before, a deletion of a field the hash did not hold left no
+    tombstone, and b's write-back cordoned X again on both after the uncordon succeeded."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await b.admin.Cordon(apb.EngineRef(engine=address))
+        await restart_empty(redis)
+        await a.admin.Uncordon(apb.EngineRef(engine=address))  # writes a's view back first
+        await write_back_in_turn(b, a)
+        assert not (await workers(a))[address].cordoned
+        assert not (await workers(b))[address].cordoned
+
+
 async def test_an_engine_registered_again_after_a_removal_survives_redis_restarted_empty(
     redis: RedisServer,
 ) -> None:
