@@ -749,7 +749,7 @@ async def test_an_adapter_found_on_the_engines_and_unloaded_through_one_replica_
         async def unload_gone() -> bool:
             await a.admin.Uncordon(apb.EngineRef(engine=e0))  # a change: expired ones go
             # (The uncordon's own tombstone, fresh, stays.)
-            kept = {b"v", b"#v", b"l:y", b"#l:y", f"#c:{e0}".encode()}
+            kept = {b"v", b"#v", b"#", b"l:y", b"#l:y", f"#c:{e0}".encode()}
             return set(client.hkeys(membership)) == kept
 
         await eventually(unload_gone, 15, "the unload of x out of the membership hash")

@@ -206,6 +206,18 @@ async def restart_empty(redis: RedisServer) -> None:
     await asyncio.to_thread(redis.start)
 
 
+async def restart_from_snapshot(redis: RedisServer) -> None:
+    """redis-server restarted with the data of its last snapshot (`snapshot`): the changes
+    made since are lost, the hash's generation (`v`) is the snapshot's."""
+    await asyncio.to_thread(redis.kill)
+    await asyncio.to_thread(redis.start)
+
+
+async def snapshot(redis: RedisServer) -> None:
+    """An RDB snapshot of redis-server's data, loaded when it starts again."""
+    await asyncio.to_thread(redis.command, "SAVE")
+
+
 @contextlib.asynccontextmanager
 async def replicas_reading_when_told(redis: RedisServer) -> AsyncIterator[tuple[Fleet, Fleet, str]]:
     """Two replicas that read the shared membership only when told (`READ_WHEN_TOLD`), and
@@ -352,6 +364,28 @@ async def test_an_uncordon_through_a_replica_that_had_not_read_the_cordon_surviv
         await write_back_in_turn(b, a)
         assert not (await workers(a))[address].cordoned
         assert not (await workers(b))[address].cordoned
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+async def test_a_removal_after_redis_last_saved_survives_redis_restarted_from_the_snapshot(
+    redis: RedisServer, first: str
+) -> None:
+    """X registered through a, read by b, and Redis saves its data; X removed through a, and
+    redis-server restarts from the snapshot, X registered in it, with the generation both
+    replicas know: the replica that knew of a later change than the hash holds (a, the
+    removal) writes its membership back, into a new generation, and X stays removed on both,
+    whichever replica reads the hash first. Before, the replicas took the snapshot for the
+    membership, and both routed to X again."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await b.app.controller.membership.refresh()
+        await snapshot(redis)
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await restart_from_snapshot(redis)
+        for replica in (a, b, a) if first == "a" else (b, a, b, a):
+            await replica.app.controller.membership.refresh()
+        assert address not in await workers(a)
+        assert address not in await workers(b)
 
 
 async def test_an_engine_registered_again_after_a_removal_survives_redis_restarted_empty(
