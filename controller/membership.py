@@ -15,7 +15,8 @@ The hash's fields: `a:<address>` an engine registered through the admin API (its
 mode; RegisterEngine takes no `array_tail`: every replica chooses the engine's from its
 GetEngineInfo name, alike), `o:<address>` who registered it (its RegisterEngine's `owner`, when
 it said; a replica applies it to an engine it already has too, one removed and registered again
-between two reads; a replica older than the field ignores it), `c:<address>` a cordoned engine,
+between two reads; a replica older than the field ignores it), `c:<address>` a cordoned engine
+(cleared when it is removed or registered),
 `x:<address>` an engine of the replicas' config removed (config engines are in every replica's
 config; removing one through any replica removes it from all, a replica started later included,
 until it is registered again), `d:<address>` the engine process last drained through a
@@ -244,7 +245,9 @@ class Membership:
         """`register` under the lock, the address removed nowhere now."""
         record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
         fields = {_REGISTERED + address: kv_events}
-        deleted = [_REMOVED + address, _DRAINED + address]
+        # A fresh engine, not cordoned: a cordon left by a replica that had not read its
+        # removal (Redis lost it meanwhile) is not this one's.
+        deleted = [_REMOVED + address, _DRAINED + address, _CORDONED + address]
         if owner:
             fields[_OWNER + address] = owner
         else:

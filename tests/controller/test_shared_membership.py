@@ -201,8 +201,10 @@ READ_WHEN_TOLD = {"poll_interval_s": 3600}
 
 
 async def restart_empty(redis: RedisServer) -> None:
-    """redis-server restarted without its data (no persistence)."""
+    """redis-server restarted without its data (no persistence; no snapshot: `snapshot`'s
+    gone)."""
     await asyncio.to_thread(redis.kill)
+    (redis.workdir / "dump.rdb").unlink(missing_ok=True)
     await asyncio.to_thread(redis.start)
 
 
@@ -364,6 +366,28 @@ async def test_an_uncordon_through_a_replica_that_had_not_read_the_cordon_surviv
         await write_back_in_turn(b, a)
         assert not (await workers(a))[address].cordoned
         assert not (await workers(b))[address].cordoned
+
+
+async def test_an_engine_registered_afresh_is_not_cordoned_by_a_cordon_made_after_its_removal(
+    redis: RedisServer,
+) -> None:
+    """X removed through b; redis-server restarts empty before a read the removal, and X is
+    cordoned through a (its view, written back, still has X); b writes its view back, the
+    removal newer than a's: X is removed on both, its cordon left in the hash. X registered
+    again through b is a fresh engine, not cordoned, on both, as b answers it. Before, the
+    registration left the cordon in the hash, and both replicas cordoned X at their next
+    read."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await b.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await restart_empty(redis)
+        await a.admin.Cordon(apb.EngineRef(engine=address))
+        await write_back_in_turn(b, a)
+        assert address not in await workers(a)
+        await b.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        for replica in (a, b):
+            await replica.app.controller.membership.refresh()
+            assert not (await workers(replica))[address].cordoned
 
 
 @pytest.mark.parametrize("first", ["a", "b"])
