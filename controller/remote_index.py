@@ -46,7 +46,8 @@ _KEY_SPACE_NAMES = {space: name for name, space in _KEY_SPACES.items()}
 
 # An indexer that sheds queries (RESOURCE_EXHAUSTED: more in flight than it takes) protects
 # itself, and the next query may well be answered: the index counts as not answering once
-# every query asked has been shed for this long (none answered since the first shed).
+# every query asked has been shed for this long (none answered since the first shed, and no
+# two sheds this far apart: a lone shed after a quiet time begins the shedding again).
 SHEDDING_DEGRADES_AFTER_S = 10.0
 
 
@@ -163,8 +164,10 @@ class RemoteIndex:
         self._pauses_ended = 0
         # Why the last call asked failed (None: it was answered, or none was asked yet).
         self._failure: str | None = None
-        # When the queries asked began to be shed, none answered since (None: not shed).
+        # When the queries asked began to be shed, none answered since (None: not shed),
+        # and when the last was.
         self._shedding_since: float | None = None
+        self._last_shed = 0.0
         # Why no prompt can match some worker the indexer keys otherwise (None: none known).
         self._keying_mismatch: str | None = None
         # Engines restarted since the indexer last confirmed dropping their entries.
@@ -219,8 +222,9 @@ class RemoteIndex:
             self._shedding_since = None
             return None if code in _ANSWERS else failure
         now = self._clock()
-        if self._shedding_since is None:
+        if self._shedding_since is None or now - self._last_shed >= SHEDDING_DEGRADES_AFTER_S:
             self._shedding_since = now
+        self._last_shed = now
         shed_s = now - self._shedding_since
         if shed_s < SHEDDING_DEGRADES_AFTER_S:
             return None
