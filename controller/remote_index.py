@@ -144,6 +144,7 @@ class RemoteIndex:
         *,
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
+        routes: Callable[[str], bool] = lambda engine: True,
     ) -> None:
         initial_s, _ = backoff_s
         self.channels = channels.reconnecting(min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S)
@@ -156,6 +157,9 @@ class RemoteIndex:
         self._hash_seed = hash_seed
         self._backoff_s = backoff_s
         self._clock = clock
+        # Whether the fleet routes to an engine (a worker named as `match` names it): only
+        # its workers' keyings are checked (the indexer may follow other fleets' engines).
+        self._routes = routes
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
@@ -259,12 +263,14 @@ class RemoteIndex:
         return self._keying_mismatch
 
     def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
-        """Keep `keying_mismatch` to what the indexer last reported: an ERROR when a mismatch
-        is found (or changes), a line when it is gone."""
+        """Keep `keying_mismatch` to what the indexer last reported of the workers of engines
+        the fleet routes to: an ERROR when a mismatch is found (or changes), a line when it
+        is gone."""
         wrong = [
             (k.worker_id, theirs)
             for k in keyings
-            if (theirs := _keyed_otherwise(k, self._key_space, self._hash_seed)) is not None
+            if self._routes(k.worker_address or k.worker_id)
+            and (theirs := _keyed_otherwise(k, self._key_space, self._hash_seed)) is not None
         ]
         mismatch = None
         if wrong:

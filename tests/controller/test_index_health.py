@@ -278,6 +278,35 @@ async def test_kvplane_engines_followed_by_their_own_hashes_are_no_key_space_mis
         await close_fleet(fleet)
 
 
+async def test_an_indexer_following_engines_the_controller_does_not_route_is_no_mismatch(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One indexer follows this controller's engines (canonical keys, as it asks) and another
+    fleet's engine (vLLM's sha256, as that fleet's controller asks): the controller checks
+    the keyings of the workers of its own engines only, and Health stays READY. Before, the
+    other fleet's worker was flagged (an ERROR, Health DEGRADED: "no prompt can match it")
+    although this controller never routes to it."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    other = await start_sim_engine("other")
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    sources = (
+        f"  - {{kind: openengine, target: '127.0.0.1:{other.port}', hash: engine, "
+        "vllm_hash: sha256}\n"
+    )
+    remote = await indexer_process(tmp_path, addresses, processes, sources=sources)
+    fleet = await make_fleet(engines=engines, index={"remote": remote})
+    try:
+        stats = await fleet.app.controller.index_stats()  # the indexer's keyings read
+        assert stats is not None
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, f"remote index at {remote}")
+        gauge = "kvplane_controller_index_key_space_mismatch"
+        assert fleet.app.controller.metrics.registry.get_sample_value(gauge) == 0
+    finally:
+        await close_fleet(fleet)
+        await other.close()
+
+
 async def test_the_embedded_index_has_no_check() -> None:
     """`index: {backend: memory}` lives in the controller's process: it cannot be unreachable,
     and the reachability gauge is always 1."""
