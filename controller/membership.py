@@ -105,10 +105,10 @@ TOMBSTONE_READS = 10
 # merge's) the stamp the writer knows the field by. Every field set or deleted has its
 # stamp, `#<field>`: Redis's clock in ms when it changed, above the field's last stamp and
 # the hash's highest (`#`, raised by every change and merge, and to what the writer knows:
-# stamps order whatever the clock, one of another host after a restart included), a field
-# deleted that the hash did not hold included (a replica that knew it set, and had not read
-# the hash since Redis lost it, may write it back). A merge takes a field only when its
-# stamp is newer than the hash's: a view written back resurrects no field deleted since
+# above every stamp written back, whatever the clock of a Redis restarted on another host),
+# a field deleted that the hash did not hold included (a replica that knew it set, and had
+# not read the hash since Redis lost it, may write it back). A merge takes a field only when
+# its stamp is newer than the hash's: a view written back resurrects no field deleted since
 # (its stamp, the tombstone, is newer). Tombstones (a stamp without its field) and unload
 # markers older than the lifetime, in a generation as old, go. Returns the hash's highest
 # stamp afterwards (a change's: its stamp).
