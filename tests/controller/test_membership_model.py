@@ -30,7 +30,7 @@ from tests.redis_servers import RedisServer, free_port
 pytestmark = pytest.mark.timeout(300)
 
 SEQUENCES, OPERATIONS = 30, 12
-CHANGES = ("register", "remove", "cordon", "uncordon")
+CHANGES = ("register", "register as p", "remove", "cordon", "uncordon")
 # Each also drawn: a replica's read, and Redis restarted empty, saved, or restarted from its
 # last save.
 EVENTS = (*CHANGES, *CHANGES, "read", "read", "wipe", "save", "restore")
@@ -43,9 +43,12 @@ class Engine:
 
     registered: bool = False
     cordoned: bool = False
+    owner: str = ""
 
     def shown(self) -> Engine:
-        return Engine(self.registered, self.registered and self.cordoned)
+        if not self.registered:
+            return Engine()
+        return Engine(True, self.cordoned, self.owner)
 
 
 async def change(replica: Fleet, operation: str, address: str) -> bool:
@@ -53,8 +56,9 @@ async def change(replica: Fleet, operation: str, address: str) -> bool:
     replica that cannot know the engine refuses it: NOT_FOUND, ALREADY_EXISTS)."""
     admin, ref = replica.admin, apb.EngineRef(engine=address)
     try:
-        if operation == "register":
-            await admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        if operation.startswith("register"):
+            owner = operation.removeprefix("register as ").removeprefix("register")
+            await admin.RegisterEngine(apb.RegisterEngineRequest(address=address, owner=owner))
         elif operation == "remove":
             await admin.RemoveEngine(ref)
         elif operation == "cordon":
@@ -68,9 +72,11 @@ async def change(replica: Fleet, operation: str, address: str) -> bool:
 
 
 def applied(engine: Engine, operation: str) -> Engine:
-    if operation in ("register", "remove"):  # an engine registered afresh is not cordoned
-        return Engine(operation == "register", False)
-    return Engine(engine.registered, operation == "cordon")
+    if operation.startswith("register"):  # an engine registered afresh is not cordoned
+        return Engine(True, False, operation.removeprefix("register as ").removeprefix("register"))
+    if operation == "remove":
+        return Engine()
+    return Engine(engine.registered, operation == "cordon", engine.owner)
 
 
 async def test_both_replicas_end_with_the_last_change_whatever_redis_did(
@@ -109,5 +115,5 @@ async def test_both_replicas_end_with_the_last_change_whatever_redis_did(
                 await replica.app.controller.membership.refresh()
             for name, replica in (("a", a), ("b", b)):
                 held = (await workers(replica)).get(address)
-                got = Engine(held is not None, held is not None and held.cordoned)
+                got = Engine() if held is None else Engine(True, held.cordoned, held.owner)
                 assert got == model.shown(), f"seed {seed}, replica {name}: {history}"
