@@ -611,6 +611,7 @@ class Fleet:
                     config.index.remote_token_file, "index.remote_token_file"
                 ),
                 backoff_s=(health.backoff_initial_s, health.backoff_max_s),
+                routes=lambda engine: self.registry.by_engine_id(engine) is not None,
             )
             if config.index.remote is not None
             else None

@@ -15,7 +15,8 @@ The hash's fields: `a:<address>` an engine registered through the admin API (its
 mode; RegisterEngine takes no `array_tail`: every replica chooses the engine's from its
 GetEngineInfo name, alike), `o:<address>` who registered it (its RegisterEngine's `owner`, when
 it said; a replica applies it to an engine it already has too, one removed and registered again
-between two reads; a replica older than the field ignores it), `c:<address>` a cordoned engine,
+between two reads; a replica older than the field ignores it), `c:<address>` a cordoned engine
+(cleared when it is removed or registered),
 `x:<address>` an engine of the replicas' config removed (config engines are in every replica's
 config; removing one through any replica removes it from all, a replica started later included,
 until it is registered again), `d:<address>` the engine process last drained through a
@@ -31,8 +32,9 @@ engines, `{"unloaded": <token>}`, so that the replicas that found it drop it too
 lifetime is over, below, or it is loaded again); each replica reads the hash before a LoRA
 call, writes the field after it, and takes a field that changed since its last read into its
 own intent (one gone: unloaded; an unload marker gone: nothing), `#<field>` the stamp of
-each field set or deleted (`_CHANGE`: Redis's clock in ms, above the field's last stamp), the
-stamp of a field deleted its tombstone, and `v`, the hash's generation:
+each field set or deleted (`_CHANGE`: Redis's clock in ms, above the field's last stamp and
+the hash's highest), the stamp of a field deleted its tombstone, `#` the hash's highest
+stamp, and `v`, the hash's generation:
 set (to a fresh token) by whoever writes a hash Redis does not hold, kept by every change
 after. A hash without it was
 lost by Redis (or never written): the replica writes its own membership back instead of
@@ -45,6 +47,10 @@ every field back with the stamp it last read or wrote it with, its tombstones in
 Redis takes a field only when its stamp is newer than the one the hash holds. So a removal or
 an uncordon made through one replica that Redis lost before another replica read it stays
 made: the other's write-back (the engine registered, cordoned) is older than its tombstone.
+Redis restarted from a snapshot older than a change keeps the generation but goes back in
+time: a replica that read or made a later change (its highest stamp above the hash's `#`)
+writes its membership back into a new generation, which the others then find, adding theirs
+(else they would apply the snapshot: a removal undone).
 A tombstone, and an unload marker, lives `TOMBSTONE_READS` read intervals (the
 `health.poll_interval_s` of the replica whose change drops it: the replicas share a config)
 past its change, and as long past the generation's start (`#v`: after a loss, the write-backs
@@ -91,44 +97,58 @@ _UNLOADED = "unloaded"
 # (`health.poll_interval_s`) past its change, and past the hash's generation: every running
 # replica reads the hash meanwhile.
 TOMBSTONE_READS = 10
-# One change (or a write-back, `merge`) of the membership hash KEYS[1], atomically. ARGV: a
+# One change (or a write-back, a merge) of the membership hash KEYS[1], atomically. ARGV: a
 # fresh generation (set if the hash has none: lost, or never written), the tombstones'
-# lifetime in ms, "1" for a merge, then per field its name, "s" (set to the value) or "d"
-# (delete), the value, and (a merge's) the stamp the writer knows the field by. Every field
-# set or deleted has its stamp, `#<field>`: Redis's clock in ms when it changed (above the
-# field's last stamp: increasing whatever the clock). A merge takes a field only when its
-# stamp is newer than the hash's: a view written back resurrects no field deleted since
+# lifetime in ms, the mode ("c" a change, "m" a merge, "g" a merge into the fresh
+# generation: the hash went back in time), the highest stamp the writer knows (`#`, below),
+# then per field its name, "s" (set to the value) or "d" (delete), the value, and (a
+# merge's) the stamp the writer knows the field by. Every field set or deleted has its
+# stamp, `#<field>`: Redis's clock in ms when it changed, above the field's last stamp and
+# the hash's highest (`#`, raised by every change and merge, and to what the writer knows:
+# above every stamp written back, whatever the clock of a Redis restarted on another host),
+# a field deleted that the hash did not hold included (a replica that knew it set, and had
+# not read the hash since Redis lost it, may write it back). A merge takes a field only when
+# its stamp is newer than the hash's: a view written back resurrects no field deleted since
 # (its stamp, the tombstone, is newer). Tombstones (a stamp without its field) and unload
-# markers older than the lifetime, in a generation as old, go. Returns the change's stamp.
+# markers older than the lifetime, in a generation as old, go. Returns the hash's highest
+# stamp afterwards (a change's: its stamp).
 _CHANGE = """
 redis.replicate_commands()
-local key, ttl, merge = KEYS[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local key, ttl, mode, known = KEYS[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local merge = mode ~= 'c'
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-if redis.call('HSETNX', key, 'v', ARGV[1]) == 1 then redis.call('HSET', key, '#v', now) end
-local stamp = now
-for i = 4, #ARGV, 4 do
+if mode == 'g' then
+  redis.call('HSET', key, 'v', ARGV[1], '#v', now)
+elseif redis.call('HSETNX', key, 'v', ARGV[1]) == 1 then
+  redis.call('HSET', key, '#v', now)
+end
+local high = math.max(tonumber(redis.call('HGET', key, '#')) or 0, known)
+local stamp = math.max(now, high + 1)
+for i = 5, #ARGV, 4 do
   local last = tonumber(redis.call('HGET', key, '#' .. ARGV[i]))
   if not merge and last and last >= stamp then stamp = last + 1 end
 end
-for i = 4, #ARGV, 4 do
+if not merge then high = stamp end
+for i = 5, #ARGV, 4 do
   local field, set, at = ARGV[i], ARGV[i + 1] == 's', stamp
   local last = tonumber(redis.call('HGET', key, '#' .. field))
   if merge then at = tonumber(ARGV[i + 3]) end
   if not merge or last == nil or at > last then
-    local existed = 1
     if set then redis.call('HSET', key, field, ARGV[i + 2])
-    else existed = redis.call('HDEL', key, field) end
-    if existed == 1 or last ~= nil or merge then redis.call('HSET', key, '#' .. field, at) end
+    else redis.call('HDEL', key, field) end
+    redis.call('HSET', key, '#' .. field, at)
+    high = math.max(high, at)
   end
 end
+redis.call('HSET', key, '#', high)
 local old = now - ttl
 if (tonumber(redis.call('HGET', key, '#v')) or 0) < old then
   local all, values = redis.call('HGETALL', key), {}
   for i = 1, #all, 2 do values[all[i]] = all[i + 1] end
   for name, value in pairs(values) do
     local field = string.sub(name, 2)
-    if string.sub(name, 1, 1) == '#' and field ~= 'v' and tonumber(value) < old then
+    if string.sub(name, 1, 1) == '#' and field ~= 'v' and field ~= '' and tonumber(value) < old then
       local held = values[field]
       if held == nil then redis.call('HDEL', key, name)
       elseif string.sub(field, 1, 2) == 'l:' and string.sub(held, 1, 11) == '{"unloaded"' then
@@ -137,7 +157,7 @@ if (tonumber(redis.call('HGET', key, '#v')) or 0) < old then
     end
   end
 end
-return stamp
+return high
 """
 
 
@@ -166,6 +186,9 @@ class Membership:
         # field -> its stamp and whether it is set (False: a tombstone), as this replica last
         # read or wrote it: what its write-back writes them with (`_write_back`).
         self._stamps: dict[str, tuple[int, bool]] = {}
+        # The hash's highest stamp (`#`) as this replica last read or wrote it: a hash read
+        # with a lower one went back in time (Redis restarted from an older snapshot).
+        self._high = 0
         self._task: asyncio.Task[None] | None = None
         self._read_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, time.monotonic, log)
         # The engines' adapters are listed after the first read (`start`): an unload the hash
@@ -222,7 +245,9 @@ class Membership:
         """`register` under the lock, the address removed nowhere now."""
         record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
         fields = {_REGISTERED + address: kv_events}
-        deleted = [_REMOVED + address, _DRAINED + address]
+        # A fresh engine, not cordoned: a cordon left by a replica that had not read its
+        # removal (Redis lost it meanwhile) is not this one's.
+        deleted = [_REMOVED + address, _DRAINED + address, _CORDONED + address]
         if owner:
             fields[_OWNER + address] = owner
         else:
@@ -416,22 +441,26 @@ class Membership:
         if self._client is None:
             return
         changes = [(f, "s", v, 0) for f, v in fields.items()] + [(f, "d", "", 0) for f in deleted]
-        stamp = await self._change(changes, merge=False)
+        stamp = await self._change(changes, "c")
         self._stamps.update({f: (stamp, True) for f in fields})
         self._stamps.update({f: (stamp, False) for f in deleted})
 
-    async def _change(self, changes: list[tuple[str, str, str, int]], *, merge: bool) -> int:
-        """`_CHANGE` of `changes` (field, "s" or "d", value, stamp); returns its stamp."""
+    async def _change(self, changes: list[tuple[str, str, str, int]], mode: str) -> int:
+        """`_CHANGE` of `changes` (field, "s" or "d", value, stamp) in `mode` ("c", "m" or
+        "g"); returns its stamp (a merge's: the hash's highest)."""
         assert self._client is not None
-        # A new generation only for a hash Redis does not hold (lost, or never written).
+        # A new generation only for a hash Redis does not hold (lost, or never written), or
+        # one that went back in time ("g").
         lifetime_ms = int(TOMBSTONE_READS * self._config.health.poll_interval_s * 1000)
-        args: list[Any] = [uuid.uuid4().hex, lifetime_ms, "1" if merge else "0"]
+        args: list[Any] = [uuid.uuid4().hex, lifetime_ms, mode, self._high]
         for change in changes:
             args.extend(change)
         try:
-            return int(await self._client.eval(_CHANGE, 1, self._key, *args))
+            high = int(await self._client.eval(_CHANGE, 1, self._key, *args))
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from exc
+        self._high = max(self._high, high)
+        return high
 
     # ---- the other replicas' changes ----
 
@@ -458,27 +487,34 @@ class Membership:
     async def _update(self) -> None:
         """`refresh` under the lock."""
         assert self._client is not None
-        fields, stamps = await self._read()
+        fields, stamps, high = await self._read()
         generation = fields.get(_MARKER)
         if generation is None or (self._generation is not None and generation != self._generation):
-            await self._write_back()
-            fields, stamps = await self._read()
+            await self._write_back("m")
+            fields, stamps, high = await self._read()
+        elif high < self._high:
+            # Redis restarted from a snapshot older than a change this replica read or made:
+            # its view goes back, into a new generation, so that every replica adds its own.
+            log.warning("the fleet's shared membership went back in time in Redis (restarted "
+                        "from an older snapshot): writing this replica's back")  # fmt: skip
+            await self._write_back("g")
+            fields, stamps, high = await self._read()
         first, self._generation = self._generation is None, fields.get(_MARKER)
-        self._stamps = stamps
+        self._stamps, self._high = stamps, high
         await self._apply(fields, first)
 
-    async def _read(self) -> tuple[dict[str, str], dict[str, tuple[int, bool]]]:
-        """The hash's fields, and the stamp of each field (0: none, a field an older release
-        wrote) and whether it is set (False: a tombstone)."""
+    async def _read(self) -> tuple[dict[str, str], dict[str, tuple[int, bool]], int]:
+        """The hash's fields, the stamp of each field (0: none, a field an older release
+        wrote) and whether it is set (False: a tombstone), and the hash's highest stamp."""
         assert self._client is not None
         raw = {_text(k): _text(v) for k, v in (await self._client.hgetall(self._key)).items()}
         fields = {f: v for f, v in raw.items() if not f.startswith(_STAMP)}
         stamps = {f: (0, True) for f in fields if f != _MARKER}
         for name, value in raw.items():
-            if name.startswith(_STAMP) and name != _STAMP + _MARKER:
-                field = name.removeprefix(_STAMP)
+            field = name.removeprefix(_STAMP)
+            if name.startswith(_STAMP) and field not in (_MARKER, ""):
                 stamps[field] = (int(value), field in fields)
-        return fields, stamps
+        return fields, stamps, int(raw.get(_STAMP, 0))
 
     async def _apply(self, fields: dict[str, str], first: bool) -> None:
         """Take the hash's `fields` here (`first`: this replica's first read)."""
@@ -541,9 +577,10 @@ class Membership:
             log.info("LoRA adapter %r %s through another controller replica", name, change)
             intent.adopt(name, adopted)
 
-    async def _write_back(self) -> None:
-        """Redis lost the hash (or another replica wrote it back since this one's last read):
-        write this replica's membership into it, the config engines it removed included (a
+    async def _write_back(self, mode: str) -> None:
+        """Redis lost the hash (or another replica wrote it back since this one's last read;
+        `mode` "m"), or went back to an older one ("g": into a new generation): write this
+        replica's membership into it, the config engines it removed included (a
         config engine is out of the registry only once removed: without its `x:` a replica
         started later would route to it again). Fields merge: each write-back is a hash set
         of its own."""
@@ -565,7 +602,7 @@ class Membership:
             for f, (stamp, held) in self._stamps.items()
             if not held and f not in fields
         ]
-        await self._change(changes, merge=True)
+        await self._change(changes, mode)
 
     def _stamp_of(self, field: str, held: bool) -> int:
         """The stamp of `field` as last read or written here, if it was `held` (set or not)

@@ -46,7 +46,8 @@ _KEY_SPACE_NAMES = {space: name for name, space in _KEY_SPACES.items()}
 
 # An indexer that sheds queries (RESOURCE_EXHAUSTED: more in flight than it takes) protects
 # itself, and the next query may well be answered: the index counts as not answering once
-# every query asked has been shed for this long (none answered since the first shed).
+# every query asked has been shed for this long (none answered since the first shed, and no
+# two sheds this far apart: a lone shed after a quiet time begins the shedding again).
 SHEDDING_DEGRADES_AFTER_S = 10.0
 
 
@@ -84,11 +85,10 @@ def _keyed_otherwise(
     keying: ipb.WorkerKeying, key_space: ipb.KeySpace.ValueType, hash_seed: str | None
 ) -> str | None:
     """How the indexer keys `keying`'s worker when no prompt hashed in `key_space` with
-    `hash_seed` can match it there; None when one may (an engine's own hashes whose vLLM
-    algorithm its source does not declare may be any vLLM key space, never canonical)."""
+    `hash_seed` can match it there; None when one may: an engine's own hashes whose vLLM
+    algorithm its source does not declare may be in any key space (a kvplane engine's own
+    hashes are canonical keys, a vLLM engine's its algorithm's)."""
     if not keying.HasField("key_space"):
-        if key_space == ipb.KEY_SPACE_CANONICAL:
-            return "by the engine's own hashes (hash: engine)"
         return None
     seed = keying.hash_seed if keying.HasField("hash_seed") else None
     theirs = _keyed(keying.key_space, seed)
@@ -144,6 +144,7 @@ class RemoteIndex:
         *,
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
+        routes: Callable[[str], bool] = lambda engine: True,
     ) -> None:
         initial_s, _ = backoff_s
         self.channels = channels.reconnecting(min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S)
@@ -156,6 +157,9 @@ class RemoteIndex:
         self._hash_seed = hash_seed
         self._backoff_s = backoff_s
         self._clock = clock
+        # Whether the fleet routes to an engine (a worker named as `match` names it): only
+        # its workers' keyings are checked (the indexer may follow other fleets' engines).
+        self._routes = routes
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
@@ -164,8 +168,10 @@ class RemoteIndex:
         self._pauses_ended = 0
         # Why the last call asked failed (None: it was answered, or none was asked yet).
         self._failure: str | None = None
-        # When the queries asked began to be shed, none answered since (None: not shed).
+        # When the queries asked began to be shed, none answered since (None: not shed),
+        # and when the last was.
         self._shedding_since: float | None = None
+        self._last_shed = 0.0
         # Why no prompt can match some worker the indexer keys otherwise (None: none known).
         self._keying_mismatch: str | None = None
         # Engines restarted since the indexer last confirmed dropping their entries.
@@ -220,8 +226,9 @@ class RemoteIndex:
             self._shedding_since = None
             return None if code in _ANSWERS else failure
         now = self._clock()
-        if self._shedding_since is None:
+        if self._shedding_since is None or now - self._last_shed >= SHEDDING_DEGRADES_AFTER_S:
             self._shedding_since = now
+        self._last_shed = now
         shed_s = now - self._shedding_since
         if shed_s < SHEDDING_DEGRADES_AFTER_S:
             return None
@@ -256,12 +263,14 @@ class RemoteIndex:
         return self._keying_mismatch
 
     def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
-        """Keep `keying_mismatch` to what the indexer last reported: an ERROR when a mismatch
-        is found (or changes), a line when it is gone."""
+        """Keep `keying_mismatch` to what the indexer last reported of the workers of engines
+        the fleet routes to: an ERROR when a mismatch is found (or changes), a line when it
+        is gone."""
         wrong = [
             (k.worker_id, theirs)
             for k in keyings
-            if (theirs := _keyed_otherwise(k, self._key_space, self._hash_seed)) is not None
+            if self._routes(k.worker_address or k.worker_id)
+            and (theirs := _keyed_otherwise(k, self._key_space, self._hash_seed)) is not None
         ]
         mismatch = None
         if wrong:

@@ -20,8 +20,15 @@ from controller.config import ControllerConfig
 from indexer.backend import IndexStats
 from indexer.memory_backend import MemoryBackend
 from kvplane.cli import app
+from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
-from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
 from tests.controller.test_fleet_events import scrape
 from tests.controller.test_processes import indexer_process
 from tests.polling import eventually
@@ -178,8 +185,13 @@ async def test_health_is_degraded_while_the_remote_indexer_is_down(
 @pytest.mark.parametrize(
     "keyings",
     [
-        # The source indexes the engine's own hashes; the controller asks in canonical keys.
-        ("hash: engine", {}, "by the engine's own hashes (hash: engine)", "canonical"),
+        # The source indexes canonical keys; the controller asks in vLLM's sha256.
+        (
+            "hash: canonical",
+            {"remote_key_space": "sha256"},
+            "canonical",
+            "sha256 with vLLM's default hash seed",
+        ),
         # Both in vLLM's sha256, the engines' PYTHONHASHSEED (declared at the indexer) not
         # given to the controller.
         (
@@ -233,6 +245,66 @@ async def test_health_is_degraded_while_the_remote_indexer_keys_workers_otherwis
         assert mismatch(gauge) == 0
     finally:
         await close_fleet(fleet)
+
+
+async def test_kvplane_engines_followed_by_their_own_hashes_are_no_key_space_mismatch(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hash: engine` sources (the default) following kvplane engines index the engines' own
+    hashes, which are canonical keys: the controller asking in canonical keys matches their
+    blocks, and Health stays READY. Before, the controller took every `hash: engine` worker
+    without `vllm_hash` for one no canonical prompt can match: an ERROR, and Health
+    DEGRADED, for an index that matched every prompt."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    remote = await indexer_process(tmp_path, addresses, processes, keyed="hash: engine")
+    fleet = await make_fleet(engines=engines, index={"remote": remote})
+    try:
+        prefix = list(range(700, 764))
+        [r async for r in fleet.gateway.Generate(generate_request("a", [*prefix, 1]))]
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prefix, 2]))
+
+        async def matched() -> bool:
+            match = await fleet.admin.Match(query)
+            return any(m.device_blocks >= 4 for m in match.matches)
+
+        await eventually(matched, 20, "the served prompt matched in canonical keys")
+        await fleet.app.controller.index_stats()  # the indexer's keyings read again
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, f"remote index at {remote}")
+        gauge = "kvplane_controller_index_key_space_mismatch"
+        assert fleet.app.controller.metrics.registry.get_sample_value(gauge) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_indexer_following_engines_the_controller_does_not_route_is_no_mismatch(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One indexer follows this controller's engines (canonical keys, as it asks) and another
+    fleet's engine (vLLM's sha256, as that fleet's controller asks): the controller checks
+    the keyings of the workers of its own engines only, and Health stays READY. Before, the
+    other fleet's worker was flagged (an ERROR, Health DEGRADED: "no prompt can match it")
+    although this controller never routes to it."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    other = await start_sim_engine("other")
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    sources = (
+        f"  - {{kind: openengine, target: '127.0.0.1:{other.port}', hash: engine, "
+        "vllm_hash: sha256}\n"
+    )
+    remote = await indexer_process(tmp_path, addresses, processes, sources=sources)
+    fleet = await make_fleet(engines=engines, index={"remote": remote})
+    try:
+        stats = await fleet.app.controller.index_stats()  # the indexer's keyings read
+        assert stats is not None
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, f"remote index at {remote}")
+        gauge = "kvplane_controller_index_key_space_mismatch"
+        assert fleet.app.controller.metrics.registry.get_sample_value(gauge) == 0
+    finally:
+        await close_fleet(fleet)
+        await other.close()
 
 
 async def test_the_embedded_index_has_no_check() -> None:

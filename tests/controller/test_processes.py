@@ -132,15 +132,18 @@ async def indexer_process(
     *,
     keyed: str = "hash: canonical",
     settings: str = "",
+    sources: str = "",
 ) -> str:
     """A `kvplane indexer serve` process following `engines` (OpenEngine sources, keyed as
-    `keyed` says) into `backend`, listening on `listen` (a fixed port: one started again
-    where the last one was), with more `settings` (YAML lines); its address."""
+    `keyed` says), and more `sources` (YAML list items), into `backend`, listening on
+    `listen` (a fixed port: one started again where the last one was), with more `settings`
+    (YAML lines); its address."""
     config = tmp_path / "indexer.yaml"
     config.write_text(
         f"listen: {listen}\nbackend: {backend}\nblock_size: 16\n{settings}"
-        + ("sources:\n" if engines else "sources: []\n")
+        + ("sources:\n" if engines or sources else "sources: []\n")
         + "".join(f"  - {{kind: openengine, target: '{a}', {keyed}}}\n" for a in engines)
+        + sources
     )
     port_file = tmp_path / "indexer.port"
     port_file.unlink(missing_ok=True)  # the last process's

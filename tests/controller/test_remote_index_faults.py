@@ -206,7 +206,9 @@ async def test_a_shed_query_leaves_the_index_answering_until_shedding_persists(
     query may well be answered, so the index still counts as answering (Health READY); only
     when every query asked has been shed for `SHEDDING_DEGRADES_AFTER_S` does it not, and an
     answered query ends that. Before, a single shed made the controller's Health DEGRADED
-    and `kvplane_controller_index_reachable` 0 until the next answered call."""
+    and `kvplane_controller_index_reachable` 0 until the next answered call. A shed a minute
+    before, no query asked between, is no shedding that lasted: the shedding begins again
+    (before, the next shed was taken for a minute of it, and degraded at once)."""
     metrics = f"127.0.0.1:{free_port()}"
     settings = (
         f"max_concurrent_prefix_queries: 1\nmetrics_listen: {metrics}\nredis: {{timeout_s: 60.0}}\n"
@@ -226,7 +228,7 @@ async def test_a_shed_query_leaves_the_index_answering_until_shedding_persists(
 
         await eventually(query_held, timeout_s=30, what="the holder's query in flight")
         shed = "RESOURCE_EXHAUSTED: more than 1 concurrent prefix queries; retry later"
-        for now[0] in (0.0, SHEDDING_DEGRADES_AFTER_S / 2):
+        for now[0] in (-60.0, 0.0, SHEDDING_DEGRADES_AFTER_S / 2):
             with pytest.raises(KvplaneError, match=f"^remote index: {shed}$"):
                 await remote.match(TOKENS, 16, "", "")
             assert remote.unavailable is None

@@ -201,9 +201,23 @@ READ_WHEN_TOLD = {"poll_interval_s": 3600}
 
 
 async def restart_empty(redis: RedisServer) -> None:
-    """redis-server restarted without its data (no persistence)."""
+    """redis-server restarted without its data (no persistence; no snapshot: `snapshot`'s
+    gone)."""
+    await asyncio.to_thread(redis.kill)
+    (redis.workdir / "dump.rdb").unlink(missing_ok=True)
+    await asyncio.to_thread(redis.start)
+
+
+async def restart_from_snapshot(redis: RedisServer) -> None:
+    """redis-server restarted with the data of its last snapshot (`snapshot`): the changes
+    made since are lost, the hash's generation (`v`) is the snapshot's."""
     await asyncio.to_thread(redis.kill)
     await asyncio.to_thread(redis.start)
+
+
+async def snapshot(redis: RedisServer) -> None:
+    """An RDB snapshot of redis-server's data, loaded when it starts again."""
+    await asyncio.to_thread(redis.command, "SAVE")
 
 
 @contextlib.asynccontextmanager
@@ -334,6 +348,68 @@ async def test_an_uncordon_through_one_replica_survives_redis_restarted_empty_be
         await write_back_in_turn(b, a)
         assert not (await workers(a))[address].cordoned
         assert not (await workers(b))[address].cordoned
+
+
+async def test_an_uncordon_through_a_replica_that_had_not_read_the_cordon_survives_redis_restarted(
+    redis: RedisServer,
+) -> None:
+    """X cordoned through b; redis-server restarts empty before a read the cordon, and X is
+    uncordoned through a (a no-op in a's view, which Redis had lost the cordon from): b then
+    writes back its membership, X cordoned in it, but the uncordon is newer, and X stays
+    uncordoned on both. Before, a deletion of a field the hash did not hold left no
+    tombstone, and b's write-back cordoned X again on both after the uncordon succeeded."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await b.admin.Cordon(apb.EngineRef(engine=address))
+        await restart_empty(redis)
+        await a.admin.Uncordon(apb.EngineRef(engine=address))  # writes a's view back first
+        await write_back_in_turn(b, a)
+        assert not (await workers(a))[address].cordoned
+        assert not (await workers(b))[address].cordoned
+
+
+async def test_an_engine_registered_afresh_is_not_cordoned_by_a_cordon_made_after_its_removal(
+    redis: RedisServer,
+) -> None:
+    """X removed through b; redis-server restarts empty before a read the removal, and X is
+    cordoned through a (its view, written back, still has X); b writes its view back, the
+    removal newer than a's: X is removed on both, its cordon left in the hash. X registered
+    again through b is a fresh engine, not cordoned, on both, as b answers it. Before, the
+    registration left the cordon in the hash, and both replicas cordoned X at their next
+    read."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await b.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await restart_empty(redis)
+        await a.admin.Cordon(apb.EngineRef(engine=address))
+        await write_back_in_turn(b, a)
+        assert address not in await workers(a)
+        await b.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        for replica in (a, b):
+            await replica.app.controller.membership.refresh()
+            assert not (await workers(replica))[address].cordoned
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+async def test_a_removal_after_redis_last_saved_survives_redis_restarted_from_the_snapshot(
+    redis: RedisServer, first: str
+) -> None:
+    """X registered through a, read by b, and Redis saves its data; X removed through a, and
+    redis-server restarts from the snapshot, X registered in it, with the generation both
+    replicas know: the replica that knew of a later change than the hash holds (a, the
+    removal) writes its membership back, into a new generation, and X stays removed on both,
+    whichever replica reads the hash first. Before, the replicas took the snapshot for the
+    membership, and both routed to X again."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await b.app.controller.membership.refresh()
+        await snapshot(redis)
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await restart_from_snapshot(redis)
+        for replica in (a, b, a) if first == "a" else (b, a, b, a):
+            await replica.app.controller.membership.refresh()
+        assert address not in await workers(a)
+        assert address not in await workers(b)
 
 
 async def test_an_engine_registered_again_after_a_removal_survives_redis_restarted_empty(
