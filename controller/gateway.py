@@ -212,6 +212,9 @@ _UNACCEPTED = frozenset({grpc.StatusCode.NOT_FOUND}) | _UNREACHED
 
 # An engine's Abort answers that say the target ended there (seed: there is no "partly").
 _ENDED = frozenset({pb.ABORT_STATUS_ABORTED, pb.ABORT_STATUS_ALREADY_FINISHED})
+# How many times an Abort by id follows a request that moves on while its engine answers (a
+# retry, a run again and a decode hop each move it once).
+_ABORT_ROUNDS = 4
 # How an operator has engines take LoRA adapters, told with a LoRA call no engine could take.
 _LORA_HOW = (
     "to use adapters, start engines with LoRA on (the bundled engine's lora.enabled: true, "
@@ -748,63 +751,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if target == "request_id":
             if not request.request_id:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-            address = self.relay.holding.get(request.request_id)
-            if self.relay.abort_unrouted(request.request_id):
-                # No engine can abort it now: its prefill engine finished its part (it would
-                # answer ALREADY_FINISHED), or no engine holds it yet.
-                message = (
-                    "aborted at the handoff to a decode engine"
-                    if request.request_id in self.relay.handed_over
-                    else "aborted before it was routed"
-                )
-                return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message=message)
-            if address is None:
-                if request.request_id in self.relay.finished:
-                    return pb.AbortResponse(
-                        status=pb.ABORT_STATUS_ALREADY_FINISHED, message="the request ended"
-                    )
-                await abort_with(
-                    context,
-                    grpc.StatusCode.NOT_FOUND,
-                    f"no request {request.request_id!r} in flight",
-                )
-            # Bounded: an engine that hangs (stopped, wedged) would otherwise hold the
-            # operator's Abort until their own deadline, with no word of which engine.
-            timeout_s = self.controller.config.health.rpc_timeout_s
-            try:
-                reply: pb.AbortResponse = await self.controller.fleet.stub(address).Abort(
-                    request, timeout=timeout_s
-                )
-            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                failure = engine_failure(caught, address, self.controller.fleet)
-                if failure.code() in _UNACCEPTED and self.relay.abort_unaccepted(
-                    request.request_id, address
-                ):  # routed there, not accepted yet: the gateway ends it
-                    return pb.AbortResponse(
-                        status=pb.ABORT_STATUS_ABORTED,
-                        message="aborted before its engine accepted it",
-                    )
-                if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    await abort_with(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"engine {address} holding request {request.request_id!r} did not "
-                        f"answer the Abort within {timeout_s:g} s",
-                    )
-                await abort_with(
-                    context,
-                    failure.code(),
-                    naming_engine(failure, address, "Abort", self.controller.fleet),
-                )
-            if (
-                reply.status in _ENDED
-                and self.relay.ended_at(request.request_id, address)
-                and reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
-            ):  # its prefill engine handed it over: the gateway ends it there
-                return pb.AbortResponse(
-                    status=pb.ABORT_STATUS_ABORTED,
-                    message="aborted at the handoff to a decode engine",
-                )
+            # The request may move on while its engine answers (its call failed before any
+            # output and it is retried elsewhere, its prefill handed it over and its decode
+            # engine took it): that engine's NOT_FOUND, UNAVAILABLE or ALREADY_FINISHED is then
+            # of an attempt that ended, so the Abort goes round again, to where it went.
+            rounds_left = _ABORT_ROUNDS
+            while (
+                reply := await self._abort_request(request, context, again=rounds_left > 1)
+            ) is None:
+                rounds_left -= 1
             return reply
         if target == "kv_session" and not request.kv_session.session_id:
             # Malformed whoever holds sessions (an empty fleet too): as an engine refuses it.
@@ -902,6 +857,79 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 f"not every request was aborted: {names} did not abort theirs: {summary}",
             )
         return pb.AbortResponse(status=status, message=summary)
+
+    async def _abort_request(
+        self, request: pb.AbortRequest, context: Context, *, again: bool
+    ) -> pb.AbortResponse | None:
+        """Abort by id: the request's engine asked, or the gateway ending it itself. None
+        (with `again`) when the request moved on to another engine while its engine answered
+        that it no longer had it: to be asked again."""
+        address = self.relay.holding.get(request.request_id)
+        if self.relay.abort_unrouted(request.request_id):
+            # No engine can abort it now: its prefill engine finished its part (it would
+            # answer ALREADY_FINISHED), or no engine holds it yet.
+            message = (
+                "aborted at the handoff to a decode engine"
+                if request.request_id in self.relay.handed_over
+                else "aborted before it was routed"
+            )
+            return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message=message)
+        if address is None:
+            if request.request_id in self.relay.finished:
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ALREADY_FINISHED, message="the request ended"
+                )
+            await abort_with(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"no request {request.request_id!r} in flight",
+            )
+        # Bounded: an engine that hangs (stopped, wedged) would otherwise hold the
+        # operator's Abort until their own deadline, with no word of which engine.
+        timeout_s = self.controller.config.health.rpc_timeout_s
+        try:
+            reply: pb.AbortResponse = await self.controller.fleet.stub(address).Abort(
+                request, timeout=timeout_s
+            )
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            failure = engine_failure(caught, address, self.controller.fleet)
+            if failure.code() in _UNACCEPTED and self.relay.abort_unaccepted(
+                request.request_id, address
+            ):  # routed there, not accepted yet: the gateway ends it
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ABORTED,
+                    message="aborted before its engine accepted it",
+                )
+            if again and self.relay.moved_on(request.request_id, address):
+                return None
+            if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                await abort_with(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"engine {address} holding request {request.request_id!r} did not "
+                    f"answer the Abort within {timeout_s:g} s",
+                )
+            await abort_with(
+                context,
+                failure.code(),
+                naming_engine(failure, address, "Abort", self.controller.fleet),
+            )
+        if (
+            reply.status in _ENDED
+            and self.relay.ended_at(request.request_id, address)
+            and reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        ):  # its prefill engine handed it over: the gateway ends it there
+            return pb.AbortResponse(
+                status=pb.ABORT_STATUS_ABORTED,
+                message="aborted at the handoff to a decode engine",
+            )
+        if (
+            again
+            and reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+            and self.relay.moved_on(request.request_id, address)
+        ):
+            return None
+        return reply
 
     async def _lora_engines(self, context: Context, model: str | None) -> list[EngineRecord]:
         """The engines a LoRA call is for: the one its request metadata names

@@ -1440,6 +1440,80 @@ async def collect(
     return [r async for r in call]
 
 
+@dataclass
+class FirstCallFails:
+    """Shared by the engines of a fleet: the first Generate any of them receives waits for
+    `fail`, then fails UNAVAILABLE before any output (the gateway retries it elsewhere);
+    that engine's Abort waits for `answer` (it answers as its sim engine does, which never
+    saw the request: NOT_FOUND)."""
+
+    fail: asyncio.Event = field(default_factory=asyncio.Event)
+    answer: asyncio.Event = field(default_factory=asyncio.Event)
+    first: Forwarding | None = None
+    aborts_held: int = 0
+
+
+class FailsFirstCall(Forwarding):
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub, script: FirstCallFails) -> None:
+        super().__init__(inner)
+        self.script = script
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.script.first is None:
+            self.script.first = self
+            await self.script.fail.wait()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: going away")
+        async for response in self.inner.Generate(request):
+            yield response
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        if self.script.first is self:
+            self.script.aborts_held += 1
+            await self.script.answer.wait()
+        try:
+            return await self.inner.Abort(request)
+        except grpc.aio.AioRpcError as exc:  # the sim engine's status, as it answered
+            await context.abort(exc.code(), exc.details() or "")
+
+
+async def test_an_abort_follows_a_request_that_moved_to_another_engine_meanwhile() -> None:
+    """An Abort by id goes to the engine holding the request; if that engine fails the
+    request meanwhile (before any output: retried on another engine) and answers the Abort
+    only then (NOT_FOUND: it has no such request), the Abort goes to the engine running it
+    now: ABORTED, the stream ends as an aborted request's. (It answered the first engine's
+    NOT_FOUND, and the request ran on to its end.)"""
+    script = FirstCallFails()
+    engines = [
+        await start_fronted_engine(
+            name, lambda inner: FailsFirstCall(inner, script), time_scale=0.5
+        )
+        for name in ("e0", "e1")
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        call = fleet.gateway.Generate(generate_request("r", [1, 2, 3], max_tokens=2000))
+        await eventually(lambda: script.first is not None)
+        abort = asyncio.ensure_future(fleet.gateway.Abort(pb.AbortRequest(request_id="r")))
+        await eventually(lambda: script.aborts_held == 1)
+        script.fail.set()
+        first = await call.read()  # from the other engine: the request runs there
+        assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+        script.answer.set()
+        reply = await asyncio.wait_for(abort, 10)
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        last = first
+        while (response := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+            assert isinstance(response, pb.GenerateResponse)
+            last = response
+        assert last.finished.reason == pb.FINISH_REASON_CANCELLED
+    finally:
+        script.fail.set()
+        script.answer.set()
+        await close_fleet(fleet)
+
+
 async def test_abort_everything_with_no_engine_reachable_is_unavailable() -> None:
     engines = [await start_scripted_engine("e0"), await start_scripted_engine("e1")]
     # Slow polls: the controller still believes both engines are up when they are gone.
