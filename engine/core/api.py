@@ -73,7 +73,9 @@ class SamplingParams:
 
     Defaults are OpenEngine's fixed defaults; the front ends put a model's own
     (`SamplingDefaults`) in place of them for the options a request leaves unset.
-    `temperature == 0` means greedy. `max_tokens=None` means "until the context is full".
+    `temperature == 0` means greedy; a positive one under 0.01 samples at 0.01 (as vLLM raises
+    it: dividing by a tinier one overflows the logits). `max_tokens=None` means "until the
+    context is full".
     `num_sequences` (n) independent outputs share the prompt; output i samples with seed
     `seed + i` when a seed is given.
     """

@@ -10,9 +10,11 @@ Pipeline per row, in this order (the order vLLM and the OpenAI API define):
    temperature, min-p, top-k and top-p, so those act on the constrained distribution and
    greedy is the argmax of the allowed tokens);
 3. greedy rows (temperature 0) take the argmax here (lowest id on an exact tie);
-4. the rest divide by the temperature, drop tokens under `min_p * max_prob`, keep the `top_k`
-   most likely, keep the smallest most-likely set reaching mass `top_p` (renormalised after
-   top-k), and draw by the exponential race `argmax(p / E)`, `E ~ Exp(1)`.
+4. the rest divide by the temperature (at least 0.01, as vLLM raises it: a tinier one
+   overflows the logits to inf and the probabilities to NaN), drop tokens under
+   `min_p * max_prob`, keep the `top_k` most likely (and every token tied with the k-th, as
+   vLLM), keep the smallest most-likely set reaching mass `top_p` (renormalised after top-k),
+   and draw by the exponential race `argmax(p / E)`, `E ~ Exp(1)`.
 
 Randomness: a row with a seed draws from a generator seeded by (seed, number of tokens already
 output), so a seeded output is the same whatever else is in the batch and after a preemption
@@ -32,6 +34,9 @@ import torch
 
 from engine.core.api import Candidate, LogprobRequest, SamplingParams, TokenLogprob
 
+# vLLM's `_MAX_TEMP`: a positive temperature under it samples at it (dividing by a tinier one
+# overflows the logits to inf and the probabilities to NaN).
+MIN_SAMPLING_TEMPERATURE = 1e-2
 _MASK_64 = (1 << 64) - 1
 _GOLDEN_64 = 0x9E3779B97F4A7C15
 
@@ -204,7 +209,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p -> probabilities (masked tokens exactly 0)."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    temperature = torch.tensor(
+        [max(r.params.temperature, MIN_SAMPLING_TEMPERATURE) for r in rows], device=device
+    )
     logits = logits / temperature.unsqueeze(1)
     vocab = logits.shape[1]
     min_p = [r.params.min_p for r in rows]
@@ -222,9 +229,11 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=device).unsqueeze(0)
     k = torch.tensor(top_k, device=device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    # Keep every token at least as likely as the k-th (vLLM's rule): a tie at the boundary
+    # keeps all the tied tokens, whatever order the sort left them in.
+    kth_logit = sorted_logits.gather(1, k - 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_logit, float("-inf"))
     p = torch.tensor(top_p, device=device).unsqueeze(1)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -49,6 +49,18 @@ def test_greedy_and_top_k_1_take_the_argmax() -> None:
     assert sample_ids(sampler, logits, top1) == argmax
 
 
+def test_a_tiny_temperature_samples_at_vllms_minimum() -> None:
+    # vLLM raises a positive temperature under 0.01 to 0.01. Dividing by 1e-40 overflowed every
+    # logit to inf, the probabilities to NaN, and the draw took token 0.
+    logits = torch.tensor([[1.0, 9.0, -5.0, 10.0] + [0.0] * (VOCAB - 4)])
+    sampler = Sampler(frozenset(), seed=0)
+    for temperature in (1e-40, 1e-6):
+        params = SamplingParams(temperature=temperature)
+        assert sample_ids(sampler, logits, [row(params, seed=7)]) == [3]
+        raised = filtered_probs(logits, [row(params)])
+        assert torch.equal(raised, filtered_probs(logits, [row(SamplingParams(temperature=0.01))]))
+
+
 def test_temperature_sampling_follows_the_softmax_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
     draws = 8000
@@ -83,6 +95,17 @@ def test_top_k_then_top_p_renormalises_after_top_k() -> None:
     assert kept[:3].tolist() == pytest.approx([1.0, 0.0, 0.0])
     kept = filtered_probs(logits, [row(SamplingParams(top_k=3))])[0]
     assert kept[:4].tolist() == pytest.approx([4 / 9, 3 / 9, 2 / 9, 0.0])
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    # vLLM keeps each token whose logit is at least the k-th largest: a tie at the boundary
+    # is kept whole (bf16 logits tie often), not cut at an order the sort happened to give.
+    logits = torch.tensor([[-1.0, 0.5, -1.0, 0.5, 0.5, -3.0] + [-9.0] * (VOCAB - 6)])
+    kept = filtered_probs(logits, [row(SamplingParams(top_k=2))])[0]
+    assert (kept > 0).nonzero().squeeze(1).tolist() == [1, 3, 4]
+    assert kept[[1, 3, 4]].tolist() == pytest.approx([1 / 3] * 3)
+    kept = filtered_probs(logits, [row(SamplingParams(top_k=4))])[0]
+    assert (kept > 0).nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:

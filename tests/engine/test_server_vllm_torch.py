@@ -201,3 +201,18 @@ async def test_a_seed_makes_sampling_repeatable(config: EngineConfig) -> None:
     assert first == again
     assert first != other
     assert first != list(greedy)  # temperature 1 samples; absent, it is greedy
+
+
+async def test_a_tiny_temperature_samples_at_vllms_minimum(config: EngineConfig) -> None:
+    """As vLLM: a positive temperature under 0.01 samples at 0.01 (1e-40 used to overflow the
+    logits to inf and draw token 0 from NaN probabilities)."""
+    async with running_engine(config) as engine:
+
+        async def sample(temperature: float) -> list[int]:
+            request = _request(output_token_ids=True)
+            request.temperature = temperature
+            request.sampling.seed = 1
+            return list((await engine.vllm.Generate(request)).outputs.token_ids)
+
+        floor, tiny = await sample(0.01), await sample(1e-40)
+    assert tiny == floor
