@@ -4,8 +4,8 @@ Both RPCs run the request exactly like OpenEngine's Generate. Unset options take
 default (its generation_config.json, `EngineContext.sampling_defaults`), else the proto's:
 `temperature` absent -> the model's, else 0 (greedy); 0 for top_k/top_p/min_p/
 repetition_penalty -> the model's, else "off"; `max_new_tokens` 0 -> the model's
-`max_new_tokens`, else 20; `num_sequences` 0 -> 1. Penalties of presence and frequency have
-no model default (0 is none).
+`max_new_tokens`, else 20; `num_sequences` 0 -> 1; `seed` -1 -> none (as vLLM). Penalties of
+presence and frequency have no model default (0 is none).
 `priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
@@ -183,7 +183,8 @@ async def engine_request_from_vllm(
         frequency_penalty=dec.frequency_penalty,
         presence_penalty=dec.presence_penalty,
         repetition_penalty=dec.repetition_penalty or default.repetition_penalty,
-        seed=s.seed if s.HasField("seed") else None,
+        # vLLM's SamplingParams reads seed -1 as no seed.
+        seed=s.seed if s.HasField("seed") and s.seed != -1 else None,
         num_sequences=s.num_sequences or 1,
         max_tokens=max_new_tokens,
         min_tokens=stop.min_new_tokens,

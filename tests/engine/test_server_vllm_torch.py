@@ -203,6 +203,20 @@ async def test_a_seed_makes_sampling_repeatable(config: EngineConfig) -> None:
     assert first != list(greedy)  # temperature 1 samples; absent, it is greedy
 
 
+async def test_seed_minus_one_is_no_seed(config: EngineConfig) -> None:
+    """vLLM's SamplingParams reads seed -1 as unseeded: two such requests draw differently."""
+    async with running_engine(config) as engine:
+
+        async def sample() -> list[int]:
+            request = _request(output_token_ids=True)
+            request.temperature = 1.0
+            request.sampling.seed = -1
+            return list((await engine.vllm.Generate(request)).outputs.token_ids)
+
+        first, second = await sample(), await sample()
+    assert first != second  # 12 draws at temperature 1 over 385 tokens: equal ~never
+
+
 async def test_a_tiny_temperature_samples_at_vllms_minimum(config: EngineConfig) -> None:
     """As vLLM: a positive temperature under 0.01 samples at 0.01 (1e-40 used to overflow the
     logits to inf and draw token 0 from NaN probabilities)."""
