@@ -9,8 +9,9 @@ presence and frequency have no model default (0 is none).
 `priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
-Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
-acceptance like in OpenEngine, never silently ignored; so, first of all, is any field outside
+`logit_bias` and `allowed_token_ids` are vLLM's (an id outside the vocabulary
+INVALID_ARGUMENT). Unsupported options (KV transfer params) are refused before acceptance like
+in OpenEngine, never silently ignored; so, first of all, is any field outside
 the seed's schema (today's vLLM proto adds `lora_name`, `session_id`, ...): both methods are
 strict (`kvplane.request_decoding`). This proto has no error event: a
 failure after acceptance ends the stream with gRPC INTERNAL. Logprobs are sent only when
@@ -142,8 +143,6 @@ async def engine_request_from_vllm(
     if refusal is not None:
         raise refusal
     dec = request.decoding
-    if dec.logit_bias or dec.allowed_token_ids:
-        raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
     if request.kv.HasField("kv_transfer_params") and request.kv.kv_transfer_params.fields:
         raise RoleMismatchError(
             "vLLM's kv_transfer_params are not supported: KV moves between engines through "
@@ -195,6 +194,8 @@ async def engine_request_from_vllm(
         emit_stop_token=True,
         logprobs=_logprobs(resp.output_logprobs, resp.output_candidates),
         prompt_logprobs=_logprobs(resp.prompt_logprobs, resp.prompt_candidates),
+        logit_bias=tuple(sorted(dec.logit_bias.items())),
+        allowed_token_ids=tuple(dec.allowed_token_ids) or None,  # empty: unset
     )
     params.validate()
     engine_request = EngineRequest(

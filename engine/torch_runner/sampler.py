@@ -2,11 +2,13 @@
 
 Pipeline per row, in this order (the order vLLM and the OpenAI API define):
 
-1. penalties on the raw logits: repetition (prompt and output tokens; divide a positive logit,
+0. `logit_bias` added to the raw logits (vLLM applies it before the penalties);
+1. penalties: repetition (prompt and output tokens; divide a positive logit,
    multiply a negative one), then frequency (minus `f * count` over output tokens) and presence
    (minus `p` for each token present in the output);
 2. `min_tokens`: while fewer outputs exist, stop token ids and EOS (unless `ignore_eos`) are
-   masked out; guided decoding: every token outside the row's `allowed_token_ids` too (before
+   masked out; every token outside the request's `allowed_token_ids` or, guided decoding, the
+   row's (the core limits those to the request's) too (before
    temperature, min-p, top-k and top-p, so those act on the constrained distribution and
    greedy is the argmax of the allowed tokens);
 3. greedy rows (temperature 0) take the argmax here (lowest id on an exact tie);
@@ -84,7 +86,7 @@ class Sampler:
             # Nothing to adjust or report: the argmax of the raw logits, as below.
             return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
         raw = logits.float()
-        processed = apply_penalties(raw, rows)
+        processed = apply_penalties(apply_logit_bias(raw, rows), rows)
         processed = self._mask_min_tokens(processed, rows)
         processed = mask_disallowed(processed, rows)
         token_ids = processed.argmax(dim=-1)
@@ -141,17 +143,37 @@ class Sampler:
         return draws
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each row's `logit_bias` added; returns `logits` itself if no row has one."""
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i in biased:
+        for token_id, bias in rows[i].params.logit_bias:
+            if token_id < vocab:
+                out[i, token_id] += bias
+    return out
+
+
+def allowed_ids(row: SamplingRow) -> Sequence[int] | None:
+    """The ids a row may sample: its guide's (which the core already limited to the request's
+    `allowed_token_ids`), else the request's; None: any."""
+    return row.allowed_token_ids or row.params.allowed_token_ids
+
+
 def mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """-inf outside each guided row's allowed ids; returns `logits` itself if no row is guided."""
-    guided = [i for i, row in enumerate(rows) if row.allowed_token_ids]
-    if not guided:
+    """-inf outside each row's `allowed_ids`; returns `logits` itself if no row has them."""
+    limited = [i for i, row in enumerate(rows) if allowed_ids(row)]
+    if not limited:
         return logits
     vocab = logits.shape[1]
-    keep = torch.zeros((len(guided), vocab), dtype=torch.bool)
-    for j, i in enumerate(guided):
-        ids = torch.tensor(rows[i].allowed_token_ids, dtype=torch.int64)
+    keep = torch.zeros((len(limited), vocab), dtype=torch.bool)
+    for j, i in enumerate(limited):
+        ids = torch.tensor(allowed_ids(rows[i]), dtype=torch.int64)
         keep[j, ids[ids < vocab]] = True
-    index = torch.tensor(guided, device=logits.device)
+    index = torch.tensor(limited, device=logits.device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~keep.to(logits.device), float("-inf"))
     return masked
@@ -159,10 +181,12 @@ def mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
 def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether the pipeline reduces to the argmax of the raw logits for this row: greedy, no
-    penalty, no min-tokens mask left, no logprobs to report."""
+    bias, penalty, allow-list or min-tokens mask left, no logprobs to report."""
     return (
         params.greedy
         and params.logprobs is None
+        and not params.logit_bias
+        and params.allowed_token_ids is None
         and params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0

@@ -146,6 +146,34 @@ def test_penalties_steer_greedy_choice() -> None:
     assert sample_ids(sampler, logits, [row(penalised, outputs=(0,))]) == [1]
 
 
+def test_logit_bias_is_added_before_the_penalties() -> None:
+    # vLLM's order: token 1 biased to 4.0, then halved by the repetition penalty to 2.0, loses
+    # to token 0's 2.5 (penalty first would give 0.5 + 3.0 = 3.5, and win).
+    logits = torch.tensor([[2.5, 1.0] + [0.0] * (VOCAB - 2)])
+    sampler = Sampler(frozenset(), seed=0)
+    biased = SamplingParams(temperature=0.0, logit_bias=((1, 3.0),))
+    assert sample_ids(sampler, logits, [row(biased)]) == [1]
+    penalised = SamplingParams(temperature=0.0, logit_bias=((1, 3.0),), repetition_penalty=2.0)
+    assert sample_ids(sampler, logits, [row(penalised, prompt=(1,))]) == [0]
+    # Logprobs stay the model's: the bias does not change them.
+    logprobs = SamplingParams(temperature=0.0, logit_bias=((1, 3.0),), logprobs=LogprobRequest())
+    (token,) = sampler.sample(logits, [row(logprobs)])
+    assert token.token_id == 1 and token.logprob is not None
+    assert token.logprob.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[1]))
+
+
+def test_allowed_token_ids_limit_every_draw() -> None:
+    logits = random_logits(1, seed=4)
+    allowed = (3, 17, 40)
+    sampler = Sampler(frozenset(), seed=0)
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    best = max(allowed, key=lambda t: float(logits[0, t]))
+    assert sample_ids(sampler, logits, [row(greedy)]) == [best]
+    sampled = SamplingParams(temperature=2.0, allowed_token_ids=allowed)
+    ids = sample_ids(sampler, logits.expand(300, VOCAB), [row(sampled)] * 300)
+    assert set(ids) == set(allowed)
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, 2] = 10.0  # EOS

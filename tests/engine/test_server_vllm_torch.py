@@ -230,3 +230,22 @@ async def test_a_tiny_temperature_samples_at_vllms_minimum(config: EngineConfig)
 
         floor, tiny = await sample(0.01), await sample(1e-40)
     assert tiny == floor
+
+
+async def test_logit_bias_and_allowed_token_ids_steer_the_output(config: EngineConfig) -> None:
+    """vLLM's decoding options: a large bias makes greedy take that token every step; with an
+    allow-list every sampled token is one of it."""
+    async with running_engine(config) as engine:
+        biased = _request(output_token_ids=True)
+        biased.decoding.logit_bias[77] = 100.0
+        allowed = _request(output_token_ids=True)
+        allowed.temperature = 1.0
+        allowed.sampling.seed = 3
+        allowed.decoding.allowed_token_ids.extend([10, 20, 30])
+        streamed = [r async for r in engine.vllm.GenerateStream(biased)]
+        only_77 = await engine.vllm.Generate(biased)
+        drawn = await engine.vllm.Generate(allowed)
+    assert list(only_77.outputs.token_ids) == [77] * 12
+    assert [t for r in streamed for t in r.outputs.token_ids] == [77] * 12
+    assert set(drawn.outputs.token_ids) <= {10, 20, 30}
+    assert len(set(drawn.outputs.token_ids)) > 1
