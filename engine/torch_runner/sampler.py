@@ -3,14 +3,14 @@
 Pipeline per row, in this order (the order vLLM and the OpenAI API define):
 
 0. `logit_bias` added to the raw logits (vLLM applies it before the penalties);
-1. penalties: repetition (prompt and output tokens; divide a positive logit,
-   multiply a negative one), then frequency (minus `f * count` over output tokens) and presence
-   (minus `p` for each token present in the output);
-2. `min_tokens`: while fewer outputs exist, stop token ids and EOS (unless `ignore_eos`) are
-   masked out; every token outside the request's `allowed_token_ids` or, guided decoding, the
-   row's (the core limits those to the request's) too (before
-   temperature, min-p, top-k and top-p, so those act on the constrained distribution and
-   greedy is the argmax of the allowed tokens);
+1. penalties: repetition (prompt and output tokens; divide a positive logit, multiply a
+   negative one), then frequency (minus `f * count` over output tokens) and presence (minus
+   `p` for each token present in the output);
+2. masks: while fewer than `min_tokens` outputs exist, stop token ids and EOS (EOS even with
+   `ignore_eos`, as vLLM: its min-tokens processor masks every stop id it knows); every token
+   outside the request's `allowed_token_ids` or, guided decoding, the row's (the core limits
+   those to the request's); all before temperature, min-p, top-k and top-p, so those act on
+   the constrained distribution and greedy is the argmax of the allowed tokens;
 3. greedy rows (temperature 0) take the argmax here (lowest id on an exact tie);
 4. the rest divide by the temperature (at least 0.01, as vLLM raises it: a tinier one
    overflows the logits to inf and the probabilities to NaN), drop tokens under
@@ -114,10 +114,9 @@ class Sampler:
             params = row.params
             if len(row.output_token_ids) >= params.min_tokens:
                 continue
-            stop_ids = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids |= self._eos_token_ids
-            stop_ids = {t for t in stop_ids if t < logits.shape[1]}
+            stop_ids = {
+                t for t in (*params.stop_token_ids, *self._eos_token_ids) if t < logits.shape[1]
+            }
             if not stop_ids:
                 continue
             if masked is None:

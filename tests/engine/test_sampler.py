@@ -183,8 +183,10 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(7,))
     assert sample_ids(sampler, logits, [row(params, outputs=(5,))]) == [9]
     assert sample_ids(sampler, logits, [row(params, outputs=(5, 5))]) == [2]
+    # EOS is masked with ignore_eos too (as vLLM), then may be sampled like any token.
     ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
-    assert sample_ids(sampler, logits, [row(ignore, outputs=())]) == [2]
+    assert sample_ids(sampler, logits, [row(ignore, outputs=())]) == [7]
+    assert sample_ids(sampler, logits, [row(ignore, outputs=(5, 5))]) == [2]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
