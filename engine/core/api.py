@@ -73,7 +73,9 @@ class SamplingParams:
 
     Defaults are OpenEngine's fixed defaults; the front ends put a model's own
     (`SamplingDefaults`) in place of them for the options a request leaves unset.
-    `temperature == 0` means greedy. `max_tokens=None` means "until the context is full".
+    `temperature == 0` means greedy; a positive one under 0.01 samples at 0.01 (as vLLM raises
+    it: dividing by a tinier one overflows the logits). `max_tokens=None` means "until the
+    context is full".
     `num_sequences` (n) independent outputs share the prompt; output i samples with seed
     `seed + i` when a seed is given.
     """
@@ -99,6 +101,10 @@ class SamplingParams:
     logprobs: LogprobRequest | None = None
     prompt_logprobs: LogprobRequest | None = None
     prompt_logprob_start: int = 0
+    # vLLM's: (token id, value added to its logit before the penalties), and the only ids the
+    # output may take (None: any). `vllm.Generate` sets them; OpenEngine has neither.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +160,15 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop token ids must be >= 0")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not math.isfinite(bias):
+                raise InvalidRequestError(
+                    f"logit_bias: token id {token_id} >= 0 with a finite bias, got {bias}"
+                )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise InvalidRequestError("allowed_token_ids must be non-empty ids >= 0")
         if self.prompt_logprob_start < 0:
             raise InvalidRequestError("prompt_logprob_start must be >= 0")
         if self.logprobs is not None:
@@ -409,7 +424,8 @@ class ScheduledSequence(NamedTuple):
     `prompt_logprobs` is set, return the logprob of each prompt token at positions
     `start_position + 1 .. min(start_position + len(token_ids), len(prompt_token_ids) - 1)`.
     `allowed_token_ids` (guided decoding, sampling sequences only): sample among these ids
-    alone (never empty); None: the whole vocabulary. `lora_key`: the LoRA weights to apply,
+    alone (never empty; already within the request's own `sampling.allowed_token_ids`); None:
+    the request's, else the whole vocabulary. `lora_key`: the LoRA weights to apply,
     as the runner holds them (`LoraRunner.add_lora`; one per load of an adapter, not its
     name); None: the base model. The sequences passed here are views valid during the call
     only: do not keep them.

@@ -682,6 +682,9 @@ class EngineCore:
             allowed = tuple(t for t in allowed if t not in stops)
         if complete and not early and not sampling.ignore_eos:
             allowed += tuple(sorted(self.eos_token_ids))
+        if sampling.allowed_token_ids is not None:
+            allow_list = set(sampling.allowed_token_ids)
+            allowed = tuple(t for t in allowed if t in allow_list)
         if allowed:
             return allowed
         if complete:

@@ -10,8 +10,10 @@ Checked after each sampled token, in this order:
 3. `max_tokens` (or the context limit): LENGTH.
 
 Text holdback. Until the output ends, the last `max(len(stop)) - 1` characters are held back,
-since they may be the start of a stop string that the next token completes; a finished output
-flushes the rest. Token ids are never held back (they stream as generated); only text lags.
+since they may be the start of a stop string that the next token completes and that would cut
+them out; a finished output flushes the rest. With `include_stop_in_output` a match keeps
+them, so nothing is held back (as vLLM). Token ids are never held back (they stream as
+generated); only text lags.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ class StopChecker:
         self._eos_token_ids = frozenset(() if sampling.ignore_eos else eos_token_ids)
         self._stop_token_ids = frozenset(sampling.stop_token_ids)
         self._max_new_tokens = max_new_tokens
-        self._holdback = max((len(s) for s in sampling.stop), default=1) - 1
+        # With the stop string kept, a match only cuts text after it, never text already
+        # out: nothing needs holding back (vLLM's `output_text_buffer_length` is 0 too).
+        self._holdback = (
+            0
+            if sampling.include_stop_in_output
+            else max((len(s) for s in sampling.stop), default=1) - 1
+        )
         self._text = ""  # output text so far (emitted + held back)
         self._num_emitted_chars = 0
         self._num_tokens = 0

@@ -85,13 +85,16 @@ class ServedModel:
 
     def check_request(self, request: EngineRequest) -> None:
         """Refuse (InvalidRequestError) what exceeds this model's advertised limits: a token id
-        outside the vocabulary (prompt, stop ids, candidate ids) or top_n above max_top_n.
+        outside the vocabulary (prompt, stop ids, candidate ids, logit bias, allowed ids) or top_n
+        above max_top_n.
 
         The engine core knows no vocabulary, so both front ends call this before submitting.
         """
         sampling = request.sampling
         self._check_token_ids(request.prompt_token_ids, "prompt")
         self._check_token_ids(sampling.stop_token_ids, "stop token ids")
+        self._check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
+        self._check_token_ids(sampling.allowed_token_ids or (), "allowed_token_ids")
         for logprobs, what in (
             (sampling.prompt_logprobs, "prompt candidates"),
             (sampling.logprobs, "output candidates"),

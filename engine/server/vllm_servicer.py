@@ -4,13 +4,14 @@ Both RPCs run the request exactly like OpenEngine's Generate. Unset options take
 default (its generation_config.json, `EngineContext.sampling_defaults`), else the proto's:
 `temperature` absent -> the model's, else 0 (greedy); 0 for top_k/top_p/min_p/
 repetition_penalty -> the model's, else "off"; `max_new_tokens` 0 -> the model's
-`max_new_tokens`, else 20; `num_sequences` 0 -> 1. Penalties of presence and frequency have
-no model default (0 is none).
+`max_new_tokens`, else 20; `num_sequences` 0 -> 1; `seed` -1 -> none (as vLLM). Penalties of
+presence and frequency have no model default (0 is none).
 `priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
-Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
-acceptance like in OpenEngine, never silently ignored; so, first of all, is any field outside
+`logit_bias` and `allowed_token_ids` are vLLM's (an id outside the vocabulary
+INVALID_ARGUMENT). Unsupported options (KV transfer params) are refused before acceptance like
+in OpenEngine, never silently ignored; so, first of all, is any field outside
 the seed's schema (today's vLLM proto adds `lora_name`, `session_id`, ...): both methods are
 strict (`kvplane.request_decoding`). This proto has no error event: a
 failure after acceptance ends the stream with gRPC INTERNAL. Logprobs are sent only when
@@ -142,8 +143,6 @@ async def engine_request_from_vllm(
     if refusal is not None:
         raise refusal
     dec = request.decoding
-    if dec.logit_bias or dec.allowed_token_ids:
-        raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
     if request.kv.HasField("kv_transfer_params") and request.kv.kv_transfer_params.fields:
         raise RoleMismatchError(
             "vLLM's kv_transfer_params are not supported: KV moves between engines through "
@@ -183,7 +182,8 @@ async def engine_request_from_vllm(
         frequency_penalty=dec.frequency_penalty,
         presence_penalty=dec.presence_penalty,
         repetition_penalty=dec.repetition_penalty or default.repetition_penalty,
-        seed=s.seed if s.HasField("seed") else None,
+        # vLLM's SamplingParams reads seed -1 as no seed.
+        seed=s.seed if s.HasField("seed") and s.seed != -1 else None,
         num_sequences=s.num_sequences or 1,
         max_tokens=max_new_tokens,
         min_tokens=stop.min_new_tokens,
@@ -194,6 +194,8 @@ async def engine_request_from_vllm(
         emit_stop_token=True,
         logprobs=_logprobs(resp.output_logprobs, resp.output_candidates),
         prompt_logprobs=_logprobs(resp.prompt_logprobs, resp.prompt_candidates),
+        logit_bias=tuple(sorted(dec.logit_bias.items())),
+        allowed_token_ids=tuple(dec.allowed_token_ids) or None,  # empty: unset
     )
     params.validate()
     engine_request = EngineRequest(

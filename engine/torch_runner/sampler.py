@@ -2,17 +2,21 @@
 
 Pipeline per row, in this order (the order vLLM and the OpenAI API define):
 
-1. penalties on the raw logits: repetition (prompt and output tokens; divide a positive logit,
-   multiply a negative one), then frequency (minus `f * count` over output tokens) and presence
-   (minus `p` for each token present in the output);
-2. `min_tokens`: while fewer outputs exist, stop token ids and EOS (unless `ignore_eos`) are
-   masked out; guided decoding: every token outside the row's `allowed_token_ids` too (before
-   temperature, min-p, top-k and top-p, so those act on the constrained distribution and
-   greedy is the argmax of the allowed tokens);
+0. `logit_bias` added to the raw logits (vLLM applies it before the penalties);
+1. penalties: repetition (prompt and output tokens; divide a positive logit, multiply a
+   negative one), then frequency (minus `f * count` over output tokens) and presence (minus
+   `p` for each token present in the output);
+2. masks: while fewer than `min_tokens` outputs exist, stop token ids and EOS (EOS even with
+   `ignore_eos`, as vLLM: its min-tokens processor masks every stop id it knows); every token
+   outside the request's `allowed_token_ids` or, guided decoding, the row's (the core limits
+   those to the request's); all before temperature, min-p, top-k and top-p, so those act on
+   the constrained distribution and greedy is the argmax of the allowed tokens;
 3. greedy rows (temperature 0) take the argmax here (lowest id on an exact tie);
-4. the rest divide by the temperature, drop tokens under `min_p * max_prob`, keep the `top_k`
-   most likely, keep the smallest most-likely set reaching mass `top_p` (renormalised after
-   top-k), and draw by the exponential race `argmax(p / E)`, `E ~ Exp(1)`.
+4. the rest divide by the temperature (at least 0.01, as vLLM raises it: a tinier one
+   overflows the logits to inf and the probabilities to NaN), drop tokens under
+   `min_p * max_prob`, keep the `top_k` most likely (and every token tied with the k-th, as
+   vLLM), keep the smallest most-likely set reaching mass `top_p` (renormalised after top-k),
+   and draw by the exponential race `argmax(p / E)`, `E ~ Exp(1)`.
 
 Randomness: a row with a seed draws from a generator seeded by (seed, number of tokens already
 output), so a seeded output is the same whatever else is in the batch and after a preemption
@@ -32,6 +36,9 @@ import torch
 
 from engine.core.api import Candidate, LogprobRequest, SamplingParams, TokenLogprob
 
+# vLLM's `_MAX_TEMP`: a positive temperature under it samples at it (dividing by a tinier one
+# overflows the logits to inf and the probabilities to NaN).
+MIN_SAMPLING_TEMPERATURE = 1e-2
 _MASK_64 = (1 << 64) - 1
 _GOLDEN_64 = 0x9E3779B97F4A7C15
 
@@ -79,7 +86,7 @@ class Sampler:
             # Nothing to adjust or report: the argmax of the raw logits, as below.
             return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
         raw = logits.float()
-        processed = apply_penalties(raw, rows)
+        processed = apply_penalties(apply_logit_bias(raw, rows), rows)
         processed = self._mask_min_tokens(processed, rows)
         processed = mask_disallowed(processed, rows)
         token_ids = processed.argmax(dim=-1)
@@ -107,10 +114,9 @@ class Sampler:
             params = row.params
             if len(row.output_token_ids) >= params.min_tokens:
                 continue
-            stop_ids = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids |= self._eos_token_ids
-            stop_ids = {t for t in stop_ids if t < logits.shape[1]}
+            stop_ids = {
+                t for t in (*params.stop_token_ids, *self._eos_token_ids) if t < logits.shape[1]
+            }
             if not stop_ids:
                 continue
             if masked is None:
@@ -136,17 +142,37 @@ class Sampler:
         return draws
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each row's `logit_bias` added; returns `logits` itself if no row has one."""
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i in biased:
+        for token_id, bias in rows[i].params.logit_bias:
+            if token_id < vocab:
+                out[i, token_id] += bias
+    return out
+
+
+def allowed_ids(row: SamplingRow) -> Sequence[int] | None:
+    """The ids a row may sample: its guide's (which the core already limited to the request's
+    `allowed_token_ids`), else the request's; None: any."""
+    return row.allowed_token_ids or row.params.allowed_token_ids
+
+
 def mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """-inf outside each guided row's allowed ids; returns `logits` itself if no row is guided."""
-    guided = [i for i, row in enumerate(rows) if row.allowed_token_ids]
-    if not guided:
+    """-inf outside each row's `allowed_ids`; returns `logits` itself if no row has them."""
+    limited = [i for i, row in enumerate(rows) if allowed_ids(row)]
+    if not limited:
         return logits
     vocab = logits.shape[1]
-    keep = torch.zeros((len(guided), vocab), dtype=torch.bool)
-    for j, i in enumerate(guided):
-        ids = torch.tensor(rows[i].allowed_token_ids, dtype=torch.int64)
+    keep = torch.zeros((len(limited), vocab), dtype=torch.bool)
+    for j, i in enumerate(limited):
+        ids = torch.tensor(allowed_ids(rows[i]), dtype=torch.int64)
         keep[j, ids[ids < vocab]] = True
-    index = torch.tensor(guided, device=logits.device)
+    index = torch.tensor(limited, device=logits.device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~keep.to(logits.device), float("-inf"))
     return masked
@@ -154,10 +180,12 @@ def mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
 def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether the pipeline reduces to the argmax of the raw logits for this row: greedy, no
-    penalty, no min-tokens mask left, no logprobs to report."""
+    bias, penalty, allow-list or min-tokens mask left, no logprobs to report."""
     return (
         params.greedy
         and params.logprobs is None
+        and not params.logit_bias
+        and params.allowed_token_ids is None
         and params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
@@ -204,7 +232,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p -> probabilities (masked tokens exactly 0)."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    temperature = torch.tensor(
+        [max(r.params.temperature, MIN_SAMPLING_TEMPERATURE) for r in rows], device=device
+    )
     logits = logits / temperature.unsqueeze(1)
     vocab = logits.shape[1]
     min_p = [r.params.min_p for r in rows]
@@ -222,9 +252,11 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=device).unsqueeze(0)
     k = torch.tensor(top_k, device=device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    # Keep every token at least as likely as the k-th (vLLM's rule): a tie at the boundary
+    # keeps all the tied tokens, whatever order the sort left them in.
+    kth_logit = sorted_logits.gather(1, k - 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_logit, float("-inf"))
     p = torch.tensor(top_p, device=device).unsqueeze(1)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

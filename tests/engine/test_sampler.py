@@ -49,6 +49,18 @@ def test_greedy_and_top_k_1_take_the_argmax() -> None:
     assert sample_ids(sampler, logits, top1) == argmax
 
 
+def test_a_tiny_temperature_samples_at_vllms_minimum() -> None:
+    # vLLM raises a positive temperature under 0.01 to 0.01. Dividing by 1e-40 overflowed every
+    # logit to inf, the probabilities to NaN, and the draw took token 0.
+    logits = torch.tensor([[1.0, 9.0, -5.0, 10.0] + [0.0] * (VOCAB - 4)])
+    sampler = Sampler(frozenset(), seed=0)
+    for temperature in (1e-40, 1e-6):
+        params = SamplingParams(temperature=temperature)
+        assert sample_ids(sampler, logits, [row(params, seed=7)]) == [3]
+        raised = filtered_probs(logits, [row(params)])
+        assert torch.equal(raised, filtered_probs(logits, [row(SamplingParams(temperature=0.01))]))
+
+
 def test_temperature_sampling_follows_the_softmax_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
     draws = 8000
@@ -83,6 +95,17 @@ def test_top_k_then_top_p_renormalises_after_top_k() -> None:
     assert kept[:3].tolist() == pytest.approx([1.0, 0.0, 0.0])
     kept = filtered_probs(logits, [row(SamplingParams(top_k=3))])[0]
     assert kept[:4].tolist() == pytest.approx([4 / 9, 3 / 9, 2 / 9, 0.0])
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    # vLLM keeps each token whose logit is at least the k-th largest: a tie at the boundary
+    # is kept whole (bf16 logits tie often), not cut at an order the sort happened to give.
+    logits = torch.tensor([[-1.0, 0.5, -1.0, 0.5, 0.5, -3.0] + [-9.0] * (VOCAB - 6)])
+    kept = filtered_probs(logits, [row(SamplingParams(top_k=2))])[0]
+    assert (kept > 0).nonzero().squeeze(1).tolist() == [1, 3, 4]
+    assert kept[[1, 3, 4]].tolist() == pytest.approx([1 / 3] * 3)
+    kept = filtered_probs(logits, [row(SamplingParams(top_k=4))])[0]
+    assert (kept > 0).nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:
@@ -123,6 +146,34 @@ def test_penalties_steer_greedy_choice() -> None:
     assert sample_ids(sampler, logits, [row(penalised, outputs=(0,))]) == [1]
 
 
+def test_logit_bias_is_added_before_the_penalties() -> None:
+    # vLLM's order: token 1 biased to 4.0, then halved by the repetition penalty to 2.0, loses
+    # to token 0's 2.5 (penalty first would give 0.5 + 3.0 = 3.5, and win).
+    logits = torch.tensor([[2.5, 1.0] + [0.0] * (VOCAB - 2)])
+    sampler = Sampler(frozenset(), seed=0)
+    biased = SamplingParams(temperature=0.0, logit_bias=((1, 3.0),))
+    assert sample_ids(sampler, logits, [row(biased)]) == [1]
+    penalised = SamplingParams(temperature=0.0, logit_bias=((1, 3.0),), repetition_penalty=2.0)
+    assert sample_ids(sampler, logits, [row(penalised, prompt=(1,))]) == [0]
+    # Logprobs stay the model's: the bias does not change them.
+    logprobs = SamplingParams(temperature=0.0, logit_bias=((1, 3.0),), logprobs=LogprobRequest())
+    (token,) = sampler.sample(logits, [row(logprobs)])
+    assert token.token_id == 1 and token.logprob is not None
+    assert token.logprob.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[1]))
+
+
+def test_allowed_token_ids_limit_every_draw() -> None:
+    logits = random_logits(1, seed=4)
+    allowed = (3, 17, 40)
+    sampler = Sampler(frozenset(), seed=0)
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    best = max(allowed, key=lambda t: float(logits[0, t]))
+    assert sample_ids(sampler, logits, [row(greedy)]) == [best]
+    sampled = SamplingParams(temperature=2.0, allowed_token_ids=allowed)
+    ids = sample_ids(sampler, logits.expand(300, VOCAB), [row(sampled)] * 300)
+    assert set(ids) == set(allowed)
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, 2] = 10.0  # EOS
@@ -132,8 +183,10 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(7,))
     assert sample_ids(sampler, logits, [row(params, outputs=(5,))]) == [9]
     assert sample_ids(sampler, logits, [row(params, outputs=(5, 5))]) == [2]
+    # EOS is masked with ignore_eos too (as vLLM), then may be sampled like any token.
     ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
-    assert sample_ids(sampler, logits, [row(ignore, outputs=())]) == [2]
+    assert sample_ids(sampler, logits, [row(ignore, outputs=())]) == [7]
+    assert sample_ids(sampler, logits, [row(ignore, outputs=(5, 5))]) == [2]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:

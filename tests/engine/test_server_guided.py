@@ -405,6 +405,33 @@ async def test_vllm_structured_output_maps_to_the_same_guides(model_dir: Path) -
         assert "guided decoding" in (error.details() or "")
 
 
+async def test_vllm_allowed_token_ids_narrow_a_guide(model_dir: Path) -> None:
+    """vLLM's allow-list applies on top of the guide: without the tokens holding a "k", only
+    "banana" can be written; without EOS too, the finished guide is a dead end."""
+    tokenizer = build_tokenizer()
+    no_k = [i for i in range(tokenizer.get_vocab_size()) if "k" not in tokenizer.decode([i])]
+    async with running_engine(_config(model_dir)) as engine:
+        request = vpb.GenerateRequest(
+            model="m",
+            token_ids=vpb.TokenIds(ids=PROMPT),
+            temperature=1.0,
+            decoding=vpb.DecodingParameters(
+                choice=vpb.DecodingParameters.StringChoices(choices=["kiwi", "banana"]),
+                allowed_token_ids=no_k,
+            ),
+            stopping=vpb.StoppingCriteria(max_new_tokens=16),
+        )
+        for seed in SEEDS:
+            request.sampling.seed = seed
+            response = await engine.vllm.Generate(request)
+            assert response.outputs.text == "banana", response
+            assert response.outputs.finish_info.HasField("eos_token_id"), response
+        request.decoding.allowed_token_ids.remove(EOS_ID)  # "banana" cannot end
+        error = await rpc_error(engine.vllm.Generate(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "guided decoding" in (error.details() or ""), error.details()
+
+
 async def test_capabilities_advertise_exactly_the_modes(model_dir: Path) -> None:
     async with running_engine(_config(model_dir)) as engine:
         caps = (await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model="m"))).generation

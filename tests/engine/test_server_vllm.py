@@ -365,26 +365,26 @@ def _with_kv_transfer_params() -> pb.GenerateRequest:
     ("options", "code", "needle"),
     [
         (
-            pb.GenerateRequest(decoding=pb.DecodingParameters(logit_bias={5: 1.0})),
+            pb.GenerateRequest(decoding=pb.DecodingParameters(logit_bias={5000: 1.0})),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "logit_bias",
+            "logit_bias: token id 5000 >= vocab size 1000",
         ),
         (
-            pb.GenerateRequest(decoding=pb.DecodingParameters(allowed_token_ids=[5])),
+            pb.GenerateRequest(decoding=pb.DecodingParameters(allowed_token_ids=[5, 1000])),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "allowed_token_ids",
+            "allowed_token_ids: token id 1000 >= vocab size 1000",
         ),
         (_with_kv_transfer_params(), grpc.StatusCode.FAILED_PRECONDITION, "kv.session"),
         (pb.GenerateRequest(text="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
     ],
-    ids=["logit_bias", "allowed_token_ids", "kv_transfer_params", "text_without_tokenizer"],
+    ids=["logit_bias_vocab", "allowed_token_ids_vocab", "kv_transfer_params", "no_tokenizer"],
 )
 async def test_options_the_engine_does_not_implement_are_refused(
     options: pb.GenerateRequest, code: grpc.StatusCode, needle: str
 ) -> None:
-    """Refused before acceptance, never silently ignored: a bias or an allow-list the sampler
-    would not apply, vLLM's KV connector parameters (KV moves through OpenEngine's kv.session),
-    a text prompt on the sim runner (no tokenizer)."""
+    """Refused before acceptance, never silently ignored: a bias or an allow-list naming a
+    token outside the vocabulary (as vLLM), vLLM's KV connector parameters (KV moves through
+    OpenEngine's kv.session), a text prompt on the sim runner (no tokenizer)."""
     async with running_engine() as engine:
         request = _request()
         request.MergeFrom(options)

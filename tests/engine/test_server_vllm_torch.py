@@ -201,3 +201,51 @@ async def test_a_seed_makes_sampling_repeatable(config: EngineConfig) -> None:
     assert first == again
     assert first != other
     assert first != list(greedy)  # temperature 1 samples; absent, it is greedy
+
+
+async def test_seed_minus_one_is_no_seed(config: EngineConfig) -> None:
+    """vLLM's SamplingParams reads seed -1 as unseeded: two such requests draw differently."""
+    async with running_engine(config) as engine:
+
+        async def sample() -> list[int]:
+            request = _request(output_token_ids=True)
+            request.temperature = 1.0
+            request.sampling.seed = -1
+            return list((await engine.vllm.Generate(request)).outputs.token_ids)
+
+        first, second = await sample(), await sample()
+    assert first != second  # 12 draws at temperature 1 over 385 tokens: equal ~never
+
+
+async def test_a_tiny_temperature_samples_at_vllms_minimum(config: EngineConfig) -> None:
+    """As vLLM: a positive temperature under 0.01 samples at 0.01 (1e-40 used to overflow the
+    logits to inf and draw token 0 from NaN probabilities)."""
+    async with running_engine(config) as engine:
+
+        async def sample(temperature: float) -> list[int]:
+            request = _request(output_token_ids=True)
+            request.temperature = temperature
+            request.sampling.seed = 1
+            return list((await engine.vllm.Generate(request)).outputs.token_ids)
+
+        floor, tiny = await sample(0.01), await sample(1e-40)
+    assert tiny == floor
+
+
+async def test_logit_bias_and_allowed_token_ids_steer_the_output(config: EngineConfig) -> None:
+    """vLLM's decoding options: a large bias makes greedy take that token every step; with an
+    allow-list every sampled token is one of it."""
+    async with running_engine(config) as engine:
+        biased = _request(output_token_ids=True)
+        biased.decoding.logit_bias[77] = 100.0
+        allowed = _request(output_token_ids=True)
+        allowed.temperature = 1.0
+        allowed.sampling.seed = 3
+        allowed.decoding.allowed_token_ids.extend([10, 20, 30])
+        streamed = [r async for r in engine.vllm.GenerateStream(biased)]
+        only_77 = await engine.vllm.Generate(biased)
+        drawn = await engine.vllm.Generate(allowed)
+    assert list(only_77.outputs.token_ids) == [77] * 12
+    assert [t for r in streamed for t in r.outputs.token_ids] == [77] * 12
+    assert set(drawn.outputs.token_ids) <= {10, 20, 30}
+    assert len(set(drawn.outputs.token_ids)) > 1

@@ -55,8 +55,10 @@ def test_include_stop_in_output_keeps_the_stop_string() -> None:
     checker = StopChecker(
         SamplingParams(stop=("xyz", "b c"), include_stop_in_output=True), {EOS}, 100
     )
-    text, _, decision = feed(checker, [(5, "a b"), (6, " c d"), (7, "e")])
+    text, deltas, decision = feed(checker, [(5, "a b"), (6, " c d"), (7, "e")])
     assert text == "a b c"
+    # A match keeps the stop string, so no text is held back (vLLM streams it at once).
+    assert deltas == ["a b", " c"]
     assert decision.stop_match is not None and decision.stop_match.text == "b c"
 
 
