@@ -1135,6 +1135,9 @@ class Relay:
         and this is what the client gets when no engine can take it."""
         c = self.controller
         request_id = plan.request.request_id
+        # The responses read from each engine call, counted: a connection whose calls bring
+        # some is alive, however late it answers a poll (`Fleet._end_silent_calls`).
+        calls_heard = c.fleet.calls_heard
         tried: set[str] = set()
         retry = retried
         # The engine that failed the request before its output, sending it to the next one.
@@ -1201,6 +1204,7 @@ class Relay:
                 try:
                     async for response in call:
                         self._unanswered.pop(request_id, None)
+                        calls_heard.heard(call)
                         error = surface.error(response)
                         usage = surface.usage(response) or usage
                         if not relayed:
@@ -1301,8 +1305,10 @@ class Relay:
                 return
             finally:
                 self._unanswered.pop(request_id, None)
-                if call is not None and not call.done():
-                    call.cancel()
+                if call is not None:
+                    calls_heard.forget(call)
+                    if not call.done():
+                        call.cancel()
                 c.router.finish(request_id)
                 self.let_go(request_id, engine)
 

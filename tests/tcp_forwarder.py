@@ -34,6 +34,9 @@ class TcpForwarder:
         self._lost = asyncio.Event()
         # `silence`: the connections up to this one (in `tunnels` order) forward nothing.
         self._silenced_up_to = 0
+        # `slow_down`: the connections up to this one forward what they read this late.
+        self._slowed_up_to = 0
+        self._latency_s = 0.0
         # `hold_requests`: the marker of the requests held, set once one is, and the event
         # that lets them through.
         self._held_by: bytes | None = None
@@ -119,6 +122,12 @@ class TcpForwarder:
         ever."""
         self._silenced_up_to = self.tunnels
 
+    def slow_down(self, latency_s: float) -> None:
+        """The connections open now deliver what they read `latency_s` late, both ways, in
+        order, reading on meanwhile: a congested link (a full buffer somewhere on the path),
+        slow but losing nothing. New connections are forwarded as ever."""
+        self._slowed_up_to, self._latency_s = self.tunnels, latency_s
+
     async def mend(self) -> None:
         """After `cut`: accept connections again, on the same port."""
         if self._server is None:
@@ -152,6 +161,9 @@ class TcpForwarder:
             def silent() -> bool:
                 return tunnel <= self._silenced_up_to
 
+            def latency() -> float:
+                return self._latency_s if tunnel <= self._slowed_up_to else 0.0
+
             def request(data: bytes) -> bool:
                 nonlocal doomed
                 self.bytes_from_clients += len(data)
@@ -167,8 +179,8 @@ class TcpForwarder:
                 return not doomed
 
             await asyncio.gather(
-                _pipe(reader, up_writer, request, silent, self._hold),
-                _pipe(up_reader, writer, reply, silent),
+                _pipe(reader, up_writer, request, silent, hold=self._hold, latency=latency),
+                _pipe(up_reader, writer, reply, silent, latency=latency),
             )
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
@@ -184,21 +196,46 @@ async def _pipe(
     writer: asyncio.StreamWriter,
     forwards: Callable[[bytes], bool] = lambda data: True,
     silent: Callable[[], bool] = lambda: False,
+    *,
     hold: Callable[[bytes], Awaitable[None]] | None = None,
+    latency: Callable[[], float] = lambda: 0.0,
 ) -> None:
     """Copies `reader` to `writer` until either ends, or until `forwards` refuses a chunk;
     while `silent()`, what is read is dropped instead. `hold(chunk)`: awaited before a chunk
-    goes on."""
+    goes on. Once `latency()` is above 0, each chunk goes on that late (and every later one
+    in order after it), the reading going on meanwhile."""
+    loop = asyncio.get_running_loop()
+    late: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+    delivering: asyncio.Task[None] | None = None
+
+    async def deliver_late() -> None:
+        with contextlib.suppress(OSError):
+            while (item := await late.get()) is not None:
+                due, data = item
+                await asyncio.sleep(due - loop.time())
+                writer.write(data)
+                await writer.drain()
+
     try:
         while (data := await reader.read(65536)) and forwards(data):
             if silent():
                 continue
             if hold is not None:
                 await hold(data)
+            if delivering is not None or latency() > 0:
+                if delivering is None:
+                    delivering = asyncio.create_task(deliver_late())
+                late.put_nowait((loop.time() + latency(), data))
+                continue
             writer.write(data)
             await writer.drain()
+        if delivering is not None:
+            late.put_nowait(None)
+            await delivering
     except OSError:
         pass
     finally:
+        if delivering is not None:
+            delivering.cancel()
         with contextlib.suppress(OSError):
             writer.transport.abort()

@@ -9,6 +9,7 @@ sends them often."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from tests.controller.test_stalled_engines import (
     num_tokens,
     two_streams_past_their_first_token,
 )
-from tests.grpc_streams import remaining_replies
+from tests.grpc_streams import next_reply, remaining_replies
 from tests.polling import eventually
 from tests.tcp_forwarder import TcpForwarder
 
@@ -197,6 +198,13 @@ async def silent_fleet(tmp_path: Path) -> AsyncIterator[SilentFleet]:
     healthy engine cordoned). Its pings wait 5 minutes for an answer, so that they cannot be
     what ends a stream on a silent connection here: by default keepalive ends one within 5
     min 20 s, or 20 s after a ping gRPC sends as data comes in (its flow-control probe)."""
+    async with forwarded_fleet(tmp_path) as fleet:
+        yield fleet
+
+
+@contextlib.asynccontextmanager
+async def forwarded_fleet(tmp_path: Path, **health: float) -> AsyncIterator[SilentFleet]:
+    """`silent_fleet`, with more `health` settings."""
     process = await EngineProcess.start(tmp_path, "forwarded")
     forwarded = ForwardedEngine(process, await TcpForwarder.start(f"127.0.0.1:{process.port}"))
     healthy = await start_sim_engine("healthy", time_scale=1.0)
@@ -204,7 +212,7 @@ async def silent_fleet(tmp_path: Path) -> AsyncIterator[SilentFleet]:
     fleet = await make_fleet(
         engines=engines,
         router={"session_metadata_key": "s"},
-        health={"keepalive_timeout_s": 300.0},
+        health={"keepalive_timeout_s": 300.0, **health},
     )
     try:
         await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
@@ -276,3 +284,40 @@ async def test_a_stream_on_a_silent_connection_before_its_first_token_is_answere
     await nothing_in_flight(fleet)
     await engine_runs_nothing(forwarded.direct)
     await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
+
+
+async def test_streams_on_a_congested_connection_go_on_to_their_end(tmp_path: Path) -> None:
+    """The connection holding an OpenEngine stream turns slow both ways, losing nothing (a
+    congested link: what is sent arrives 2 s late): a poll on it times out (1 s), the engine
+    answers on a new connection, and the Health asked on the old one then times out too; but
+    the stream's tokens come in meanwhile, late: the connection is alive, and the stream
+    goes on to its end. Before, it ended with an EngineError ("went silent on the call's
+    connection"), its engine healthy all along."""
+    async with forwarded_fleet(tmp_path, rpc_timeout_s=1.0) as (fleet, forwarded):
+        address = fleet.address(forwarded)
+        engine = fleet.app.controller.fleet._engines[address]
+        registry = fleet.app.controller.fleet.registry
+        # Some 20 s of tokens: under way still when the old connection is asked.
+        request = generate_request("congested", [*PREFIX, 1], max_tokens=2000)
+        stream = fleet.gateway.Generate(request)
+        first = await next_reply(stream)
+        connections = forwarded.forwarder.tunnels
+        forwarded.forwarder.slow_down(2.0)
+
+        def old_connection_asked() -> bool:
+            """A poll timed out on the slow connection, the engine answered on a new one,
+            and the old one was asked whether it is alive."""
+            return (
+                forwarded.forwarder.tunnels > connections
+                and registry.get(address).state is EngineState.READY
+                and not engine.dialled.doubted
+            )
+
+        await eventually(old_connection_asked, 30, "the old connection asked")
+        # The stream goes on to its end, with no error.
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            responses = [first, *await remaining_replies(stream)]
+        assert not [r for r in responses if r.WhichOneof("event") == "error"]
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+        assert num_tokens(responses) == 2000
+        await nothing_in_flight(fleet)
