@@ -1074,23 +1074,36 @@ class Relay:
         silent, its outage lasted too long), whose cancellation may never reach the engine
         (lost with its connection), which would run the request on: an Abort of it is sent
         in the background on the engine's current channel, waiting up to `LOST_ABORT_WAIT_S`
-        for the engine to be reached; best-effort (failing, a debug line). The retry of a
+        in all for the engine to be reached; ended with its channel (which the fleet closes
+        as it closed the call's: a connection that never got through before the engine
+        answered on a newer one), it is sent again on the engine's channel then. Best-effort
+        (failing, a debug line; the engine gone from the fleet, nothing). The retry of a
         request with no output yet goes to another engine, which it cannot end."""
-        try:
-            stub = self.controller.fleet.stub(engine)
-        except KeyError:  # it left the fleet: its channel is closed
-            return
+        fleet = self.controller.fleet
 
         async def abort() -> None:
-            try:
-                await stub.Abort(
-                    pb.AbortRequest(request_id=request_id),
-                    timeout=LOST_ABORT_WAIT_S,
-                    wait_for_ready=True,
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.debug("request %s: its Abort on %s, whose call was ended, failed: %s: %s",
-                          request_id, engine, exc.code().name, exc.details())  # fmt: skip
+            deadline = time.monotonic() + LOST_ABORT_WAIT_S
+            while (left_s := deadline - time.monotonic()) > 0:
+                try:
+                    stub = fleet.stub(engine)
+                except KeyError:  # it left the fleet: its channel is closed
+                    return
+                try:
+                    await stub.Abort(
+                        pb.AbortRequest(request_id=request_id),
+                        timeout=left_s,
+                        wait_for_ready=True,
+                    )
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("request %s: its Abort on %s, whose call was ended, failed: %s: %s",
+                              request_id, engine, exc.code().name, exc.details())  # fmt: skip
+                    return
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():  # this Abort's own (a shutdown)
+                        raise
+                    # (Its channel closed under it: the engine's current one is another.)
 
         task = asyncio.create_task(abort(), name=f"abort lost request {request_id} on {engine}")
         self._lost_aborts.add(task)

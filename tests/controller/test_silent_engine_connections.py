@@ -2,9 +2,10 @@
 entry expired, a blackholed path: a forwarder that drops what it reads, both ways, while new
 connections reach the engine), and the keepalive pings that find them: its polls go on a new
 connection, the gateway's streams on the silent one end once the engine answers on the new
-one (retried elsewhere before their first token, one EngineError after), its KV-event
-subscription ends and is made again, and a kvplane server takes the pings of a client that
-sends them often."""
+one (retried elsewhere before their first token, one EngineError after), while those on a
+connection only congested go on, the Abort of a lost request reaches the engine once its
+path heals, its KV-event subscription ends and is made again, and a kvplane server takes the
+pings of a client that sends them often."""
 
 from __future__ import annotations
 
@@ -321,3 +322,37 @@ async def test_streams_on_a_congested_connection_go_on_to_their_end(tmp_path: Pa
         assert responses[-1].WhichOneof("event") == "finished", responses[-1]
         assert num_tokens(responses) == 2000
         await nothing_in_flight(fleet)
+
+
+async def test_an_abort_of_a_lost_request_reaches_the_engine_once_its_path_heals(
+    tmp_path: Path,
+) -> None:
+    """The path to the engine is blackholed, new connections too, longer than
+    `abandon_streams_after_s`: the stream on it ends, and the Abort of its request waits on
+    a connection that never got through; once the path heals the engine answers on a newer
+    one, and the Abort, ended with the connection it waited on, is sent again there: the
+    engine, which ran the request on into the silent connection, frees it. Before, the
+    Abort ended with that connection, and the engine ran the request on to its end."""
+    async with forwarded_fleet(tmp_path, rpc_timeout_s=1.0, abandon_streams_after_s=1.0) as (
+        fleet,
+        forwarded,
+    ):
+        address = fleet.address(forwarded)
+        engine = fleet.app.controller.fleet._engines[address]
+        request = generate_request("orphan", [*PREFIX, 1], max_tokens=100_000)
+        stream = fleet.gateway.Generate(request)
+        while (await next_reply(stream)).WhichOneof("event") != "token":
+            pass
+        forwarded.forwarder.silence(new_ones=True)
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            rest = await remaining_replies(stream)
+        assert rest[-1].WhichOneof("event") == "error", rest[-1]
+        # Its Abort waits for the engine to be reached.
+        assert f"abort lost request orphan on {address}" in leftovers(address)
+        # Its connection, never through, doubted by a poll that timed out on it.
+        await eventually(lambda: engine.dialled.doubted, 30, "the Abort's connection doubted")
+        forwarded.forwarder.let_new_ones_through()
+        await engine_runs_nothing(forwarded.direct)
+        await fleet.wait_routable(1)
+        await nothing_in_flight(fleet)
+        await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
