@@ -570,8 +570,9 @@ class Relay:
         self._unanswered: dict[str, StartedCall] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[Released]] = set()
-        # Aborts of requests whose calls the fleet ended, sent in the background: the same.
-        self._lost_aborts: set[asyncio.Task[None]] = set()
+        # Aborts of requests whose calls the fleet ended, sent in the background, by (engine,
+        # request id): the same.
+        self._lost_aborts: dict[tuple[str, str], asyncio.Task[None]] = {}
         # request id -> where it ran so far, told to its client (`kvplane-route`).
         self._routes: dict[str, RouteReport] = {}
 
@@ -1105,9 +1106,24 @@ class Relay:
                         raise
                     # (Its channel closed under it: the engine's current one is another.)
 
+        key = (engine, request_id)
         task = asyncio.create_task(abort(), name=f"abort lost request {request_id} on {engine}")
-        self._lost_aborts.add(task)
-        task.add_done_callback(self._lost_aborts.discard)
+        self._lost_aborts[key] = task
+
+        def done(task: asyncio.Task[None]) -> None:
+            if self._lost_aborts.get(key) is task:
+                del self._lost_aborts[key]
+
+        task.add_done_callback(done)
+
+    def _drop_lost_abort(self, engine: str, request_id: str) -> None:
+        """The request is sent to `engine` again (a client's retry with its id): the Abort of
+        its earlier call there still pending (`_abort_lost`) would end this one, not that
+        one: dropped. That one, should it still run, has the engine refuse this one as a
+        duplicate."""
+        task = self._lost_aborts.pop((engine, request_id), None)
+        if task is not None:
+            task.cancel()
 
     @staticmethod
     async def _release(
@@ -1206,6 +1222,8 @@ class Relay:
             call: EngineCall[Response] | None = None
             try:
                 self.holding[request_id] = engine
+                if self._lost_aborts:  # (the usual case: none)
+                    self._drop_lost_abort(engine, request_id)
                 try:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned

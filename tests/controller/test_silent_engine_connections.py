@@ -324,6 +324,26 @@ async def test_streams_on_a_congested_connection_go_on_to_their_end(tmp_path: Pa
         await nothing_in_flight(fleet)
 
 
+async def lose_a_stream_in_a_blackhole(
+    fleet: EngineFleet[ServedEngine], forwarded: ForwardedEngine, request: pb.GenerateRequest
+) -> None:
+    """`request`'s stream, past its first token, is lost as the path to the engine is
+    blackholed, new connections too (`silence(new_ones=True)`): it ends with an EngineError
+    once `abandon_streams_after_s` passed, and the Abort of its request waits for the engine
+    on a connection that never gets through, which a poll timing out on it then doubts."""
+    address = fleet.address(forwarded)
+    engine = fleet.app.controller.fleet._engines[address]
+    stream = fleet.gateway.Generate(request)
+    while (await next_reply(stream)).WhichOneof("event") != "token":
+        pass
+    forwarded.forwarder.silence(new_ones=True)
+    async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+        rest = await remaining_replies(stream)
+    assert rest[-1].WhichOneof("event") == "error", rest[-1]
+    assert f"abort lost request {request.request_id} on {address}" in leftovers(address)
+    await eventually(lambda: engine.dialled.doubted, 30, "the Abort's connection doubted")
+
+
 async def test_an_abort_of_a_lost_request_reaches_the_engine_once_its_path_heals(
     tmp_path: Path,
 ) -> None:
@@ -338,21 +358,45 @@ async def test_an_abort_of_a_lost_request_reaches_the_engine_once_its_path_heals
         forwarded,
     ):
         address = fleet.address(forwarded)
-        engine = fleet.app.controller.fleet._engines[address]
         request = generate_request("orphan", [*PREFIX, 1], max_tokens=100_000)
-        stream = fleet.gateway.Generate(request)
-        while (await next_reply(stream)).WhichOneof("event") != "token":
-            pass
-        forwarded.forwarder.silence(new_ones=True)
-        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            rest = await remaining_replies(stream)
-        assert rest[-1].WhichOneof("event") == "error", rest[-1]
-        # Its Abort waits for the engine to be reached.
-        assert f"abort lost request orphan on {address}" in leftovers(address)
-        # Its connection, never through, doubted by a poll that timed out on it.
-        await eventually(lambda: engine.dialled.doubted, 30, "the Abort's connection doubted")
+        await lose_a_stream_in_a_blackhole(fleet, forwarded, request)
         forwarded.forwarder.let_new_ones_through()
         await engine_runs_nothing(forwarded.direct)
         await fleet.wait_routable(1)
+        await nothing_in_flight(fleet)
+        await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
+
+
+async def test_a_retry_sent_while_the_abort_of_its_lost_call_waits_is_not_aborted(
+    tmp_path: Path,
+) -> None:
+    """As above, but the request ran to its end on the engine during the outage, and its
+    client sends it again (its id) once the engine answers, while the Abort of the lost call
+    still waits on its connection that never got through: that Abort is dropped, and the
+    retry, run by the engine, is answered in full, not ended by the Abort meant for the
+    lost call."""
+    async with forwarded_fleet(tmp_path, rpc_timeout_s=2.0, abandon_streams_after_s=1.0) as (
+        fleet,
+        forwarded,
+    ):
+        address = fleet.address(forwarded)
+        engine = fleet.app.controller.fleet._engines[address]
+        registry = fleet.app.controller.fleet.registry
+        request = generate_request("again", [*PREFIX, 1], max_tokens=300)
+        await lose_a_stream_in_a_blackhole(fleet, forwarded, request)
+        await engine_runs_nothing(forwarded.direct)  # the lost call ran to its end
+        forwarded.forwarder.let_new_ones_through()
+
+        def answering_while_the_abort_waits() -> bool:
+            """Routable again, its old connections being asked (the Abort waits on one)."""
+            return registry.get(address).state is EngineState.READY and engine.dialled.doubted
+
+        await eventually(answering_while_the_abort_waits, 30, "routable, the Abort waiting")
+        assert f"abort lost request again on {address}" in leftovers(address)
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            responses = [r async for r in fleet.gateway.Generate(request)]
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+        assert responses[-1].finished.reason != pb.FINISH_REASON_CANCELLED, responses[-1]
+        assert num_tokens(responses) == 300
         await nothing_in_flight(fleet)
         await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
