@@ -5,7 +5,9 @@ with guided decoding beside one without): a request past one engine's limit, or 
 option it reports unsupported, is routed among those that take it; past every engine's
 limit, it is refused before any engine is asked, INVALID_ARGUMENT (as an engine refuses it),
 naming the limit and the largest the fleet has (an option every engine lacks, or a limit of
-engines that are all alike, is left to the engine to refuse, in its own words).
+engines that are all alike, is left to the engine to refuse, in its own words). What the
+fleet takes is what the engines finishing a Generate take (aggregated, decode): a prefill
+engine's limits bound its own hop only, since prefill engines alone serve none.
 
 What is checked (`ROUTED_LIMITS`, `ROUTED_OPTIONS`): the context (a prompt's tokens and the
 output it must produce, one token or `min_tokens`, within `max_context_length`, as an
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from controller.registry import EngineRecord, EngineState, ModelFacts, Registry
+from controller.registry import EngineRecord, EngineState, ModelFacts, Registry, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
@@ -148,38 +150,55 @@ class _Bounds(NamedTuple):
     """A model's limits and options over the engines generating it."""
 
     smallest: dict[str, int]  # each ROUTED_LIMITS path some engine reports: the smallest
-    largest: dict[str, int]  # where every engine reports it: the largest
+    # Where every engine finishing a Generate (`generating_facts`) reports it: the largest.
+    largest: dict[str, int]
     lacked_by_one: frozenset[str]  # ROUTED_OPTIONS some engine reports unsupported
-    lacked_by_all: frozenset[str]  # ROUTED_OPTIONS every engine reports unsupported
+    # ROUTED_OPTIONS every engine finishing a Generate reports unsupported.
+    lacked_by_all: frozenset[str]
     # Every engine reports the same limits and lacks the same options: none is chosen over
     # another, and a request past them is refused by whichever engine it goes to.
     alike: bool
 
 
-def bounds_of(serving: list[ModelFacts]) -> _Bounds:
+def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds:
+    """The bounds over the engines `serving` a model (`generating_facts`), of which those
+    `finishing` a Generate themselves take what the fleet takes."""
     smallest: dict[str, int] = {}
     largest: dict[str, int] = {}
     for path in ROUTED_LIMITS:
         values = [v for f in serving for p, v in f.limits if p == path]
         if values:
             smallest[path] = min(values)
-            if len(values) == len(serving):
-                largest[path] = max(values)
-    lacked = [f.unsupported.intersection(ROUTED_OPTIONS) for f in serving]
-    lacked_by_one = frozenset().union(*lacked)
+        ends = [v for f in finishing for p, v in f.limits if p == path]
+        if ends and len(ends) == len(finishing):
+            largest[path] = max(ends)
+    lacked_by_one = frozenset().union(*(f.unsupported for f in serving)) & set(ROUTED_OPTIONS)
+    lacked = [f.unsupported.intersection(ROUTED_OPTIONS) for f in finishing]
     lacked_by_all = frozenset.intersection(*lacked) if lacked else frozenset()
-    alike = smallest == largest and lacked_by_one == lacked_by_all
-    return _Bounds(smallest, largest, lacked_by_one, lacked_by_all, alike)
+    kinds = {
+        (
+            frozenset((p, v) for p, v in f.limits if p in ROUTED_LIMITS),
+            f.unsupported & lacked_by_one,
+        )
+        for f in serving
+    }
+    return _Bounds(smallest, largest, lacked_by_one, lacked_by_all, alike=len(kinds) <= 1)
 
 
-def generating_facts(records: Iterable[EngineRecord], model: str | None) -> list[ModelFacts]:
-    """The facts of `model` on each read, compatible engine generating it (routable or not)."""
+def generating_facts(
+    records: Iterable[EngineRecord], model: str | None, finishing: bool = False
+) -> list[ModelFacts]:
+    """The facts of `model` on each read, compatible engine generating it (routable or not);
+    with `finishing`, of those that finish a Generate themselves, its output theirs: not a
+    PREFILL engine (prefill engines alone serve no Generate: a request past every decode
+    engine's context is served by none, whatever the prefill engines take)."""
     return [
         facts
         for r in records
         if r.identity is not None
         and r.state is not EngineState.INCOMPATIBLE
         and r.identity.serves(model)
+        and not (finishing and r.identity.role is Role.PREFILL)
         and (facts := r.identity.facts_of(model)).generates
     ]
 
@@ -200,8 +219,10 @@ class Eligibility:
         if bounds is None:
             if len(self._bounds) >= _MEMO_SIZE:
                 self._bounds.clear()
-            serving = generating_facts(self.registry.records(), model)
-            bounds = self._bounds[model] = bounds_of(serving)
+            records = self.registry.records()
+            serving = generating_facts(records, model)
+            finishing = generating_facts(records, model, finishing=True)
+            bounds = self._bounds[model] = bounds_of(serving, finishing)
         return bounds
 
     def candidates(

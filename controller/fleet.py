@@ -31,7 +31,8 @@ for it or for their clients' deadlines; `why_calls_ended` tells the gateway whic
 (`controller.relay.engine_failure`). A poll that times out has the engine dialled afresh, a
 new connection for the calls to come (the one gone silent may be dead without a reset, as
 behind a blackholed path); the calls under way stay on the old one, which is polled too once
-the engine answers on the new one (`_end_silent_calls`): silent there, it is dead, and its
+the engine answers on the new one (`_end_silent_calls`): silent there, its calls bringing
+no response meanwhile either (a congested connection brings them, late), it is dead, and its
 calls end as an abandoned engine's do, instead of waiting for keepalive pings
 (`health.keepalive_s` and `keepalive_timeout_s`).
 
@@ -106,6 +107,7 @@ from indexer.writer_lease import LeasedSink, LeasingIndex, WriterLease, lease_ho
 from indexer.zmq_decode import ArrayTail, engine_array_tail
 from kvplane.channels import (
     INSECURE,
+    CallsHeard,
     ClientChannels,
     ClientSettings,
     Redialling,
@@ -540,6 +542,9 @@ class Fleet:
         )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
+        # The responses of the engine calls under way, counted by the gateway's relay as it
+        # reads them: a connection whose calls bring some is alive (`_end_silent_calls`).
+        self.calls_heard = CallsHeard()
         # The removals still dropping what the engine left (its tasks, index entries,
         # in-flight accounting), by address: registered again meanwhile, the new engine's
         # entries and accounting would be dropped with the old ones (`removal`).
@@ -1132,17 +1137,21 @@ class Fleet:
         """The engine answered a poll on a new connection, dialled after one timed out on the
         old one, which still holds calls (relayed streams): each old connection so doubted is
         polled too (Health, `rpc_timeout_s`; any answer, an error included, is one). One that
-        does not answer while the engine answers on the new one is dead without a reset (a
+        does not answer while the engine answers on the new one, and over which none of its
+        calls brought a response meanwhile (`calls_heard`), is dead without a reset (a
         blackholed path, a NAT entry expired): its calls end at once, as an abandoned
         engine's do (`abandon_calls`), instead of waiting for keepalive; one that answers
-        (the engine was only slow) keeps them."""
+        (the engine was only slow), or whose calls' responses come in however late (a
+        congested connection), keeps them."""
         timeout_s = self.config.health.rpc_timeout_s
 
         async def answers(channel: grpc.aio.Channel) -> bool:
+            before = self.calls_heard.of(channel)
             try:
                 await pb_grpc.OpenEngineStub(channel).Health(pb.HealthRequest(), timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
-                return poll_failure(exc.code().name) is PollFailure.ERROR_ANSWER
+                answered = poll_failure(exc.code().name) is PollFailure.ERROR_ANSWER
+                return answered or self.calls_heard.since(before)
             return True
 
         silent = await engine.dialled.check_doubted(answers)

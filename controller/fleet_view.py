@@ -16,7 +16,13 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import fields
 
-from controller.eligibility import CONTEXT_LIMIT, ROUTED_LIMITS, ROUTED_OPTIONS, bounds_of
+from controller.eligibility import (
+    CONTEXT_LIMIT,
+    ROUTED_LIMITS,
+    ROUTED_OPTIONS,
+    bounds_of,
+    generating_facts,
+)
 from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts
 
 FLEET_VIEW_KEY = "kvplane-fleet-view"
@@ -49,6 +55,7 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     they agree on one; the pooling tasks any has; generated when any generates it; LoRA
     supported when an engine generating it says so (False when every one says not). None
     where none reports it."""
+    records = list(records)
     serving = [
         r.identity.facts_of(model)
         for r in records
@@ -57,11 +64,12 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
         and r.identity.serves(model)
     ]
     # Where routing honours an engine's limit or option (ROUTED_LIMITS, ROUTED_OPTIONS: a
-    # Generate goes only to an engine that takes it), the largest any engine generating the
-    # model takes, and an option unsupported only when every one says so. Not the context
-    # of a model with pooling tasks: their inputs are routed by load only.
-    generating = [f for f in serving if f.generates]
-    routed = bounds_of(generating)
+    # Generate goes only to an engine that takes it), the largest any engine finishing a
+    # Generate takes (not a prefill engine's: alone, it serves none), and an option
+    # unsupported only when every one says so. Not the context of a model with pooling
+    # tasks: their inputs are routed by load only.
+    finishing = generating_facts(records, model or None, finishing=True)
+    routed = bounds_of(generating_facts(records, model or None), finishing)
     has_tasks = any(f.tasks for f in serving)
     limits: dict[str, int] = {}
     for facts in serving:
@@ -69,7 +77,7 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
             if facts.constrains(path) and (path not in limits or limit < limits[path]):
                 limits[path] = limit
     for path in ROUTED_LIMITS:
-        largest = max((v for f in generating for p, v in f.limits if p == path), default=None)
+        largest = max((v for f in finishing for p, v in f.limits if p == path), default=None)
         if largest is not None and not (path == CONTEXT_LIMIT and has_tasks):
             limits[path] = largest
     served = {f.served_name for f in serving if f.served_name}

@@ -570,8 +570,9 @@ class Relay:
         self._unanswered: dict[str, StartedCall] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[Released]] = set()
-        # Aborts of requests whose calls the fleet ended, sent in the background: the same.
-        self._lost_aborts: set[asyncio.Task[None]] = set()
+        # Aborts of requests whose calls the fleet ended, sent in the background, by (engine,
+        # request id): the same.
+        self._lost_aborts: dict[tuple[str, str], asyncio.Task[None]] = {}
         # request id -> where it ran so far, told to its client (`kvplane-route`).
         self._routes: dict[str, RouteReport] = {}
 
@@ -1079,27 +1080,55 @@ class Relay:
         silent, its outage lasted too long), whose cancellation may never reach the engine
         (lost with its connection), which would run the request on: an Abort of it is sent
         in the background on the engine's current channel, waiting up to `LOST_ABORT_WAIT_S`
-        for the engine to be reached; best-effort (failing, a debug line). The retry of a
+        in all for the engine to be reached; ended with its channel (which the fleet closes
+        as it closed the call's: a connection that never got through before the engine
+        answered on a newer one), it is sent again on the engine's channel then. Best-effort
+        (failing, a debug line; the engine gone from the fleet, nothing). The retry of a
         request with no output yet goes to another engine, which it cannot end."""
-        try:
-            stub = self.controller.fleet.stub(engine)
-        except KeyError:  # it left the fleet: its channel is closed
-            return
+        fleet = self.controller.fleet
 
         async def abort() -> None:
-            try:
-                await stub.Abort(
-                    pb.AbortRequest(request_id=request_id),
-                    timeout=LOST_ABORT_WAIT_S,
-                    wait_for_ready=True,
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.debug("request %s: its Abort on %s, whose call was ended, failed: %s: %s",
-                          request_id, engine, exc.code().name, exc.details())  # fmt: skip
+            deadline = time.monotonic() + LOST_ABORT_WAIT_S
+            while (left_s := deadline - time.monotonic()) > 0:
+                try:
+                    stub = fleet.stub(engine)
+                except KeyError:  # it left the fleet: its channel is closed
+                    return
+                try:
+                    await stub.Abort(
+                        pb.AbortRequest(request_id=request_id),
+                        timeout=left_s,
+                        wait_for_ready=True,
+                    )
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("request %s: its Abort on %s, whose call was ended, failed: %s: %s",
+                              request_id, engine, exc.code().name, exc.details())  # fmt: skip
+                    return
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():  # this Abort's own (a shutdown)
+                        raise
+                    # (Its channel closed under it: the engine's current one is another.)
 
+        key = (engine, request_id)
         task = asyncio.create_task(abort(), name=f"abort lost request {request_id} on {engine}")
-        self._lost_aborts.add(task)
-        task.add_done_callback(self._lost_aborts.discard)
+        self._lost_aborts[key] = task
+
+        def done(task: asyncio.Task[None]) -> None:
+            if self._lost_aborts.get(key) is task:
+                del self._lost_aborts[key]
+
+        task.add_done_callback(done)
+
+    def _drop_lost_abort(self, engine: str, request_id: str) -> None:
+        """The request is sent to `engine` again (a client's retry with its id): the Abort of
+        its earlier call there still pending (`_abort_lost`) would end this one, not that
+        one: dropped. That one, should it still run, has the engine refuse this one as a
+        duplicate."""
+        task = self._lost_aborts.pop((engine, request_id), None)
+        if task is not None:
+            task.cancel()
 
     @staticmethod
     async def _release(
@@ -1140,6 +1169,9 @@ class Relay:
         and this is what the client gets when no engine can take it."""
         c = self.controller
         request_id = plan.request.request_id
+        # The responses read from each engine call, counted: a connection whose calls bring
+        # some is alive, however late it answers a poll (`Fleet._end_silent_calls`).
+        calls_heard = c.fleet.calls_heard
         tried: set[str] = set()
         retry = retried
         # The engine that failed the request before its output, sending it to the next one.
@@ -1195,6 +1227,8 @@ class Relay:
             call: EngineCall[Response] | None = None
             try:
                 self.holding[request_id] = engine
+                if self._lost_aborts:  # (the usual case: none)
+                    self._drop_lost_abort(engine, request_id)
                 try:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned
@@ -1206,6 +1240,7 @@ class Relay:
                 try:
                     async for response in call:
                         self._unanswered.pop(request_id, None)
+                        calls_heard.heard(call)
                         error = surface.error(response)
                         usage = surface.usage(response) or usage
                         if not relayed:
@@ -1306,8 +1341,10 @@ class Relay:
                 return
             finally:
                 self._unanswered.pop(request_id, None)
-                if call is not None and not call.done():
-                    call.cancel()
+                if call is not None:
+                    calls_heard.forget(call)
+                    if not call.done():
+                        call.cancel()
                 c.router.finish(request_id)
                 self.let_go(request_id, engine)
 

@@ -458,6 +458,34 @@ class Redialling(Generic[_Stub]):
 _CALLS_RECORD = "_active_calls"
 
 
+class CallsHeard:
+    """How many responses each call under way has brought so far, counted by whoever reads
+    them (`heard`, per response; `forget` once the call ended): whether a channel's
+    connection brought anything over a while (`of`, then `since`), which tells a congested
+    connection from a dead one when a call made on it answers late (`Redialling.check_doubted`:
+    a dead one brings nothing, a congested one goes on bringing its calls' responses, late)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[object, int] = {}
+
+    def heard(self, call: object) -> None:
+        """`call` brought a response."""
+        self._counts[call] = self._counts.get(call, 0) + 1
+
+    def forget(self, call: object) -> None:
+        """`call` ended."""
+        self._counts.pop(call, None)
+
+    def of(self, channel: grpc.aio.Channel) -> dict[object, int]:
+        """What the calls under way on `channel` brought so far (`since` compares)."""
+        calls = getattr(channel, _CALLS_RECORD, None) or ()
+        return {call: self._counts.get(call, 0) for call in calls}
+
+    def since(self, before: dict[object, int]) -> bool:
+        """Whether one of the calls of `before` (`of`) brought a response since."""
+        return any(self._counts.get(call, 0) > count for call, count in before.items())
+
+
 def _holds_calls(channel: grpc.aio.Channel) -> bool:
     """Whether `channel` has calls under way (always, for a grpcio that keeps no record of
     them: `_CALLS_RECORD`)."""

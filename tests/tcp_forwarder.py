@@ -5,7 +5,8 @@ naming it as an HTTP CONNECT proxy), its other connections (Redis) and other pro
 direct routes stay up, and `cut()` drops its connections and refuses new ones, as a
 partition between the two would (`mend()` ends it). `lose_next_reply` drops one connection
 between a request and its reply: the server ran the request, the client never learns whether
-it did."""
+it did. `silence` makes connections go silent without a reset (a blackholed path),
+`slow_down` makes them late (a congested link)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,13 @@ class TcpForwarder:
         self._doomed_after_server = True
         self._doomed_times = 0
         self._lost = asyncio.Event()
-        # `silence`: the connections up to this one (in `tunnels` order) forward nothing.
+        # `silence`: the connections up to this one (in `tunnels` order) forward nothing, nor,
+        # with `new_ones`, those opened until `let_new_ones_through`.
         self._silenced_up_to = 0
+        self._silencing_new = False
+        # `slow_down`: the connections up to this one forward what they read this late.
+        self._slowed_up_to = 0
+        self._latency_s = 0.0
         # `hold_requests`: the marker of the requests held, set once one is, and the event
         # that lets them through.
         self._held_by: bytes | None = None
@@ -113,11 +119,24 @@ class TcpForwarder:
         # (Ended here, not cancelled with the event loop, which asyncio logs as an error.)
         await asyncio.gather(*self._serving, return_exceptions=True)
 
-    def silence(self) -> None:
+    def silence(self, new_ones: bool = False) -> None:
         """The connections open now go silent, both ways, and stay open: a peer gone without
         a reset (its host vanished, a NAT entry expired). New connections are forwarded as
-        ever."""
+        ever; with `new_ones`, they go silent too (accepted, nothing forwarded: a blackholed
+        path), until `let_new_ones_through`."""
         self._silenced_up_to = self.tunnels
+        self._silencing_new = new_ones
+
+    def let_new_ones_through(self) -> None:
+        """After `silence(new_ones=True)`: the connections opened from now on are forwarded
+        (the path healed); those opened silent stay so."""
+        self._silencing_new = False
+
+    def slow_down(self, latency_s: float) -> None:
+        """The connections open now deliver what they read `latency_s` late, both ways, in
+        order, reading on meanwhile: a congested link (a full buffer somewhere on the path),
+        slow but losing nothing. New connections are forwarded as ever."""
+        self._slowed_up_to, self._latency_s = self.tunnels, latency_s
 
     async def mend(self) -> None:
         """After `cut`: accept connections again, on the same port."""
@@ -145,12 +164,16 @@ class TcpForwarder:
             self._writers.add(up_writer)
             self.tunnels += 1
             tunnel = self.tunnels
+            born_silent = self._silencing_new
             if self._to is None:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             doomed = False  # this connection's reply is to be lost
 
             def silent() -> bool:
-                return tunnel <= self._silenced_up_to
+                return born_silent or tunnel <= self._silenced_up_to
+
+            def latency() -> float:
+                return self._latency_s if tunnel <= self._slowed_up_to else 0.0
 
             def request(data: bytes) -> bool:
                 nonlocal doomed
@@ -167,8 +190,8 @@ class TcpForwarder:
                 return not doomed
 
             await asyncio.gather(
-                _pipe(reader, up_writer, request, silent, self._hold),
-                _pipe(up_reader, writer, reply, silent),
+                _pipe(reader, up_writer, request, silent, hold=self._hold, latency=latency),
+                _pipe(up_reader, writer, reply, silent, latency=latency),
             )
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
@@ -184,21 +207,50 @@ async def _pipe(
     writer: asyncio.StreamWriter,
     forwards: Callable[[bytes], bool] = lambda data: True,
     silent: Callable[[], bool] = lambda: False,
+    *,
     hold: Callable[[bytes], Awaitable[None]] | None = None,
+    latency: Callable[[], float] = lambda: 0.0,
 ) -> None:
     """Copies `reader` to `writer` until either ends, or until `forwards` refuses a chunk;
-    while `silent()`, what is read is dropped instead. `hold(chunk)`: awaited before a chunk
-    goes on."""
+    while `silent()`, what is read is dropped instead, and `reader`'s end is not passed on
+    (a blackholed path carries no FIN nor reset: the connection ends with the other way).
+    `hold(chunk)`: awaited before a chunk goes on. Once `latency()` is above 0, each chunk
+    goes on that late (and every later one in order after it), the reading going on
+    meanwhile."""
+    loop = asyncio.get_running_loop()
+    late: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+    delivering: asyncio.Task[None] | None = None
+
+    async def deliver_late() -> None:
+        with contextlib.suppress(OSError):
+            while (item := await late.get()) is not None:
+                due, data = item
+                await asyncio.sleep(due - loop.time())
+                writer.write(data)
+                await writer.drain()
+
     try:
         while (data := await reader.read(65536)) and forwards(data):
             if silent():
                 continue
             if hold is not None:
                 await hold(data)
+            if delivering is not None or latency() > 0:
+                if delivering is None:
+                    delivering = asyncio.create_task(deliver_late())
+                late.put_nowait((loop.time() + latency(), data))
+                continue
             writer.write(data)
             await writer.drain()
+        if delivering is not None:
+            late.put_nowait(None)
+            await delivering
     except OSError:
         pass
     finally:
-        with contextlib.suppress(OSError):
-            writer.transport.abort()
+        if delivering is not None:
+            delivering.cancel()
+        # A silent connection's end is not passed on either: the peer learns nothing of it.
+        if not silent():
+            with contextlib.suppress(OSError):
+                writer.transport.abort()

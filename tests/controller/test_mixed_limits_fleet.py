@@ -133,3 +133,28 @@ async def test_model_info_tells_the_fleets_block_size_and_name_whichever_engine_
             await fleet.wait_routable(2)
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_disaggregated_fleet_takes_the_context_its_decode_engines_take() -> None:
+    """A long-context prefill engine beside a short-context decode engine: prefill engines
+    alone serve no Generate, so a prompt past the decode engine's context is refused naming
+    it as the largest the fleet takes, before any engine is asked, and GetModelInfo
+    advertises it; a prompt within it is served. Before, the prefill engine's context was
+    advertised, and such a prompt failed UNAVAILABLE ("no decode engine available"), worth
+    retrying by its status, which it never was."""
+    prefill = await start_sim_engine("p0", role="prefill", max_model_len=LONG)
+    decode = await start_sim_engine("d0", role="decode", max_model_len=SHORT)
+    fleet = await make_fleet(engines=[prefill, decode])
+    try:
+        info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        call = fleet.gateway.Generate(generate_request("past", [5] * 300, max_tokens=4))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in call]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        details = caught.value.details() or ""
+        assert "max_context_length 301; the largest" in details and str(SHORT) in details
+        assert info.max_context_length == SHORT
+        within = [r async for r in fleet.gateway.Generate(generate_request("in", [5] * 40))]
+        assert within[-1].WhichOneof("event") == "finished", within[-1]
+    finally:
+        await close_fleet(fleet)

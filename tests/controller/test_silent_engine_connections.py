@@ -2,13 +2,15 @@
 entry expired, a blackholed path: a forwarder that drops what it reads, both ways, while new
 connections reach the engine), and the keepalive pings that find them: its polls go on a new
 connection, the gateway's streams on the silent one end once the engine answers on the new
-one (retried elsewhere before their first token, one EngineError after), its KV-event
-subscription ends and is made again, and a kvplane server takes the pings of a client that
-sends them often."""
+one (retried elsewhere before their first token, one EngineError after), while those on a
+connection only congested go on, the Abort of a lost request reaches the engine once its
+path heals, its KV-event subscription ends and is made again, and a kvplane server takes the
+pings of a client that sends them often."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -40,7 +42,7 @@ from tests.controller.test_stalled_engines import (
     num_tokens,
     two_streams_past_their_first_token,
 )
-from tests.grpc_streams import remaining_replies
+from tests.grpc_streams import next_reply, remaining_replies
 from tests.polling import eventually
 from tests.tcp_forwarder import TcpForwarder
 
@@ -197,6 +199,13 @@ async def silent_fleet(tmp_path: Path) -> AsyncIterator[SilentFleet]:
     healthy engine cordoned). Its pings wait 5 minutes for an answer, so that they cannot be
     what ends a stream on a silent connection here: by default keepalive ends one within 5
     min 20 s, or 20 s after a ping gRPC sends as data comes in (its flow-control probe)."""
+    async with forwarded_fleet(tmp_path) as fleet:
+        yield fleet
+
+
+@contextlib.asynccontextmanager
+async def forwarded_fleet(tmp_path: Path, **health: float) -> AsyncIterator[SilentFleet]:
+    """`silent_fleet`, with more `health` settings."""
     process = await EngineProcess.start(tmp_path, "forwarded")
     forwarded = ForwardedEngine(process, await TcpForwarder.start(f"127.0.0.1:{process.port}"))
     healthy = await start_sim_engine("healthy", time_scale=1.0)
@@ -204,7 +213,7 @@ async def silent_fleet(tmp_path: Path) -> AsyncIterator[SilentFleet]:
     fleet = await make_fleet(
         engines=engines,
         router={"session_metadata_key": "s"},
-        health={"keepalive_timeout_s": 300.0},
+        health={"keepalive_timeout_s": 300.0, **health},
     )
     try:
         await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
@@ -276,3 +285,118 @@ async def test_a_stream_on_a_silent_connection_before_its_first_token_is_answere
     await nothing_in_flight(fleet)
     await engine_runs_nothing(forwarded.direct)
     await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
+
+
+async def test_streams_on_a_congested_connection_go_on_to_their_end(tmp_path: Path) -> None:
+    """The connection holding an OpenEngine stream turns slow both ways, losing nothing (a
+    congested link: what is sent arrives 2 s late): a poll on it times out (1 s), the engine
+    answers on a new connection, and the Health asked on the old one then times out too; but
+    the stream's tokens come in meanwhile, late: the connection is alive, and the stream
+    goes on to its end. Before, it ended with an EngineError ("went silent on the call's
+    connection"), its engine healthy all along."""
+    async with forwarded_fleet(tmp_path, rpc_timeout_s=1.0) as (fleet, forwarded):
+        address = fleet.address(forwarded)
+        engine = fleet.app.controller.fleet._engines[address]
+        registry = fleet.app.controller.fleet.registry
+        # Some 20 s of tokens: under way still when the old connection is asked.
+        request = generate_request("congested", [*PREFIX, 1], max_tokens=2000)
+        stream = fleet.gateway.Generate(request)
+        first = await next_reply(stream)
+        connections = forwarded.forwarder.tunnels
+        forwarded.forwarder.slow_down(2.0)
+
+        def old_connection_asked() -> bool:
+            """A poll timed out on the slow connection, the engine answered on a new one,
+            and the old one was asked whether it is alive."""
+            return (
+                forwarded.forwarder.tunnels > connections
+                and registry.get(address).state is EngineState.READY
+                and not engine.dialled.doubted
+            )
+
+        await eventually(old_connection_asked, 30, "the old connection asked")
+        # The stream goes on to its end, with no error.
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            responses = [first, *await remaining_replies(stream)]
+        assert not [r for r in responses if r.WhichOneof("event") == "error"]
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+        assert num_tokens(responses) == 2000
+        await nothing_in_flight(fleet)
+
+
+async def lose_a_stream_in_a_blackhole(
+    fleet: EngineFleet[ServedEngine], forwarded: ForwardedEngine, request: pb.GenerateRequest
+) -> None:
+    """`request`'s stream, past its first token, is lost as the path to the engine is
+    blackholed, new connections too (`silence(new_ones=True)`): it ends with an EngineError
+    once `abandon_streams_after_s` passed, and the Abort of its request waits for the engine
+    on a connection that never gets through, which a poll timing out on it then doubts."""
+    address = fleet.address(forwarded)
+    engine = fleet.app.controller.fleet._engines[address]
+    stream = fleet.gateway.Generate(request)
+    while (await next_reply(stream)).WhichOneof("event") != "token":
+        pass
+    forwarded.forwarder.silence(new_ones=True)
+    async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+        rest = await remaining_replies(stream)
+    assert rest[-1].WhichOneof("event") == "error", rest[-1]
+    assert f"abort lost request {request.request_id} on {address}" in leftovers(address)
+    await eventually(lambda: engine.dialled.doubted, 30, "the Abort's connection doubted")
+
+
+async def test_an_abort_of_a_lost_request_reaches_the_engine_once_its_path_heals(
+    tmp_path: Path,
+) -> None:
+    """The path to the engine is blackholed, new connections too, longer than
+    `abandon_streams_after_s`: the stream on it ends, and the Abort of its request waits on
+    a connection that never got through; once the path heals the engine answers on a newer
+    one, and the Abort, ended with the connection it waited on, is sent again there: the
+    engine, which ran the request on into the silent connection, frees it. Before, the
+    Abort ended with that connection, and the engine ran the request on to its end."""
+    async with forwarded_fleet(tmp_path, rpc_timeout_s=1.0, abandon_streams_after_s=1.0) as (
+        fleet,
+        forwarded,
+    ):
+        address = fleet.address(forwarded)
+        request = generate_request("orphan", [*PREFIX, 1], max_tokens=100_000)
+        await lose_a_stream_in_a_blackhole(fleet, forwarded, request)
+        forwarded.forwarder.let_new_ones_through()
+        await engine_runs_nothing(forwarded.direct)
+        await fleet.wait_routable(1)
+        await nothing_in_flight(fleet)
+        await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
+
+
+async def test_a_retry_sent_while_the_abort_of_its_lost_call_waits_is_not_aborted(
+    tmp_path: Path,
+) -> None:
+    """As above, but the request ran to its end on the engine during the outage, and its
+    client sends it again (its id) once the engine answers, while the Abort of the lost call
+    still waits on its connection that never got through: that Abort is dropped, and the
+    retry, run by the engine, is answered in full, not ended by the Abort meant for the
+    lost call."""
+    async with forwarded_fleet(tmp_path, rpc_timeout_s=2.0, abandon_streams_after_s=1.0) as (
+        fleet,
+        forwarded,
+    ):
+        address = fleet.address(forwarded)
+        engine = fleet.app.controller.fleet._engines[address]
+        registry = fleet.app.controller.fleet.registry
+        request = generate_request("again", [*PREFIX, 1], max_tokens=300)
+        await lose_a_stream_in_a_blackhole(fleet, forwarded, request)
+        await engine_runs_nothing(forwarded.direct)  # the lost call ran to its end
+        forwarded.forwarder.let_new_ones_through()
+
+        def answering_while_the_abort_waits() -> bool:
+            """Routable again, its old connections being asked (the Abort waits on one)."""
+            return registry.get(address).state is EngineState.READY and engine.dialled.doubted
+
+        await eventually(answering_while_the_abort_waits, 30, "routable, the Abort waiting")
+        assert f"abort lost request again on {address}" in leftovers(address)
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            responses = [r async for r in fleet.gateway.Generate(request)]
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+        assert responses[-1].finished.reason != pb.FINISH_REASON_CANCELLED, responses[-1]
+        assert num_tokens(responses) == 300
+        await nothing_in_flight(fleet)
+        await eventually(lambda: not leftovers(address), 15, "no task left about the engine")
