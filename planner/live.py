@@ -827,6 +827,7 @@ def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -
         number("duration_ms", float) / 1000.0,
         int(number("num_prefill_tokens", int)),
         batch_size - decode_sequences,
+        int(number("num_cached_tokens", int)),
     )
 
 

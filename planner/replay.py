@@ -8,8 +8,9 @@ of a token of its own (no two requests share a prefix: the Azure traces have no 
 its output exactly `output_tokens` tokens.
 
 The actuator (`_Actuator`, the fleet's `Timer`) is what a live actuator and observer would be:
-- every `tick_s` it builds `Observations` (each engine's `EngineLoad` as GetLoad gives it, and
-  the passes each ran since the last tick, as FORWARD_PASS events would report them, summed)
+- every `tick_s` it builds `Observations` (each engine's `EngineLoad` as GetLoad gives it, its
+  cached blocks as the controller's index would place them on it, and the passes each ran
+  since the last tick, as FORWARD_PASS events would report them, summed)
   and applies the policy's decisions: ScalePool starts engines, which serve `startup_s` later;
   DrainEngine stops routing to one; RemoveEngine stops one (only a drained one: anything else
   is a policy bug and raises). A draining engine still running requests at its deadline has
@@ -72,7 +73,8 @@ class FleetSettings:
 
 class MeteredSimRunner(SimRunner):
     """The sim runner, counting what FORWARD_PASS events would report: prompt tokens and
-    prefill sequences of each pass (passes and their time it counts already)."""
+    prefill sequences of each pass (passes and their time it counts already; the prefix-cache
+    hits of each pass the engine counts: `SimEngine.num_cached_tokens`)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -84,14 +86,15 @@ class MeteredSimRunner(SimRunner):
         self.num_prefill_sequences += len(batch.sequences) - batch.num_decode_sequences
         return super().execute(batch)
 
-    def totals(self, engine_id: str) -> ForwardPasses:
-        """Every pass so far, as one `ForwardPasses`."""
+    def totals(self, engine_id: str, num_cached_tokens: int) -> ForwardPasses:
+        """Every pass so far, as one `ForwardPasses` (with the engine's count of hits)."""
         return ForwardPasses(
             engine_id,
             self.num_forward_passes,
             self.total_forward_ms / 1000.0,
             self.num_prefill_tokens,
             self.num_prefill_sequences,
+            num_cached_tokens,
         )
 
 
@@ -226,7 +229,7 @@ class _Actuator:
         alive = [m for m in self.members if not m.is_stopped]
         passes = []
         for m in alive:
-            totals = m.runner.totals(m.engine_id)
+            totals = m.runner.totals(m.engine_id, m.engine.num_cached_tokens)
             if m.seen is None or totals.num_passes > m.seen.num_passes:
                 passes.append(_since(totals, m.seen))
             m.seen = totals
@@ -249,6 +252,9 @@ class _Actuator:
                         load.num_total_blocks,
                         self.settings.block_size,
                     ),
+                    # The controller's index holds exactly the keys the engine's KV events
+                    # stored and did not remove: its prefix cache's.
+                    indexed_blocks=load.num_cached_blocks,
                 )
             )
         return tuple(observed)
@@ -263,6 +269,7 @@ def _since(totals: ForwardPasses, seen: ForwardPasses | None) -> ForwardPasses:
         totals.duration_s - seen.duration_s,
         totals.num_prefill_tokens - seen.num_prefill_tokens,
         totals.num_prefill_sequences - seen.num_prefill_sequences,
+        totals.num_cached_tokens - seen.num_cached_tokens,
     )
 
 

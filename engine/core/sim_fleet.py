@@ -68,6 +68,9 @@ class SimEngine:
     clock: VirtualClock
     runner: SimRunner
     num_preemptions: int = 0
+    # Prefix-cache hits of the sequences admitted, summed over its passes (what FORWARD_PASS
+    # events report as num_cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def busy_s(self) -> float:
@@ -234,6 +237,8 @@ class SimFleet:
         if result.stats is None and not result.outputs:
             raise RuntimeError(f"sim engine {engine.index} has work but scheduled nothing")
         engine.num_preemptions += result.num_preempted
+        if result.stats is not None:
+            engine.num_cached_tokens += result.stats.num_cached_tokens
         now_s = engine.clock.now()
         for output in result.outputs:
             record = records[output.request_id]

@@ -33,7 +33,9 @@ class EngineLoad:
 
     running_requests: int
     queued_requests: int
-    waiting_prefill_tokens: int  # prompt tokens of queued requests not computed yet
+    # Prompt tokens of queued requests not computed yet: GetLoad's waiting_tokens, each queued
+    # prompt whole (its cached prefix is found only when the engine admits it).
+    waiting_prefill_tokens: int
     used_kv_blocks: int
     total_kv_blocks: int
     kv_block_size: int = 16  # tokens per block (GetModelInfo's kv_block_size)
@@ -107,6 +109,9 @@ class ForwardPasses:
     # Sequences that computed prompt tokens, summed over the passes (batch_size minus
     # num_decode_sequences of each event): a prompt split into chunks counts once per chunk.
     num_prefill_sequences: int = 0
+    # Prompt tokens the prefix cache already held for the sequences admitted in these passes
+    # (the event's num_cached_tokens): not computed. 0 when the engine does not say.
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

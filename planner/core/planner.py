@@ -14,9 +14,10 @@ Each tick, per configured pool (engines of other pools are left alone):
    spread one tick's prompt tokens over two.
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
-   per second; a decode engine's backlog is its queued prompts' tails: `_prefill_backlog`)
-   and feed the forecast; keep running means of the prompt length and of the
-   passes a request decodes for.
+   per second; the backlog is what the engines will compute of their queued prompts:
+   `_prefill_backlog`) and feed the forecast; keep running means of the prompt length, of the
+   passes a request decodes for and of the share of admitted prompt tokens computed (not
+   found cached).
 4. Size (`planner.core.capacity`): engines needed at the SLA targets for the forecast load
    plus `forecast_error_headroom` times the forecast's mean absolute error, by the bounds of
    the pool's role (`planner.core.roles`: what its engines report, else its configured role;
@@ -96,6 +97,9 @@ class _PoolState:
     last_backlog_tokens: float = 0.0  # `_prefill_backlog` summed over the engines
     mean_prompt_tokens: float | None = None
     mean_decode_passes: float | None = None
+    # Of the prompt tokens the pool's engines admitted, the share they computed (the rest
+    # the prefix cache held): None until a pass admitted or computed any.
+    computed_share: float | None = None
     last_up_s: float | None = None
     last_scale_s: float | None = None
     # (time, engines wanted with the scale-down headroom) over the stabilisation window.
@@ -254,7 +258,7 @@ class Planner:
         """Steps 3 and 4 of the module docstring; None on the first tick (no rate yet)."""
         usage = {e.engine_id: e.load.kv_usage for e in engines}
         running = {e.engine_id: e.load.running_requests for e in engines}
-        computed_tokens = prefill_seqs = decoded_tokens = 0
+        computed_tokens = cached_tokens = prefill_seqs = decoded_tokens = 0
         for batch in passes:
             state.cost.observe(
                 now_s,
@@ -264,6 +268,7 @@ class Planner:
                 usage.get(batch.engine_id, 0.0),
             )
             computed_tokens += batch.num_prefill_tokens
+            cached_tokens += batch.num_cached_tokens
             prefill_seqs += batch.num_prefill_sequences
             # Each running request gets a token a pass (the tick's running count stands for
             # the passes': an estimate the running mean smooths).
@@ -277,9 +282,13 @@ class Planner:
             state.mean_decode_passes = _running_mean(
                 state.mean_decode_passes, decoded_tokens / prefill_seqs
             )
+        if computed_tokens + cached_tokens:
+            state.computed_share = _running_mean(
+                state.computed_share, computed_tokens / (computed_tokens + cached_tokens)
+            )
         role = self._role(pool, state, engines)
         active = [e for e in engines if e.state is not EngineState.STARTING]
-        backlog = sum(_prefill_backlog(e, role, state.mean_prompt_tokens) for e in active)
+        backlog = sum(_prefill_backlog(e, role, state) for e in active)
         last_s, state.last_tick_s = state.last_tick_s, now_s
         last_backlog, state.last_backlog_tokens = state.last_backlog_tokens, backlog
         if last_s is None or now_s <= last_s:
@@ -338,30 +347,31 @@ class Planner:
         limit_ms = self.config.sla.ttft_ms
         role = EngineRole.AGGREGATED if state.role is None else state.role.role
         return any(
-            _prefill_backlog(e, role, state.mean_prompt_tokens) * per_token_ms > limit_ms
+            _prefill_backlog(e, role, state) * per_token_ms > limit_ms
             for e in engines
             if e.state is EngineState.SERVING
         )
 
 
-def _prefill_backlog(
-    engine: EngineObservation, role: EngineRole, mean_prompt_tokens: float | None
-) -> float:
-    """Prompt tokens `engine` must still compute for its queued requests. GetLoad's waiting
-    tokens count each queued prompt whole; a decode engine's queued prompts come with their
-    KV pulled from a prefill engine (in its prefix cache, found at admission), so it computes
-    only what that KV lacks: its queued requests times the prompt tokens its pool computes
-    per request (the running mean), at most the waiting tokens (all of them until the mean
-    is measured, or while the engine does not report its request counts: its
-    queued_requests is then no count)."""
+def _prefill_backlog(engine: EngineObservation, role: EngineRole, state: _PoolState) -> float:
+    """Prompt tokens `engine` will compute for its queued requests. GetLoad's waiting tokens
+    count each queued prompt whole: the engine finds a prompt's cached prefix only when it
+    admits it, and GetLoad has no count of the queued tokens cached.
+    - A decode engine's queued prompts come with their KV pulled from a prefill engine (in its
+      prefix cache), so it computes only what that KV lacks: its queued requests times the
+      prompt tokens its pool computes per request (the running mean), at most the waiting
+      tokens (all of them until the mean is measured, or while the engine does not report
+      its request counts: its queued_requests is then no count).
+    - Any other engine computes of its queued prompts the share its pool computed of the
+      prompts it admitted (the rest was cached: FORWARD_PASS's num_cached_tokens): an
+      estimate, the queued prompts' hits taken to be those of the admitted ones (all of the
+      waiting tokens until a pass is reported, or while no engine reports its hits)."""
     waiting = engine.load.waiting_prefill_tokens
-    if (
-        role is not EngineRole.DECODE
-        or mean_prompt_tokens is None
-        or not engine.load.requests_known
-    ):
+    if role is not EngineRole.DECODE:
+        return waiting * (1.0 if state.computed_share is None else state.computed_share)
+    if state.mean_prompt_tokens is None or not engine.load.requests_known:
         return waiting
-    return min(waiting, engine.load.queued_requests * mean_prompt_tokens)
+    return min(waiting, engine.load.queued_requests * state.mean_prompt_tokens)
 
 
 def _running_mean(previous: float | None, sample: float) -> float:

@@ -7,7 +7,14 @@ import pytest
 
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.core.observations import EngineObservation, EngineState, Observations
+from planner.core.observations import (
+    EngineLoad,
+    EngineObservation,
+    EngineRole,
+    EngineState,
+    ForwardPasses,
+    Observations,
+)
 from planner.core.planner import Planner
 from tests.planner.planner_obs import engine, passes
 
@@ -158,6 +165,64 @@ def test_queued_prefill_beyond_the_ttft_target_is_an_sla_risk() -> None:
     tick(planner, 0, busy("a", waiting=80_000))
     (up,) = tick(planner, 5, busy("a", waiting=80_000))
     assert isinstance(up, ScalePool) and up.reason is Reason.SLA_AT_RISK
+
+
+# An aggregated engine's load: 10 requests running, 20 prompts of 3,000 tokens queued (GetLoad's
+# waiting tokens count them whole), its KV 1% used (a large cache: KV does not bind here).
+PROMPTS_QUEUED = EngineLoad(
+    running_requests=10,
+    queued_requests=20,
+    waiting_prefill_tokens=20 * 3_000,
+    used_kv_blocks=1_000,
+    total_kv_blocks=100_000,
+)
+
+
+def two_aggregated_engines_ticked(hits_reported: bool) -> list[Decision]:
+    """The decisions of two ticks of a pool (at most 4 engines, no scale-down window nor
+    cooldown) of two aggregated engines with `PROMPTS_QUEUED`, each admitting 20 prompts of
+    3,000 tokens a tick of which the prefix cache held 2,250 (said in FORWARD_PASS's
+    num_cached_tokens when `hits_reported`), computing the other 750 in 140 passes timed as
+    the priors predict."""
+    planner = Planner(
+        PlannerConfig(
+            sla=SlaTargets(ttft_ms=1000, itl_ms=40),
+            pools=(PoolConfig(max_engines=4),),
+            scaling=ScalingConfig(scale_down_stabilisation_s=0, scale_down_cooldown_s=0),
+            capacity=AS_MEASURED,
+        )
+    )
+    engines = tuple(
+        EngineObservation(name, "default", SERVING, PROMPTS_QUEUED, EngineRole.AGGREGATED)
+        for name in ("a", "b")
+    )
+    computed, cached = 20 * 750, 20 * 2_250 if hits_reported else 0
+    duration_s = (140 * (15.0 + 40.0 * 0.01) + 0.02 * computed) / 1000.0
+    batches = tuple(
+        ForwardPasses(e.engine_id, 140, duration_s, computed, 20, cached) for e in engines
+    )
+    return [d for now_s in (0, 5) for d in planner.decide(Observations(engines, batches), now_s)]
+
+
+def test_an_aggregated_pool_s_queued_prompts_count_only_what_the_cache_lacks() -> None:
+    """GetLoad's waiting tokens count a queued prompt whole: the engine finds its cached
+    prefix only when it admits it. Two engines, each with 20 prompts of 3,000 tokens queued,
+    whose admitted prompts had 2,250 of their 3,000 tokens cached (a shared system prompt):
+    the pool computes a quarter of what it admits, so of the 60,000 queued tokens 15,000,
+    0.3 s at 0.02 ms a token, within the 1 s TTFT target. Counted whole, 1.2 s: an SLA at
+    risk that held off the scale-down of a pool that needs one engine (6,000 prompt tokens
+    computed a second: 0.12 of one engine's time)."""
+    assert two_aggregated_engines_ticked(hits_reported=True) == [
+        DrainEngine("a", "default", 5 + 300, Reason.OVERPROVISIONED)
+    ]
+
+
+def test_queued_prompts_count_whole_while_the_engines_report_no_cache_hits() -> None:
+    """The same engines, their FORWARD_PASS events without num_cached_tokens (GetLoad has no
+    count of the queued tokens cached either): nothing says what the cache will spare, so
+    their 60,000 queued tokens count whole, 1.2 s of prefill, over the TTFT target (an SLA at
+    risk), and the pool is kept."""
+    assert two_aggregated_engines_ticked(hits_reported=False) == []
 
 
 def test_no_scale_up_while_earlier_capacity_is_starting() -> None:

@@ -1147,6 +1147,28 @@ async def metrics_endpoint(metrics: PlannerMetrics) -> AsyncIterator[int]:
         server.shutdown()
 
 
+@pytest.mark.timeout(180)
+async def test_an_engine_s_prefix_cache_hits_reach_the_core(setup: Setup) -> None:
+    """The same prompt twice through a real engine: the second finds the first's blocks in
+    its prefix cache, and the FORWARD_PASS that admits it says so (num_cached_tokens), which
+    the planner takes into its passes: what sizes an aggregated pool's queued prefill by the
+    share of admitted prompt tokens the engines computed."""
+    async with serving(setup, 1) as (live, (address,)):
+        cached: list[int] = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+            for request_id in ("first", "second"):
+                request = generate_request(request_id, list(range(1, 301)))
+                async for response in pb_grpc.OpenEngineStub(channel).Generate(request):
+                    if response.WhichOneof("event") == "finished":
+                        cached.append(response.usage.cached_prompt_tokens)
+        engine = live.engines[address]
+        assert cached[0] == 0 and cached[1] > 0
+        await setup.app.controller.fleet.wait_for(
+            lambda: sum(p.num_cached_tokens for p in engine.passes) >= cached[1], 30
+        )
+        assert sum(p.num_cached_tokens for p in engine.passes) == cached[1]
+
+
 async def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample of http://127.0.0.1:port/metrics, by name and labels."""
     url = f"http://127.0.0.1:{port}/metrics"

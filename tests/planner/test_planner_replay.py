@@ -8,6 +8,8 @@ from typing import Any
 
 from planner.azure_trace import TraceRow
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
+from planner.core.decisions import Decision, DrainEngine, Reason
+from planner.core.observations import Observations
 from planner.core.planner import Planner
 from planner.core.threshold import ThresholdAutoscaler, ThresholdSettings
 from planner.replay import FleetSettings, NoScaling, replay
@@ -77,8 +79,8 @@ def test_threshold_peer_runs_through_the_same_actuator() -> None:
 def test_a_drain_deadline_aborts_what_is_left() -> None:
     """A policy that drains the only long request's engine with a deadline it cannot meet:
     the request is aborted and counted as failed; the engine is removed once empty."""
-    from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-    from planner.core.observations import EngineState, Observations
+    from planner.core.decisions import RemoveEngine, ScalePool
+    from planner.core.observations import EngineState
 
     class DrainFirst:
         def decide(self, observations: Observations, now_s: float) -> list[Decision]:
@@ -99,3 +101,38 @@ def test_a_drain_deadline_aborts_what_is_left() -> None:
     assert result.num_failed == 1  # the long one, cut at the deadline
     assert result.num_drains == 1
     assert result.num_requests == 2
+
+
+def test_of_two_idle_engines_the_one_holding_cached_prefixes_is_kept() -> None:
+    """The replay gives the planner each engine's cached blocks, as the controller's index
+    would (`indexed_blocks`), so it drains as live does: four short requests one after the
+    other all go to e0 (the router's tie goes to the first engine), which keeps their prompts'
+    blocks cached; at the next tick both engines are idle, equal in requests, KV in use and
+    queued prefill, and the pool needs one: e1, holding no cached prefix, is drained, not e0
+    (the engine id alone, as when the replay said 0 blocks for every engine)."""
+    seen: list[Observations] = []
+    decided: list[Decision] = []
+    core = Planner(
+        PlannerConfig(
+            sla=SLA,
+            pools=(PoolConfig(min_engines=1, max_engines=2),),
+            scaling=ScalingConfig(scale_down_stabilisation_s=0, scale_down_cooldown_s=0),
+        )
+    )
+
+    class Recorded:
+        def decide(self, observations: Observations, now_s: float) -> list[Decision]:
+            seen.append(observations)
+            decisions = core.decide(observations, now_s)
+            decided.extend(decisions)
+            return decisions
+
+    rows = [TraceRow(float(t), 100, 2) for t in (0, 1, 2, 3)] + [TraceRow(20.0, 100, 2)]
+    replay(rows, "kvplane", Recorded(), engines=2, tick_s=5, settings=FLEET, sla=SLA)
+    drains = [d for d in decided if isinstance(d, DrainEngine)]
+    assert [(d.engine_id, d.reason) for d in drains] == [("e1", Reason.OVERPROVISIONED)]
+    at_drain = {e.engine_id: e for e in seen[1].engines}
+    # Four prompts of 100 tokens: 6 full 16-token blocks each, cached on e0.
+    assert at_drain["e0"].indexed_blocks == 4 * 6
+    assert at_drain["e1"].indexed_blocks == 0
+    assert at_drain["e0"].load == at_drain["e1"].load
