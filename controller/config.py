@@ -241,7 +241,8 @@ class HealthConfig(StrictModel):
     poll_interval_s: StrictFloat = Field(default=1.0, gt=0)
     load_poll_interval_s: StrictFloat = Field(default=0.5, gt=0)
     rpc_timeout_s: StrictFloat = Field(default=2.0, gt=0)
-    # Unreachable engines are retried after backoff_initial_s, doubling up to backoff_max_s.
+    # Unreachable engines are retried after backoff_initial_s, doubling up to backoff_max_s;
+    # one that nothing listened for is polled at once when its channel connects again.
     backoff_initial_s: StrictFloat = Field(default=0.5, gt=0)
     backoff_max_s: StrictFloat = Field(default=30.0, gt=0)
     # An engine unreachable this long (its polls unanswered: a stopped or wedged process, a

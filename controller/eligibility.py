@@ -11,11 +11,18 @@ engine's limits bound its own hop only, since prefill engines alone serve none.
 
 What is checked (`ROUTED_LIMITS`, `ROUTED_OPTIONS`): the context (a prompt's tokens and the
 output it must produce, one token or `min_tokens`, within `max_context_length`, as an
-engine checks it; only where the gateway knows the prompt's tokens: token ids, or a text
-prompt with a tokenizer), the number of outputs, the logprob candidates, and the options a
-request uses (text or token input, logprobs, guided decoding, priority, stop in output,
-cache salt, prefix cache bypass). An engine that does not report a limit or an option may
-take any. `max_output_tokens` is not: an engine caps an output at its context (LENGTH).
+engine checks it), the KV cache (`KV_CACHE_LIMIT`: the prompt and that output but its last
+token within the engine's whole cache, `total_kv_blocks` blocks of `kv_block_size`, as an
+engine refuses a prompt that "does not fit the KV cache"; a kvplane engine reports a context
+no longer than its cache holds, another engine may not), both only where the gateway knows
+the prompt's tokens (token ids, or a text prompt with a tokenizer; else, on a disaggregated
+fleet, the decode engine is chosen by the prompt's tokens the prefill engine told at its
+handoff: `Eligibility.with_prompt`, so a prompt is never handed to a decode engine too small
+for it), the number of outputs, the logprob candidates, and the options a request uses (text
+or token input, logprobs, guided decoding, priority, stop in output, cache salt, prefix
+cache bypass). Every hop's engine is checked alike. An engine that does not report a limit
+or an option may take any. `max_output_tokens` is not: an engine caps an output at its
+context (LENGTH).
 
 Cheap on the routing path: each model's bounds over its engines (`_Bounds`) are kept until
 the registry changes; where its engines are alike (none would be chosen over another) a
@@ -61,6 +68,22 @@ ROUTED_OPTIONS = (
 )
 
 
+# The KV cache a request needs, in tokens, against an engine's whole cache (GetModelInfo's
+# `total_kv_blocks` of `kv_block_size` tokens; unknown where either is not reported): not a
+# ModelInfo field, so not of ROUTED_LIMITS (what GetModelInfo advertises), but checked as
+# they are.
+KV_CACHE_LIMIT = "kv_cache_tokens"
+
+
+def limits_of(facts: ModelFacts) -> dict[str, int]:
+    """The limits of the engine of `facts` routing honours, by path: what it reports and its
+    KV cache (`KV_CACHE_LIMIT`) where it tells its size."""
+    limits = dict(facts.limits)
+    if facts.total_kv_blocks is not None and facts.block_size is not None:
+        limits[KV_CACHE_LIMIT] = facts.total_kv_blocks * facts.block_size
+    return limits
+
+
 class BeyondFleetError(KvplaneError):
     """A request past a limit of every engine serving its model: INVALID_ARGUMENT, as an
     engine refuses it."""
@@ -78,9 +101,12 @@ class RequestNeeds(NamedTuple):
     min_output_tokens: int = 1
 
     def with_prompt(self, prompt_tokens: int) -> RequestNeeds:
-        """With the context its prompt of `prompt_tokens` needs."""
-        context = (CONTEXT_LIMIT, prompt_tokens + self.min_output_tokens)
-        return RequestNeeds((context, *self.limits), self.options, self.min_output_tokens)
+        """With the context and the KV cache its prompt of `prompt_tokens` needs: the KV of
+        every output token but the last (a sampled token's KV is computed only to sample the
+        next), as an engine checks it."""
+        context = prompt_tokens + self.min_output_tokens
+        prompt = ((CONTEXT_LIMIT, context), (KV_CACHE_LIMIT, context - 1))
+        return RequestNeeds((*prompt, *self.limits), self.options, self.min_output_tokens)
 
 
 NO_NEEDS = RequestNeeds()
@@ -138,7 +164,7 @@ def needs_of(request: pb.GenerateRequest) -> RequestNeeds:
 def unmet(facts: ModelFacts, needs: RequestNeeds) -> str | None:
     """The first limit or option of `needs` the engine of `facts` does not take (None: it
     takes the request)."""
-    reported = dict(facts.limits)
+    reported = limits_of(facts)
     for path, need in needs.limits:
         limit = reported.get(path)
         if limit is not None and need > limit:
@@ -149,7 +175,8 @@ def unmet(facts: ModelFacts, needs: RequestNeeds) -> str | None:
 class _Bounds(NamedTuple):
     """A model's limits and options over the engines generating it."""
 
-    smallest: dict[str, int]  # each ROUTED_LIMITS path some engine reports: the smallest
+    # each ROUTED_LIMITS path (and KV_CACHE_LIMIT) some engine reports: the smallest
+    smallest: dict[str, int]
     # Where every engine finishing a Generate (`generating_facts`) reports it: the largest.
     largest: dict[str, int]
     lacked_by_one: frozenset[str]  # ROUTED_OPTIONS some engine reports unsupported
@@ -165,11 +192,13 @@ def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds
     `finishing` a Generate themselves take what the fleet takes."""
     smallest: dict[str, int] = {}
     largest: dict[str, int] = {}
-    for path in ROUTED_LIMITS:
-        values = [v for f in serving for p, v in f.limits if p == path]
+    reported = [limits_of(f) for f in serving]
+    finished = [limits_of(f) for f in finishing]
+    for path in (*ROUTED_LIMITS, KV_CACHE_LIMIT):
+        values = [limits[path] for limits in reported if path in limits]
         if values:
             smallest[path] = min(values)
-        ends = [v for f in finishing for p, v in f.limits if p == path]
+        ends = [limits[path] for limits in finished if path in limits]
         if ends and len(ends) == len(finishing):
             largest[path] = max(ends)
     lacked_by_one = frozenset().union(*(f.unsupported for f in serving)) & set(ROUTED_OPTIONS)
@@ -177,10 +206,10 @@ def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds
     lacked_by_all = frozenset.intersection(*lacked) if lacked else frozenset()
     kinds = {
         (
-            frozenset((p, v) for p, v in f.limits if p in ROUTED_LIMITS),
+            frozenset((p, v) for p, v in limits.items() if p in smallest),
             f.unsupported & lacked_by_one,
         )
-        for f in serving
+        for f, limits in zip(serving, reported, strict=True)
     }
     return _Bounds(smallest, largest, lacked_by_one, lacked_by_all, alike=len(kinds) <= 1)
 
@@ -201,6 +230,27 @@ def generating_facts(
         and not (finishing and r.identity.role is Role.PREFILL)
         and (facts := r.identity.facts_of(model)).generates
     ]
+
+
+def _lacks(records: Iterable[EngineRecord], model: str | None, needs: RequestNeeds) -> list[str]:
+    """What each of `records` lacks for a request of `needs` ("small max_context_length 1024
+    < 8192"), of those that lack anything."""
+    told = []
+    for record in records:
+        if record.identity is None:
+            continue
+        facts = record.identity.facts_of(model)
+        path = unmet(facts, needs)
+        if path is None:
+            continue
+        need = dict(needs.limits).get(path)
+        has = limits_of(facts).get(path)
+        told.append(
+            f"{record.engine_id} {path} {has} < {need}"
+            if need is not None
+            else f"{record.engine_id} {path} false"
+        )
+    return told
 
 
 class Eligibility:
@@ -246,6 +296,40 @@ class Eligibility:
         needs = NO_NEEDS if request is None else needs_of(request)
         if prompt_tokens is not None:
             needs = needs.with_prompt(prompt_tokens)
+        return self._taking(model, bounds, candidates, needs)
+
+    def with_prompt(
+        self,
+        model: str | None,
+        candidates: tuple[Candidate, ...],
+        needs: RequestNeeds,
+        prompt_tokens: int,
+    ) -> tuple[Candidate, ...]:
+        """Those of `candidates` that take a request of `needs` (its plan's, which did not
+        know its prompt's tokens: a text prompt not tokenised here) whose prompt is
+        `prompt_tokens` long, as a prefill engine told at its handoff: a decode engine whose
+        context or KV cache cannot hold it is not chosen. BeyondFleetError as `candidates`,
+        and when none of `candidates` takes it, naming what each lacks."""
+        bounds = self._of(model)
+        if bounds.alike:
+            return candidates
+        needs = needs.with_prompt(prompt_tokens)
+        taking = self._taking(model, bounds, candidates, needs)[0]
+        if candidates and not taking:
+            records = (self.registry.by_engine_id(c.engine_id) for c in candidates)
+            told = _lacks((r for r in records if r is not None), model, needs)
+            raise BeyondFleetError(
+                f"no decode engine takes the prompt of {prompt_tokens} tokens: {', '.join(told)}"
+            )
+        return taking
+
+    def _taking(
+        self,
+        model: str | None,
+        bounds: _Bounds,
+        candidates: tuple[Candidate, ...],
+        needs: RequestNeeds,
+    ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
         smallest = bounds.smallest
         for path, need in needs.limits:
             if need > smallest.get(path, need):
@@ -268,21 +352,7 @@ class Eligibility:
         """What each engine taking traffic for `model` lacks for a request of `needs` ("":
         none lacks anything): why routing found none to take it, though one not taking
         traffic now would."""
-        told = []
-        for record in self.registry.routable(model, generating=True):
-            if record.identity is None:
-                continue
-            facts = record.identity.facts_of(model)
-            path = unmet(facts, needs)
-            if path is None:
-                continue
-            need = dict(needs.limits).get(path)
-            has = dict(facts.limits).get(path)
-            told.append(
-                f"{record.engine_id} {path} {has} < {need}"
-                if need is not None
-                else f"{record.engine_id} {path} false"
-            )
+        told = _lacks(self.registry.routable(model, generating=True), model, needs)
         return "those taking traffic do not take the request: " + ", ".join(told) if told else ""
 
     @staticmethod

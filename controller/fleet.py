@@ -8,7 +8,8 @@ processes answer there), and at once when the engine's KV-event stream (Subscrib
 ZMQ) breaks sequence, which may be a restart that kept the instance id: a changed identity then
 makes it a new process; an engine whose models disagree on the KV block size is rejected;
 Health every `poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls
-fail, as UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and
+fail, as UNREACHABLE when they do not reach it, FAILING when it answers them with errors; one
+nothing listened for is polled at once when its channel connects again, `_wait_unreachable`) and
 one KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
 index under the engine's address as worker id, and measures each batch's event lag (the
 controller's wall clock when the batch is in the index minus the engine's timestamp on it). A
@@ -112,6 +113,7 @@ from kvplane.channels import (
     ClientSettings,
     Redialling,
     failure_details,
+    reconnected,
 )
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
@@ -582,15 +584,16 @@ class Fleet:
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
         # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions):
-        # reconnecting as an unreachable engine is retried, so that a server back after a long
-        # outage is reached within `backoff_max_s` (the remote index reconnects sooner, see
-        # `RemoteIndex`); pinging while calls are under way, so that a subscription on a
-        # connection gone silent ends (`health.keepalive_s`). Engines' replies of any size
-        # are taken: the gateway relays them unchanged (a stream with every candidate's
-        # logprob can pass 4 MiB a message), and its client sets its own limit.
+        # reconnecting about every second whatever the polls' backoff (no call is made), so
+        # that an engine back is polled as soon as its channel connects (`_wait_unreachable`),
+        # not at gRPC's own pace (up to 120 s); pinging while calls are under way, so that a
+        # subscription on a connection gone silent ends (`health.keepalive_s`). Engines'
+        # replies of any size are taken: the gateway relays them unchanged (a stream with
+        # every candidate's logprob can pass 4 MiB a message), and its client sets its own
+        # limit.
         self._engine_channels = (
             ClientChannels.load(config.engine_tls, "engine_tls")
-            .reconnecting(health.backoff_initial_s, health.backoff_max_s)
+            .reconnecting_promptly(health.backoff_initial_s)
             .keeping_alive(health.keepalive_s, health.keepalive_timeout_s)
             .receiving_any_size()
             .with_token_file(config.engine_token_file, "engine_token_file")
@@ -1123,7 +1126,7 @@ class Fleet:
                     log.info("engine %s: dialling it again with its renewed engine_tls files",
                              address)  # fmt: skip
                     await engine.abandon_calls("dialled again with renewed engine_tls files")
-                await self._wait_unreachable(engine, delay)
+                await self._wait_unreachable(engine, delay, failure)
                 continue
             except Exception as exc:  # a bug or a malformed answer: keep polling, loudly
                 log.exception("engine %s: poll failed", address)
@@ -1179,27 +1182,49 @@ class Fleet:
                      "(instance %s): no flap", engine.address, instance_id)  # fmt: skip
             engine.excused_drain = token
 
-    async def _wait_unreachable(self, engine: _Engine, delay_s: float) -> None:
-        """Wait `delay_s` for the next poll of an unreachable engine, abandoning the calls it
-        holds on the way once it has been unreachable for `health.abandon_streams_after_s`
-        (once per outage). Nothing else reports on this engine meanwhile: it stays
-        unreachable until this task polls it again."""
+    async def _wait_unreachable(
+        self, engine: _Engine, delay_s: float, failure: PollFailure
+    ) -> None:
+        """Wait `delay_s` for the next poll of an engine whose poll failed (`failure`),
+        abandoning the calls it holds on the way once it has been unreachable for
+        `health.abandon_streams_after_s` (once per outage). One that could not be reached
+        (CONNECTION_LOST: nothing listens at its address) is polled at once when its channel
+        connects again (`_until_back`): an engine restarted is back in routing within about
+        a second of answering, not at the backoff's next step (up to `backoff_max_s`)."""
+        back = failure is PollFailure.CONNECTION_LOST
         limit_s = self.config.health.abandon_streams_after_s
         since_s = self.registry.unreachable_since(engine.address)
         if not limit_s or since_s is None or engine.abandoned_outage_s == since_s:
-            await asyncio.sleep(delay_s)
+            await self._until_back(engine, delay_s, back)
             return
         due_in_s = max(0.0, since_s + limit_s - self._clock())
         if due_in_s > delay_s:  # the next poll comes first and may find it back
-            await asyncio.sleep(delay_s)
+            await self._until_back(engine, delay_s, back)
             return
-        await asyncio.sleep(due_in_s)
+        if await self._until_back(engine, due_in_s, back):
+            return
         unreachable_s = self._clock() - since_s
         log.warning("engine %s unreachable for %.1f s: ending the calls it holds",
                     engine.address, unreachable_s)  # fmt: skip
         engine.abandoned_outage_s = since_s
         await engine.abandon_calls(f"unreachable for {unreachable_s:.1f} s")
-        await asyncio.sleep(delay_s - due_in_s)
+        await self._until_back(engine, delay_s - due_in_s, back)
+
+    @staticmethod
+    async def _until_back(engine: _Engine, delay_s: float, back: bool) -> bool:
+        """Sleep `delay_s`; with `back`, only until the engine's channel connects again
+        (`kvplane.channels.reconnected`: no call made, the channel reconnecting about every
+        second). True when it did. Only for an engine nothing listened for: the channel of
+        one that answers errors, or hangs with its port open, stays connected, and a poll
+        that timed out dials afresh, a new channel that would connect at once."""
+        if not back:
+            await asyncio.sleep(delay_s)
+            return False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay_s):
+                await reconnected(engine.channel)
+                return True
+        return False
 
     async def _read_moved_view(self, engine: _Engine, view: str) -> str | None:
         """A controller fronted as an engine told (GetLoad) that its fleet view moved to

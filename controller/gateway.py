@@ -306,6 +306,9 @@ class _OpenEngineGenerate:
             return None
         return response.prefill_ready.kv_session
 
+    def prompt_tokens(self, response: pb.GenerateResponse) -> int | None:
+        return response.usage.prompt_tokens if response.HasField("usage") else None
+
     def with_session(
         self, request: pb.GenerateRequest, session: pb.KvSessionRef
     ) -> pb.GenerateRequest:

@@ -346,6 +346,11 @@ class Handoff(Protocol[Request, Response_contra]):
         """The KV session this response hands over, if it is the prefill's handoff event."""
         ...
 
+    def prompt_tokens(self, response: Response_contra) -> int | None:
+        """The prompt's tokens, as the prefill's handoff event `response` tells them (None:
+        it does not)."""
+        ...
+
     def finished(self, response: Response_contra) -> bool:
         """Whether this response ends the request normally (on a prefill engine: it was
         aborted before the handoff, so there is no decode hop)."""
@@ -953,6 +958,8 @@ class Relay:
             yield ending
             return
         decoded = relayed = gone = released = False
+        assert handover is not None  # it carried the session
+        told = handoff.prompt_tokens(handover)  # the prompt's size, for the decode engine
 
         async def ended_on_holder(engine: str, failure: str) -> _SessionEnd:
             nonlocal released
@@ -987,7 +994,7 @@ class Relay:
             surface,
             handoff.with_session(request, session),
             plan,
-            lambda tried: c.route_decode(plan, tried, prefilled=True),
+            lambda tried: c.route_decode(plan, tried, prefilled=True, prompt_tokens=told),
             context=context,
             started=started,
             stage=_Stage(
@@ -1010,7 +1017,6 @@ class Relay:
             if not relayed and request_id in self.aborted_unrouted:
                 # Aborted at the handoff, before a decode engine took it, or its session ended
                 # on its prefill engine (`_end_aborted`).
-                assert handover is not None  # it carried the session
                 for event in handoff.cancelled(request, handover):
                     yield event
         except _SessionLost as exc:
@@ -1185,7 +1191,9 @@ class Relay:
                 decision = route(frozenset(tried))
             except AllEnginesBusyError as exc:  # a new request only: nothing relayed yet
                 await self._shed(exc, context)
-            except LoraRoutingError as exc:  # its adapter left its engines since the plan
+            # Its adapter left its engines since the plan; its prompt, told at the handoff,
+            # is past every decode engine's context or KV cache.
+            except (LoraRoutingError, BeyondFleetError) as exc:
                 status = gateway_failure(status_of(exc), str(exc))
                 self._count(_failure_outcome(status.code()))
                 ending = self._ending(surface, request, stage, status, relayed=False)

@@ -64,13 +64,6 @@ REMOTE_INDEX_SETTINGS = ClientSettings(
     "index.remote_tls.server_name",
 )
 
-# The longest wait between the channel's attempts to reconnect to an indexer that is down
-# (every call fails at once meanwhile, without asking it). Every routed request asks the
-# index, so a restarted indexer must be found at once; gRPC's own backoff grows to 120 s, and
-# the engines' (`health.backoff_max_s`, 30 s by default) left the fleet routing by load for
-# up to that long after the indexer was back. A connection attempt a second costs nothing.
-RECONNECT_MAX_S = 1.0
-
 
 def _keyed(key_space: ipb.KeySpace.ValueType, hash_seed: str | None) -> str:
     """A key space as the controller's settings name it (with its seed, for vLLM's)."""
@@ -124,7 +117,8 @@ class RemoteIndex:
     indexer's host gone, moved to another address behind the same name), and would swallow
     every call until the kernel gave up on it.
     One that is down fails at once by itself (UNAVAILABLE), its channel reconnecting at most
-    `RECONNECT_MAX_S` apart, so it is used again within about a second of its return.
+    `kvplane.channels.RECONNECT_MAX_S` apart, so it is used again within about a second of
+    its return.
     `unavailable` says whether the last call failed, without a call of its own (the
     controller's Health reads it); a query shed (RESOURCE_EXHAUSTED) counts only once every
     query asked has been shed for `SHEDDING_DEGRADES_AFTER_S`. `keying_mismatch` says whether
@@ -147,7 +141,9 @@ class RemoteIndex:
         routes: Callable[[str], bool] = lambda engine: True,
     ) -> None:
         initial_s, _ = backoff_s
-        self.channels = channels.reconnecting(min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S)
+        # Every call fails at once while the indexer is down, without asking it; every
+        # routed request asks the index, so a restarted indexer must be found at once.
+        self.channels = channels.reconnecting_promptly(initial_s)
         self.target = target
         self._dialled: Redialling[ipb_grpc.KvIndexAsyncStub] = Redialling(
             self.channels, target, ipb_grpc.KvIndexStub

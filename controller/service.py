@@ -418,10 +418,26 @@ class Controller:
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision
 
-    def route_decode(self, plan: Plan, exclude: frozenset[str], prefilled: bool) -> Decision:
+    def route_decode(
+        self,
+        plan: Plan,
+        exclude: frozenset[str],
+        prefilled: bool,
+        prompt_tokens: int | None = None,
+    ) -> Decision:
         """A decode engine by load, not one in `exclude`: at the handoff (`prefilled`: the KV
-        comes from the prefill engine), or a retry of a decode engine prefilling itself."""
-        candidates = [c for c in self._of_role(plan, Role.DECODE) if c.engine_id not in exclude]
+        comes from the prefill engine), or a retry of a decode engine prefilling itself.
+        `prompt_tokens`: the prompt's tokens as the prefill engine told at the handoff, where
+        the plan did not know them (a text prompt not tokenised here): only a decode engine
+        that takes a prompt that long (`Eligibility.with_prompt`; BeyondFleetError: none
+        serving the model does)."""
+        candidates = tuple(
+            c for c in self._of_role(plan, Role.DECODE) if c.engine_id not in exclude
+        )
+        if prompt_tokens is not None and not plan.tokenized:
+            candidates = self.eligibility.with_prompt(
+                plan.model or None, candidates, plan.needs, prompt_tokens
+            )
         decision = self.router.route_decode(plan.request, candidates, self.rng, prefilled)
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision

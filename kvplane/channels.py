@@ -62,6 +62,11 @@ Metadata = tuple[tuple[str, str], ...]
 # minutes more. Every channel retries at least every 5 s (a few connection attempts a minute
 # to a peer that stays down); a client with its own schedule sets it with `reconnecting`.
 MAX_RECONNECT_BACKOFF_MS = 5000
+# The longest wait between a channel's attempts to reconnect to a server that must be found
+# again at once (`ClientChannels.reconnecting_promptly`): a controller's to its engines, whose
+# return is seen as their channel connects (`reconnected`), and to a remote indexer, which
+# every routed request asks. A connection attempt a second costs nothing (no call is made).
+RECONNECT_MAX_S = 1.0
 
 # Keepalive pings, so that a call under way on a connection gone silent without a reset (its
 # peer's host gone, a NAT entry expired, a blackholed path) fails (UNAVAILABLE) within
@@ -166,6 +171,11 @@ class ClientChannels:
             ("grpc.max_reconnect_backoff_ms", max_ms),
         )
 
+    def reconnecting_promptly(self, initial_s: float) -> ClientChannels:
+        """The same, reconnecting from `initial_s` (at most `RECONNECT_MAX_S`) and then every
+        `RECONNECT_MAX_S`: a server back is connected to within about a second."""
+        return self.reconnecting(min(initial_s, RECONNECT_MAX_S), RECONNECT_MAX_S)
+
     def keeping_alive(self, time_s: float, timeout_s: float) -> ClientChannels:
         """The same, pinging a connection with calls under way every `time_s` and ending them
         (UNAVAILABLE) when a ping has no answer within `timeout_s`: sooner than the default
@@ -242,6 +252,20 @@ class ClientChannels:
         if not self._adds_metadata:
             return channel
         return grpc.intercept_channel(channel, _DefaultMetadata(self.call_metadata))
+
+
+async def reconnected(channel: grpc.aio.Channel) -> None:
+    """Return once `channel` connects (READY) after a time it was not connected: its server,
+    down, answers connections again. The channel is asked to connect, which it does at its
+    own reconnect backoff, no call made; one connected throughout (its server up, or hung with
+    its port open) never returns, nor one closed."""
+    state = channel.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.SHUTDOWN:
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
+        if state is grpc.ChannelConnectivity.READY:
+            return
+    await asyncio.Event().wait()  # closed: never
 
 
 class Redialling(Generic[_Stub]):

@@ -1,0 +1,91 @@
+"""An engine process killed (SIGKILL) and started again on its port behind a real controller
+is back in routing as soon as it answers, not at the next step of the polls' backoff
+(`health.backoff_initial_s` doubling to `backoff_max_s`, set long here: 30 s): its channel
+reconnects about every second by itself, no call made, and the engine is polled the moment it
+connects. It used to be found only by the next poll, up to `backoff_max_s` (30 s by default)
+after it was back. A restart is still a flap: three in the flap window hold it down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from controller.registry import EngineState
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import (
+    EngineFleet,
+    close_fleet,
+    engines_of_kinds,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_stalled_engines import EngineProcess
+
+# The first poll after the kill comes this long after it at the soonest: the fleet must see
+# the engine back well before.
+BACKOFF_S = 30.0
+# The longest the controller may take to route the engine again once it listens (a hang
+# guard below the backoff; within about a second in practice).
+BACK_WITHIN_S = 15.0
+
+
+async def _kill_and_restart(
+    fleet: EngineFleet[Any], engine: EngineProcess, tmp_path: Path
+) -> EngineProcess:
+    """Kill the engine's process, wait until the controller finds it unreachable, and start
+    it again on its port (the same instance id, as from its config)."""
+    registry = fleet.app.controller.fleet.registry
+    address = f"127.0.0.1:{engine.port}"
+    engine.proc.kill()
+    engine.proc.wait()
+
+    def unreachable() -> bool:
+        return registry.get(address).state is EngineState.UNREACHABLE
+
+    await fleet.app.controller.fleet.wait_for(unreachable, 30.0)
+    return await EngineProcess.start(tmp_path, "e0", port=engine.port)
+
+
+async def test_a_restarted_engine_is_routed_again_as_soon_as_it_answers(tmp_path: Path) -> None:
+    engine = await EngineProcess.start(tmp_path, "e0")
+    fleet = await make_fleet(
+        engines=[engine], health={"backoff_initial_s": BACKOFF_S, "backoff_max_s": BACKOFF_S}
+    )
+    try:
+        engine = await _kill_and_restart(fleet, engine, tmp_path)
+        await fleet.wait_routable(1, timeout_s=BACK_WITHIN_S)
+        reply = [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3]))]
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].finished.reason != pb.FINISH_REASON_UNSPECIFIED
+    finally:
+        await engine.close()
+        await close_fleet(fleet)
+
+
+async def test_an_engine_restarted_again_and_again_is_held_down(tmp_path: Path) -> None:
+    """Back at once each time, each restart is a flap all the same: the third within the
+    flap window (`health.hold_down_after_flaps`, 3 in 60 s) holds it down, out of routing
+    though it answers (beside another engine: the hold-down's cap routes the only one)."""
+    engine = await EngineProcess.start(tmp_path, "e0")
+    other = await start_sim_engine("other")
+    fleet = await make_fleet(
+        engines=engines_of_kinds(engine, other),
+        health={"backoff_initial_s": BACKOFF_S, "backoff_max_s": BACKOFF_S},
+    )
+    registry = fleet.app.controller.fleet.registry
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        for _ in range(2):
+            engine = await _kill_and_restart(fleet, engine, tmp_path)
+            await fleet.wait_routable(2, timeout_s=BACK_WITHIN_S)
+        engine = await _kill_and_restart(fleet, engine, tmp_path)
+
+        def held_down() -> bool:
+            return registry.get(address).state is EngineState.HELD_DOWN
+
+        await fleet.app.controller.fleet.wait_for(held_down, BACK_WITHIN_S)
+        assert [r.address for r in registry.routable()] == [fleet.address(other)]
+    finally:
+        await engine.close()
+        await close_fleet(fleet)

@@ -1,0 +1,149 @@
+"""A disaggregated fleet whose decode engines differ in their KV cache (engine config
+`num_kv_blocks`), real torch engines on the builtin model behind a controller with no
+tokenizer (or a prompt past `tokenize_max_chars`), so the gateway does not know a text
+prompt's size before its prefill: a prompt only the larger decode engine's cache holds is
+decoded there, chosen by the prompt's tokens the prefill engine told at its handoff. It was
+handed to whichever decode engine the load chose, and a smaller one refused it after its
+prefill, INVALID_ARGUMENT "does not fit the KV cache", never tried on the larger one. A
+prompt no decode engine's cache holds is refused at the handoff, INVALID_ARGUMENT, naming
+what each decode engine lacks, its KV session released on the prefill engine. And an
+engine that reports a context past what its KV cache holds (not a kvplane engine, which
+reports no more than its cache holds) is not sent a prompt its cache cannot hold."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig, EngineRoleName
+from engine.server.service import EngineApp, start_engine
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
+from tests.controller.test_gateway import generate_routed
+from tests.polling import eventually
+
+pytestmark = pytest.mark.timeout(120)
+
+# Each engine's cache, in blocks of 16 tokens: the small decode engine's holds 128 tokens,
+# the large one's 1024, the prefill engine's 2048.
+SMALL, LARGE, PREFILL = 8, 64, 128
+# 480 tokens in the builtin model's tokenizer: past the small engine's cache, within the
+# large one's.
+LONG_TEXT = "hello world " * 60
+
+
+async def _engine(name: str, role: EngineRoleName, num_kv_blocks: int) -> EngineApp:
+    return await start_engine(
+        EngineConfig(
+            model="builtin",
+            listen="127.0.0.1:0",
+            instance_id=name,
+            role=role,
+            num_kv_blocks=num_kv_blocks,
+            num_threads=1,
+            shutdown_grace_s=0.5,
+        )
+    )
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
+    engines = [
+        await _engine("p0", EngineRoleName.prefill, PREFILL),
+        await _engine("small", EngineRoleName.decode, SMALL),
+        await _engine("large", EngineRoleName.decode, LARGE),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+def _text_request(request_id: str, text: str) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=request_id, model="builtin", prompt=text)
+    request.stopping.max_tokens = 4
+    return request
+
+
+async def test_a_prompt_only_the_larger_decode_engine_holds_is_decoded_there(
+    fleet: Fleet,
+) -> None:
+    """Each request finishes, decoded on the large engine; a short prompt may still be
+    decoded on either."""
+    large = fleet.address(fleet.engines[2])
+    for i in range(4):
+        reply, route = await generate_routed(fleet, _text_request(f"long{i}", f"{i} {LONG_TEXT}"))
+        assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+        assert reply[-1].usage.prompt_tokens > SMALL * 16
+        assert route is not None and route["engine"] == large, route
+    decoded = set()
+    for i in range(8):
+        reply, route = await generate_routed(fleet, _text_request(f"short{i}", f"hi {i}"))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert route is not None
+        decoded.add(route["engine"])
+    assert len(decoded) == 2
+
+
+async def test_a_prompt_no_decode_engine_holds_is_refused_at_the_handoff(fleet: Fleet) -> None:
+    """1440 tokens: within the prefill engine's cache, past both decode engines'."""
+    call = fleet.gateway.Generate(_text_request("huge", LONG_TEXT * 3))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details() or ""
+    assert "no decode engine takes the prompt of 1440 tokens" in details, details
+    assert str(LARGE * 16 + 1) in details, details  # the large engine's context
+    async with grpc.aio.insecure_channel(fleet.address(fleet.engines[0])) as channel:
+        prefill = pb_grpc.OpenEngineStub(channel)
+
+        async def released() -> bool:
+            load = await prefill.GetLoad(pb.GetLoadRequest())
+            return load.active_kv_sessions == 0
+
+        await eventually(released)
+
+
+class ContextPastItsCache(Forwarding):
+    """GetModelInfo says the model's context, 4096, whatever its KV cache holds (as an engine
+    may that does not bound its context by its cache)."""
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        info.max_context_length = 4096
+        return info
+
+
+async def test_an_engine_whose_cache_cannot_hold_the_prompt_is_not_sent_it() -> None:
+    """Round robin between an engine whose cache holds 128 tokens (its context said 4096) and
+    one whose cache holds 4096: every prompt of 300 tokens goes to the second at once (the
+    first was sent every other one, and refused it, "does not fit the KV cache", to be sent
+    it again)."""
+    small = await start_fronted_engine("small", ContextPastItsCache, num_kv_blocks=SMALL)
+    large = await start_sim_engine("large", num_kv_blocks=256)
+    engines: list[Any] = [small, large]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    try:
+        for i in range(4):
+            reply, route = await generate_routed(
+                fleet, generate_request(f"r{i}", [i + 1] * 300, max_tokens=4)
+            )
+            assert reply[-1].WhichOneof("event") == "finished"
+            assert route is not None and route["engine"] == fleet.address(large), route
+            assert route["retried"] is False, route
+    finally:
+        await close_fleet(fleet)
