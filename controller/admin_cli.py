@@ -13,6 +13,7 @@ variable. A TLS server is dialled with the admin group's `--tls-ca` (and
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from controller.config import KvEventsMode
-from controller.fleet import generates
+from controller.fleet import SERVING_STATES, generates
 from controller.outcomes import ENGINE_METADATA_KEY, lora_model_metadata, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
@@ -185,6 +186,10 @@ def _admin_call(command: str, server: ClientTarget, rpc: Callable[[apb_grpc.Admi
             ) from None
 
 
+class NotServingError(KvplaneError):
+    """`health` answered, with a state in which the target serves no request."""
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [headers, *[["-" if v is None or v == "" else str(v) for v in row] for row in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -334,9 +339,13 @@ def _render_workers(data: dict[str, Any]) -> str:
 def health(
     ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
 ) -> None:
-    """Health of the target (a controller lists every engine as a check)."""
+    """Health of the target (a controller lists every engine as a check).
+
+    Exits 1, after showing it, when the target is not serving (a state other than READY or
+    DEGRADED), as a readiness probe reads it."""
+    server = _server(ctx, target)
     reply = _call(
-        _server(ctx, target),
+        server,
         lambda ch: pb_grpc.OpenEngineStub(ch).Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
@@ -349,6 +358,9 @@ def health(
         return "\n".join(lines)
 
     emit(data, output, render)
+    if reply.state not in SERVING_STATES:
+        state = enum_name(pb.HealthState.DESCRIPTOR, reply.state)
+        raise NotServingError(f"{server.address} is not serving: its health is {state}")
 
 
 def load(
@@ -650,8 +662,8 @@ def drain(
 ) -> None:
     """Drain an engine of the fleet, or with --self the target itself.
 
-    Progress is shown until COMPLETE. A deadline that passes with requests in flight ends it
-    with an error."""
+    Progress is shown until COMPLETE, each event as it comes (with --output json, one JSON
+    object a line). A deadline that passes with requests in flight ends it with an error."""
     if (engine is None) == (not drain_self):
         raise typer.BadParameter(
             "give the ENGINE to drain or --self, not both"
@@ -666,7 +678,11 @@ def drain(
         for event in stream:
             data = _dict(event)
             events.append(data)
-            if output is OutputFormat.table:
+            # JSON Lines: each event as it comes (click flushes each line), for a script to
+            # follow and to keep what came before a Ctrl-C or a broken stream.
+            if output is OutputFormat.json:
+                typer.echo(json.dumps(data, sort_keys=True))
+            else:
                 typer.echo(_render_drain(data))
 
     drained = f"engine {engine}" if engine is not None else server.address
@@ -700,8 +716,6 @@ def drain(
             f"{exc} (the drain of {drained} had started: `kvplane admin workers` or `health` "
             "shows whether it goes on)"
         ) from None
-    if output is OutputFormat.json:
-        emit({"events": events}, output, str)
     last = events[-1] if events else {}
     if "error" in last:
         raise RpcCallError(f"drain failed: {last['error'].get('message', '')}")

@@ -126,6 +126,9 @@ log = logging.getLogger(__name__)
 # instance id), None when none is (or it cannot be read).
 SharedDrains = Callable[[str], Awaitable[tuple[str, str] | None]]
 
+# The OpenEngine health states of a server that serves requests (one DEGRADED still does):
+# an engine routed, a fleet taking vllm.Generate, `kvplane admin health` exiting 0.
+SERVING_STATES = frozenset({pb.HEALTH_STATE_READY, pb.HEALTH_STATE_DEGRADED})
 _HEALTH = {
     pb.HEALTH_STATE_UNSPECIFIED: EngineState.NOT_READY,
     pb.HEALTH_STATE_STARTING: EngineState.STARTING,

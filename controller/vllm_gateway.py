@@ -38,18 +38,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health
 
+from controller.fleet import SERVING_STATES
 from controller.gateway import fleet_health_state
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
 from kvplane.server import ServiceHealth
-from openengine.v1 import openengine_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Generate"].full_name
-# The fleet's OpenEngine health states in which a vllm.Generate can be routed.
-SERVING_STATES = frozenset({pb.HEALTH_STATE_READY, pb.HEALTH_STATE_DEGRADED})
 
 
 class _UnaryCall:

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,6 +40,23 @@ PREFIX = list(range(300, 364))
 
 async def cli(*args: str) -> Result:
     return await asyncio.to_thread(CliRunner().invoke, app, ["admin", *args])
+
+
+async def admin_process(*args: str) -> tuple[int, str, str]:
+    """`kvplane admin ARGS` run as a script runs it, a process of its own: its exit code,
+    stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvplane",
+        "admin",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
 
 
 async def cli_json(*args: str) -> Any:
@@ -244,6 +263,40 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert (await cli_json("info", *t))["engine"]["instance_id"] == "e0"
     drained = await cli("drain", "--self", *t)
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
+
+
+async def test_health_exits_1_when_the_target_is_not_serving(fleet: Fleet) -> None:
+    """A probe or a script reads `health`'s exit code: 0 while the target serves (READY, or
+    DEGRADED: some engines out), 1 otherwise, the state shown all the same. It exited 0
+    whatever the state, so a controller with no engine to route to passed as healthy."""
+    t = ["--target", fleet.target]
+
+    async def until_health(wanted: pb.HealthState.ValueType) -> None:
+        async def reached() -> bool:
+            return (await fleet.gateway.Health(pb.HealthRequest())).state == wanted
+
+        await eventually(reached, what=pb.HealthState.Name(wanted))
+
+    assert (await cli("cordon", "e0", *t)).exit_code == 0
+    await until_health(pb.HEALTH_STATE_DEGRADED)
+    code, out, err = await admin_process("health", *t)
+    assert (code, err) == (0, ""), (out, err)
+    assert out.splitlines()[0] == "state HEALTH_STATE_DEGRADED"
+
+    for engine in ("e1", "e2"):
+        assert (await cli("cordon", engine, *t)).exit_code == 0
+    await until_health(pb.HEALTH_STATE_NOT_READY)
+    code, out, err = await admin_process("health", *t)
+    assert code == 1, (out, err)
+    assert out.splitlines()[0] == "state HEALTH_STATE_NOT_READY"
+    assert out.splitlines()[1].split() == ["CHECK", "STATE", "MESSAGE"]
+    assert err == (
+        f"kvplane: error: {fleet.target} is not serving: its health is HEALTH_STATE_NOT_READY\n"
+    )
+    code, out, err = await admin_process("health", *t, "--output", "json")
+    assert code == 1, (out, err)
+    assert json.loads(out)["state"] == "HEALTH_STATE_NOT_READY"
+    assert err.startswith(f"kvplane: error: {fleet.target} is not serving: ")
 
 
 async def test_route_explains_while_the_controller_drains(fleet: Fleet, tmp_path: Path) -> None:

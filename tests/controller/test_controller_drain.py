@@ -8,6 +8,8 @@ the controller relays, and COMPLETE comes once they have ended."""
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -28,6 +30,7 @@ from tests.polling import eventually
 pytestmark = pytest.mark.timeout(60)
 
 PREFIX = list(range(500, 564))
+KVPLANE = (sys.executable, "-m", "kvplane")
 LONG = 2000  # tokens: about 12 s of sim decoding, far longer than any drain here
 
 
@@ -195,6 +198,40 @@ async def test_ctrl_c_stops_following_a_drain_and_says_the_drain_goes_on(
         f"kvplane: interrupted: the drain of {fleet.target} goes on (leaving it does not undo it)\n"
     )
     assert await health(fleet) == pb.HEALTH_STATE_DRAINING
+    long.cancel()
+
+
+async def test_drain_output_json_streams_each_event_as_it_comes(slow_fleet: Fleet) -> None:
+    """`drain --output json` is JSON Lines, one object per event as the target sends it: a
+    script follows the drain, and keeps what came before a Ctrl-C or a broken stream. It
+    printed every event in one array once the drain had ended."""
+    fleet = slow_fleet
+    long = await start_long(fleet.gateway, "long")
+    process = await asyncio.create_subprocess_exec(
+        *KVPLANE,
+        *["admin", "-t", fleet.target, "drain", "--self", "--output", "json"],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        first = await process.stdout.readline()
+        started = json.loads(first)
+        assert (started["state"], started["in_flight_requests"]) == ("DRAIN_STATE_STARTED", 1)
+        # Printed while the drain waits on the request, which still runs.
+        more = await long.read()
+        assert isinstance(more, pb.GenerateResponse) and more.WhichOneof("event") == "token"
+
+        await fleet.gateway.Abort(pb.AbortRequest(request_id="long"))
+        rest, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, err
+    events = [started, *(json.loads(line) for line in rest.decode().splitlines())]
+    assert all(e.keys() >= {"state", "in_flight_requests"} for e in events), events
+    assert (events[-1]["state"], events[-1]["in_flight_requests"]) == ("DRAIN_STATE_COMPLETE", 0)
     long.cancel()
 
 

@@ -171,8 +171,9 @@ def _help_lines(output: str) -> list[str]:
         (
             ["admin", "drain"],
             [
-                "Progress is shown until COMPLETE. A deadline that passes with requests in",
-                "flight ends it with an error.",
+                "Progress is shown until COMPLETE, each event as it comes (with --output json,",
+                "one JSON object a line). A deadline that passes with requests in flight ends",
+                "it with an error.",
             ],
         ),
         (
