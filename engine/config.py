@@ -143,6 +143,12 @@ class KvTransferConfig(StrictModel):
     session_ttl_s: StrictFloat = Field(default=60.0, gt=0.0)
     # A DECODE engine gives up a pull after this long (UNAVAILABLE).
     pull_timeout_s: StrictFloat = Field(default=30.0, gt=0.0)
+    # A DECODE engine whose KV pool has no room for a pulled session's blocks when they arrive
+    # holds their bytes in host memory, and imports them when the scheduler admits the request
+    # (in its FCFS turn, as running sequences end), up to this many bytes for all its waiting
+    # requests; beyond, the blocks are dropped and the request computes its prompt (counted in
+    # kvplane_engine_kv_imports{outcome="dropped"}). A sim engine's blocks have no bytes.
+    max_held_kv_bytes: StrictInt = Field(default=1 << 30, ge=0)
     # The bearer token a DECODE engine presents to prefill engines that have `auth:` (their
     # token); None: none.
     peer_token_file: Path | None = None
@@ -153,6 +159,7 @@ class KvTransferConfig(StrictModel):
     ROLE_OF_KEY: ClassVar[dict[str, EngineRoleName]] = {
         "session_ttl_s": EngineRoleName.prefill,
         "pull_timeout_s": EngineRoleName.decode,
+        "max_held_kv_bytes": EngineRoleName.decode,
         "peer_token_file": EngineRoleName.decode,
         "peer_tls": EngineRoleName.decode,
     }

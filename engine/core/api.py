@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Literal, NamedTuple, Protocol, TypeVar
 
 from engine.core.errors import InvalidRequestError
 
@@ -40,6 +40,10 @@ BlockId = int
 # into a larger message holding a run of blocks (KV transfer).
 KvBlockBytes = bytes | memoryview
 """Index of a physical KV block in the runner's cache, 0 <= id < num_blocks."""
+# What a DECODE engine did with a pulled session's blocks (`EngineCore.import_or_hold_kv_blocks`):
+# imported at once, held until its request is admitted (no room then), dropped (no room, and
+# the bound on held bytes reached: the request computes its prompt), unused (nothing to import).
+KvImportOutcome = Literal["imported", "held", "dropped", "unused"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,12 @@ block table (ref-counted, so never evicted) until `release_kv_session`; `read_kv
 copies their bytes out. A DECODE engine puts pulled blocks into its prefix cache with
 `import_kv_blocks` just before adding the request they belong to, so that admission finds them
 as ordinary prefix hits. Both go through the block manager's own verbs (`allocate` of the
-cached prefix or new blocks, `cache_blocks`, `free`) under a scratch sequence id.
+cached prefix or new blocks, `cache_blocks`, `free`) under a scratch sequence id. When the pool
+has no room for them then (busy with running sequences), `import_or_hold_kv_blocks` holds the
+pulled bytes instead (host memory, up to a bound) and the scheduler imports them as it admits
+the request, in its FCFS turn, once its blocks and first chunk fit (`HeldKv`): the request
+reports them cached rather than computing its prompt again. Ended before admission, it drops
+them.
 
 Guided decoding (`engine.core.guided`, `guided_vocab`): each guided output carries its guide
 state; when it samples, the batch gives the runner the token ids its guide allows (EOS only
@@ -27,6 +32,7 @@ sequences pay one attribute test a step.
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from collections.abc import Callable
@@ -40,6 +46,7 @@ from engine.core.api import (
     ForwardPassStats,
     KvBlockBytes,
     KvEvent,
+    KvImportOutcome,
     LoadSnapshot,
     ModelRunner,
     RequestOutput,
@@ -71,6 +78,8 @@ from engine.core.stopping import StopChecker
 
 __all__ = ["EngineCore", "EngineLoop", "OutputSink", "asyncio_sink"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True, eq=False)
 class _Output:
@@ -89,6 +98,18 @@ class _HeldSession:
     seq_id: int
     token_ids: tuple[int, ...]  # the tokens whose KV the blocks hold: whole blocks
     lora_name: str | None  # the adapter the KV was computed with
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldImport:
+    """A request's pulled KV blocks, held until the scheduler admits it (`import_held_kv`)."""
+
+    token_ids: PySequence[int]
+    blocks: PySequence[KvBlockBytes]
+    lora_name: str | None
+    cache_salt: str | None
+    num_tokens: int  # the prompt tokens the blocks cover (whole blocks, never the last token)
+    num_bytes: int
 
 
 @dataclass(slots=True, eq=False)
@@ -142,12 +163,14 @@ class EngineCore:
             enable_prefix_caching=self.config.enable_prefix_caching,
             medium=self.config.medium,
         )
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, held_kv=self)
         self.max_model_len = runner.max_model_len
         self.eos_token_ids = runner.eos_token_ids
         self._requests: dict[str, _RequestState] = {}
         self._outputs_by_seq: dict[int, _Output] = {}
         self._kv_sessions: dict[str, _HeldSession] = {}
+        self._held_imports: dict[str, _HeldImport] = {}  # request id -> its pulled KV
+        self._held_import_bytes = 0
         self._next_seq_id = 0
         self._next_arrival = 0
         self._last_prefill_batch = 0
@@ -245,6 +268,8 @@ class EngineCore:
         except Exception:
             if lora is not None:
                 self.release_lora(lora)
+            if request.request_id not in self._requests:
+                self._drop_held_import(request.request_id)
             raise
         sampling = request.sampling
         num_prompt = len(request.prompt_token_ids)
@@ -332,6 +357,7 @@ class EngineCore:
         if state.num_unfinished == 0:
             usage = state.usage()
             del self._requests[state.request.request_id]
+            self._drop_held_import(state.request.request_id)
             if state.lora is not None:
                 self.release_lora(state.lora)
         return RequestOutput(
@@ -455,9 +481,83 @@ class EngineCore:
         block i of `token_ids` (a prompt about to be added). Blocks already cached here are
         kept (allocate takes them as hits); the others get new blocks, written by the runner,
         then cached (recording BlockStored) and freed, evictable as any cached prefix. Returns
-        how many blocks were written; 0 when the pool has no room (the request then simply
-        computes its prompt). Hits never cover the last prompt token: a block holding it is
-        neither used nor imported."""
+        how many blocks were written; 0 when the pool has no room (the request then computes
+        its prompt, unless `import_or_hold_kv_blocks` holds them for its admission). Hits
+        never cover the last prompt token: a block holding it is neither used nor imported."""
+        return self._import(token_ids, blocks, lora_name=lora_name, cache_salt=cache_salt) or 0
+
+    def import_or_hold_kv_blocks(
+        self, request: EngineRequest, blocks: PySequence[KvBlockBytes], *, max_held_bytes: int
+    ) -> KvImportOutcome:
+        """`import_kv_blocks` for `request`, about to be added; when the pool has no room now,
+        hold the blocks (their bytes, while all the requests' held bytes stay within
+        `max_held_bytes`) for the scheduler to import as it admits the request: "held".
+        Beyond the bound they are "dropped" and the request computes its prompt. "unused":
+        nothing to import (cached here already, or no full block before the last token), or
+        no room and a request that bypasses the prefix cache."""
+        token_ids = request.prompt_token_ids
+        lora_name, cache_salt = request.lora_name, request.cache_salt
+        written = self._import(token_ids, blocks, lora_name=lora_name, cache_salt=cache_salt)
+        if written is not None:
+            return "imported" if written else "unused"
+        if request.bypass_prefix_cache:
+            return "unused"  # it would not read them
+        num_blocks = min(len(blocks), (len(token_ids) - 1) // self.block_size)
+        num_bytes = sum(len(block) for block in blocks[:num_blocks])
+        if (
+            self._held_import_bytes + num_bytes > max_held_bytes
+            or request.request_id in self._held_imports
+            or request.request_id in self._requests  # refused by add_request: a duplicate
+        ):
+            return "dropped"
+        self._held_imports[request.request_id] = _HeldImport(
+            token_ids,
+            blocks[:num_blocks],
+            lora_name,
+            cache_salt,
+            num_blocks * self.block_size,
+            num_bytes,
+        )
+        self._held_import_bytes += num_bytes
+        return "held"
+
+    @property
+    def held_import_bytes(self) -> int:
+        """The bytes of pulled KV held for requests not yet admitted."""
+        return self._held_import_bytes
+
+    def held_kv_tokens(self, seq: Sequence) -> int:
+        """`HeldKv`: the prompt tokens whose pulled KV is held for `seq`'s request (0: none)."""
+        held = self._held_imports.get(seq.request_id)
+        return 0 if held is None or not seq.use_prefix_cache else held.num_tokens
+
+    def import_held_kv(self, seq: Sequence) -> None:
+        """`HeldKv`: the scheduler admits `seq` and has room for its held KV: import it."""
+        held = self._drop_held_import(seq.request_id)
+        if held is None:
+            return
+        try:  # as `EngineLoop.submit`'s `before`: on failure, the request computes its prompt
+            self._import(
+                held.token_ids, held.blocks, lora_name=held.lora_name, cache_salt=held.cache_salt
+            )
+        except Exception:
+            logger.exception("importing the held KV of request %s failed", seq.request_id)
+
+    def _drop_held_import(self, request_id: str) -> _HeldImport | None:
+        held = self._held_imports.pop(request_id, None)
+        if held is not None:
+            self._held_import_bytes -= held.num_bytes
+        return held
+
+    def _import(
+        self,
+        token_ids: PySequence[int],
+        blocks: PySequence[KvBlockBytes],
+        *,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> int | None:
+        """`import_kv_blocks`, None when the pool has no room."""
         bm = self.block_manager
         size = bm.block_size
         num_blocks = min(len(blocks), (len(token_ids) - 1) // size)
@@ -465,7 +565,7 @@ class EngineCore:
             return 0
         num_tokens = num_blocks * size
         if not bm.can_allocate(token_ids, num_tokens, lora_name=lora_name, cache_salt=cache_salt):
-            return 0
+            return None
         scratch = self._new_seq_id()
         num_hit = (
             bm.allocate(scratch, token_ids, num_tokens, lora_name=lora_name, cache_salt=cache_salt)

@@ -16,6 +16,9 @@ Each step (`schedule`) spends a token budget (`max_num_batched_tokens`):
    the pool. With nothing running, a head whose chunk fits but whose context so far does not
    (its prefix not cached: `bypass_prefix_cache`, caching off) waits likewise, rather than be
    admitted, preempted at the chunk that reaches the sessions' blocks, and recomputed again.
+   A head whose request holds pulled KV not yet imported (`HeldKv`: a DECODE engine's, pulled
+   while the pool was full) is admitted once the pool holds those blocks and its first chunk
+   after them; they are imported then, and count as its prefix hits.
 
 Waiting order: larger priority first, FCFS within a priority (one FIFO per level, so picking
 is O(number of levels)). No starvation: with `aging_s` set, a sequence's effective priority
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from engine.core.api import SchedulerConfig
 from engine.core.block_manager import BlockManager
@@ -40,6 +43,18 @@ class ScheduledWork(NamedTuple):
 
     sequence: Sequence
     num_new_tokens: int
+
+
+class HeldKv(Protocol):
+    """Pulled KV held for waiting requests, imported as they are admitted (`EngineCore`)."""
+
+    def held_kv_tokens(self, seq: Sequence) -> int:
+        """The prompt tokens whose KV is held for `seq`'s request (0: none)."""
+        ...
+
+    def import_held_kv(self, seq: Sequence) -> None:
+        """Import it into the prefix cache: the pool has room for it now."""
+        ...
 
 
 @dataclass(slots=True)
@@ -57,11 +72,14 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queues and the running set; not thread-safe."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, held_kv: HeldKv | None = None
+    ) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.config = config
         self.block_manager = block_manager
+        self._held_kv = held_kv
         self._waiting: dict[int, deque[Sequence]] = {}  # priority level -> FIFO
         self._num_waiting = 0
         self.running: list[Sequence] = []
@@ -172,14 +190,18 @@ class Scheduler:
                 seq.token_ids, lora_name=request.lora_name, cache_salt=request.cache_salt
             )
             num_hit = num_hit if use_cache else 0
-            num_new = min(seq.num_tokens - num_hit, budget)
-            ok = bm.can_allocate(
-                seq.token_ids,
-                num_hit + num_new,
-                lora_name=request.lora_name,
-                cache_salt=request.cache_salt,
-                use_cache=use_cache,
-            )
+            num_held = self._held_kv.held_kv_tokens(seq) if self._held_kv is not None else 0
+            # Its hits once its held KV is imported: it waits until they and its chunk fit.
+            num_new = min(seq.num_tokens - max(num_hit, num_held), budget)
+            ok = self._can_allocate(seq, max(num_hit, num_held) + num_new)
+            if ok and num_held:  # imported (what is not cached yet), and no longer held
+                assert self._held_kv is not None
+                self._held_kv.import_held_kv(seq)
+                num_hit = bm.count_hit_tokens(
+                    seq.token_ids, lora_name=request.lora_name, cache_salt=request.cache_salt
+                )
+                num_new = min(seq.num_tokens - num_hit, budget)
+                ok = self._can_allocate(seq, num_hit + num_new)  # short only if the import failed
             if not ok:
                 if not self.running and self._beyond_pool(num_hit + num_new):
                     out.out_of_capacity.append(seq)
@@ -209,6 +231,16 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        request = seq.request
+        return self.block_manager.can_allocate(
+            seq.token_ids,
+            num_tokens,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+            use_cache=seq.use_prefix_cache,
+        )
+
     def _beyond_pool(self, num_tokens: int) -> bool:
         """Whether `num_tokens` tokens need more blocks than the whole pool has: the only
         reason to finish a sequence as out of capacity. Blocks it lacks with nothing else
@@ -218,14 +250,7 @@ class Scheduler:
     def _fits_alone(self, seq: Sequence) -> bool:
         """Whether the free blocks (and its prefix hits) hold all of `seq`'s tokens so far, or
         nothing would: a context larger than the whole pool runs until it is out of capacity."""
-        request = seq.request
-        return self._beyond_pool(seq.num_tokens) or self.block_manager.can_allocate(
-            seq.token_ids,
-            seq.num_tokens,
-            lora_name=request.lora_name,
-            cache_salt=request.cache_salt,
-            use_cache=seq.use_prefix_cache,
-        )
+        return self._beyond_pool(seq.num_tokens) or self._can_allocate(seq, seq.num_tokens)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq.seq_id)

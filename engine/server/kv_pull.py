@@ -3,7 +3,9 @@ the protocol and the PREFILL side): `KvSessionPuller` checks a `KvSessionRef`, p
 from the prefill engine that holds it and checks what arrives against the request; once the
 request is accepted it releases the session there. `decode_request` is what the decode engine
 runs of a request given a session; `PulledSession.importer`, what its engine thread runs just
-before adding it (the blocks enter the prefix cache, so admission finds them as prefix hits).
+before adding it (the blocks enter the prefix cache, so admission finds them as prefix hits; with
+no room in the pool then, the engine holds them, up to `kv_transfer.max_held_kv_bytes`, and
+imports them as it admits the request).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from engine.config import KvTransferConfig
-from engine.core.api import EngineRequest, KvBlockBytes
+from engine.core.api import EngineRequest, KvBlockBytes, KvImportOutcome
 from engine.core.errors import InvalidRequestError
 from engine.server.errors import KvSessionNotFoundError, KvSessionRefusedError, KvTransferError
 from engine.server.kv_transfer import (
@@ -71,17 +73,31 @@ class PulledSession:
     token_ids: tuple[int, ...]
     blocks: list[KvBlockBytes]
 
-    def importer(self, request: EngineRequest) -> Callable[[EngineCore], object]:
+    def importer(
+        self,
+        request: EngineRequest,
+        *,
+        max_held_bytes: int,
+        on_outcome: Callable[[KvImportOutcome], object] | None = None,
+    ) -> Callable[[EngineCore], object]:
         """What the engine thread runs just before adding `request` (EngineLoop.submit's
-        `before`): the blocks enter the prefix cache under the request's namespace."""
+        `before`): the blocks enter the prefix cache under the request's namespace, or wait
+        for the request's admission (`EngineCore.import_or_hold_kv_blocks`); `on_outcome`
+        hears which (in the engine thread)."""
 
-        def import_blocks(core: EngineCore) -> int:
-            return core.import_kv_blocks(
-                request.prompt_token_ids,
-                self.blocks,
-                lora_name=request.lora_name,
-                cache_salt=request.cache_salt,
+        def import_blocks(core: EngineCore) -> None:
+            outcome = core.import_or_hold_kv_blocks(
+                request, self.blocks, max_held_bytes=max_held_bytes
             )
+            if outcome == "dropped":
+                log.warning(
+                    "request %s: no room for its %d pulled KV blocks and %d bytes held "
+                    "already (kv_transfer.max_held_kv_bytes %d): it computes its prompt",
+                    request.request_id, len(self.blocks), core.held_import_bytes,
+                    max_held_bytes,
+                )  # fmt: skip
+            if on_outcome is not None:
+                on_outcome(outcome)
 
         return import_blocks
 
@@ -99,7 +115,9 @@ class KvSessionPuller:
         kv_block_bytes: int,
         channels: ClientChannels,
         timeout_s: float,
+        max_held_bytes: int = 0,
     ) -> None:
+        """`max_held_bytes`: `kv_transfer.max_held_kv_bytes`, for the importers' use."""
         self._block_size = block_size
         self._kv_layout = kv_layout
         self._block_bytes = kv_block_bytes
@@ -107,6 +125,7 @@ class KvSessionPuller:
         receive = max(_MIN_RECEIVE_BYTES, self._blocks_per_chunk * kv_block_bytes + (1 << 20))
         self._channel_options = channels.with_options(("grpc.max_receive_message_length", receive))
         self._timeout_s = timeout_s
+        self.max_held_bytes = max_held_bytes
         # address -> its channel, the least recently used first.
         self._peers: collections.OrderedDict[str, Redialling[kt_grpc.KvTransferAsyncStub]]
         self._peers = collections.OrderedDict()
@@ -126,6 +145,7 @@ class KvSessionPuller:
             kv_block_bytes=kv_block_bytes,
             channels=channels,
             timeout_s=config.pull_timeout_s,
+            max_held_bytes=config.max_held_kv_bytes,
         )
 
     @property

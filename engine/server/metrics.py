@@ -7,7 +7,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.core.api import EngineRequest, RequestOutput, StepReport
+from engine.core.api import EngineRequest, KvImportOutcome, RequestOutput, StepReport
 
 # How a DECODE engine's pull of a KV session ended: `refused` is a session it cannot use (or a
 # malformed ref), `failed` the transfer itself (unreachable, too slow, malformed stream),
@@ -93,6 +93,14 @@ class EngineMetrics:
             labels,
             registry=registry,
         )
+        self.kv_imports = Counter(
+            "kvplane_engine_kv_imports",
+            "What a DECODE engine did with pulled KV blocks: imported at once, held until the "
+            "request is admitted (no room then), dropped (no room, and max_held_kv_bytes held "
+            "already: the request computes its prompt), or unused (nothing to import).",
+            [*labels, "outcome"],
+            registry=registry,
+        )
         self.open_kv_sessions = Gauge(
             "kvplane_engine_open_kv_sessions",
             "A PREFILL engine's KV sessions handed over and not yet pulled (their blocks held).",
@@ -132,6 +140,10 @@ class EngineMetrics:
 
     def on_overloaded(self, task: str) -> None:
         self.overloaded.labels(self._model, task).inc()
+
+    def on_kv_import(self, outcome: KvImportOutcome) -> None:
+        """Any thread: the engine thread imports."""
+        self.kv_imports.labels(self._model, outcome).inc()
 
     def on_pull(self, outcome: PullOutcome, num_blocks: int = 0) -> None:
         self.kv_pulls.labels(self._model, outcome).inc()

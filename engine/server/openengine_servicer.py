@@ -229,8 +229,14 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         else:
             decoding = decode_request(engine_request)
             with contextlib.suppress(RequestAbortedError):  # aborted as the pull ended
+                metrics = self._service.metrics
+                importer = pulled.importer(
+                    decoding,
+                    max_held_bytes=puller.max_held_bytes,
+                    on_outcome=None if metrics is None else metrics.on_kv_import,
+                )
                 stream = self._service.end_pull(
-                    handle, decoding, pulled.importer(decoding), num_blocks=len(pulled.blocks)
+                    handle, decoding, importer, num_blocks=len(pulled.blocks)
                 )
         puller.release(session)
         return stream

@@ -17,6 +17,7 @@ from kvplane.errors import ConfigError
 KEYS = [
     ("session_ttl_s", 5.0, "prefill"),
     ("pull_timeout_s", 30.0, "decode"),  # the default's value, still set by hand
+    ("max_held_kv_bytes", 0, "decode"),
     ("peer_token_file", "/run/token", "decode"),
     ("peer_tls", {}, "decode"),
 ]

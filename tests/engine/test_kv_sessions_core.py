@@ -209,6 +209,40 @@ def test_an_import_without_room_or_with_a_failing_write_changes_nothing() -> Non
     core.block_manager.check_invariants()
 
 
+def test_pulled_blocks_without_room_are_held_until_admitted_then_dropped_past_the_bound() -> None:
+    """With the pool full, a request's pulled blocks are held (bytes counted) and imported as
+    the scheduler admits it, after the running request ends: its prompt's blocks come from
+    them (cached 8). Past `max_held_bytes` another's are dropped; an aborted request's held
+    blocks go with it."""
+    runner = BytesRunner(num_blocks=4)
+    core = EngineCore(runner)
+    busy = EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3))
+    core.add_request(busy)
+    core.step()  # holds all 4 blocks
+    pulled = EngineRequest("pulled", PROMPT, SamplingParams(max_tokens=3))
+    assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
+    core.add_request(pulled)
+    assert core.held_import_bytes == 4
+    dropped = EngineRequest("dropped", tuple(range(200, 210)), SamplingParams(max_tokens=3))
+    assert core.import_or_hold_kv_blocks(dropped, [b"d0", b"d1"], max_held_bytes=4) == "dropped"
+    core.add_request(dropped)
+    aborted = EngineRequest("aborted", tuple(range(300, 310)), SamplingParams(max_tokens=3))
+    assert core.import_or_hold_kv_blocks(aborted, [b"a0", b"a1"], max_held_bytes=8) == "held"
+    core.add_request(aborted)
+    assert core.held_import_bytes == 8
+    core.abort("aborted")
+    assert core.held_import_bytes == 4
+    usage = {}
+    while core.has_work():
+        for output in core.step().outputs:
+            if output.usage is not None:
+                usage[output.request_id] = output.usage.cached_prompt_tokens
+    assert usage == {"busy": 0, "pulled": 8, "dropped": 0}
+    assert core.held_import_bytes == 0
+    assert sorted(runner.data.values()) == [b"k0", b"k1"]
+    core.block_manager.check_invariants()
+
+
 def test_a_session_moves_from_a_prefill_core_to_a_decode_core() -> None:
     prefill_runner, decode_runner = BytesRunner(), BytesRunner()
     prefill_core, decode_core = EngineCore(prefill_runner), EngineCore(decode_runner)

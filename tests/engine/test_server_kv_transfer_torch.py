@@ -17,7 +17,13 @@ from engine.server import kv_pull
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
-from tests.engine.engine_server_harness import Engine, collect, running_engine
+from tests.engine.engine_server_harness import (
+    Engine,
+    collect,
+    engine_thread_held,
+    metrics_text,
+    running_engine,
+)
 from tests.engine.torch_reference import TEST_DEVICE, TINY_LLAMA
 from tests.polling import eventually
 
@@ -214,3 +220,54 @@ async def test_a_puller_that_stops_reading_holds_no_blocks_past_an_abort_or_a_dr
         assert states[-1] == pb.DRAIN_STATE_COMPLETE
         await eventually(freed, what="the drained session's blocks released")
         stalled.cancel()
+
+
+async def test_a_session_pulled_while_the_decode_pool_is_full_is_imported_once_admitted() -> None:
+    """A DECODE engine whose blocks a running request holds when the pulled KV arrives keeps
+    that KV (host memory) and imports it when the request is admitted, once the running one
+    ends: the request reports the pulled blocks cached, computes only its last partial block,
+    and generates what an aggregated engine does. (It used to drop them and compute its whole
+    prompt again.)"""
+    decode_config = _config(EngineRoleName.decode, "float32").model_copy(
+        update={"num_kv_blocks": 24, "max_model_len": 1024, "metrics_listen": "127.0.0.1:0"}
+    )
+    handed = _greedy()
+    handed.token_ids.ids[:] = LONG_PROMPT[: 10 * BLOCK + 7]  # 10 full blocks to pull
+    # 15 of the 24 blocks from its admission, more as it decodes: the 10 pulled never fit
+    # while it runs, until it ends out of capacity ("KV cache full") with the pool full.
+    filler = _greedy()
+    filler.token_ids.ids[:] = [(i * 53 + 7) % 900 + 5 for i in range(15 * BLOCK)]
+    filler.stopping.max_tokens = 1000
+    async with AsyncExitStack() as stack:
+        prefiller, aggregated = [
+            await stack.enter_async_context(running_engine(_config(role, "float32")))
+            for role in (EngineRoleName.prefill, EngineRoleName.aggregated)
+        ]
+        decoder = await stack.enter_async_context(running_engine(decode_config))
+        session = (await collect(prefiller.stub, handed))[-1].prefill_ready.kv_session
+
+        running = decoder.stub.Generate(filler)
+        first = await running.read()
+        assert isinstance(first, pb.GenerateResponse) and first.HasField("token")
+        service = decoder.app.service
+        async with engine_thread_held(service):
+            load = await decoder.stub.GetLoad(pb.GetLoadRequest())
+            assert load.running_requests == 1 and load.used_kv_blocks > 24 - 10
+            decode = pb.GenerateRequest()
+            decode.CopyFrom(handed)
+            decode.kv.session.CopyFrom(session)
+            decoding = asyncio.ensure_future(collect(decoder.stub, decode))
+            # Pulled and submitted: added (its KV meeting the full pool) once the thread is free.
+            await eventually(lambda: service.engine_loop.num_queued() == 1, what="submitted")
+        while (response := await running.read()) is not grpc.aio.EOF:
+            assert isinstance(response, pb.GenerateResponse)
+            last = response
+        assert last.finished.reason == pb.FINISH_REASON_LENGTH  # "KV cache full"
+        decoded = await decoding
+        alone = await collect(aggregated.stub, handed)
+
+        assert decoded[-1].usage.cached_prompt_tokens == 10 * BLOCK
+        assert _tokens(decoded) == _tokens(alone) and len(_tokens(alone)) == 12
+        text = await metrics_text(decoder)
+        assert 'kvplane_engine_kv_imports_total{model="tiny-llama",outcome="held"} 1.0' in text
+        assert service.engine_loop.core.held_import_bytes == 0
