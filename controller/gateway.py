@@ -755,9 +755,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             # output and it is retried elsewhere, its prefill handed it over and its decode
             # engine took it): that engine's NOT_FOUND, UNAVAILABLE or ALREADY_FINISHED is then
             # of an attempt that ended, so the Abort goes round again, to where it went.
+            # A request ended meanwhile is never followed to a later one that took its id.
+            admission = self.relay.admission(request.request_id)
             rounds_left = _ABORT_ROUNDS
             while (
-                reply := await self._abort_request(request, context, again=rounds_left > 1)
+                reply := await self._abort_request(
+                    request, context, admission, again=rounds_left > 1
+                )
             ) is None:
                 rounds_left -= 1
             return reply
@@ -859,11 +863,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         return pb.AbortResponse(status=status, message=summary)
 
     async def _abort_request(
-        self, request: pb.AbortRequest, context: Context, *, again: bool
+        self, request: pb.AbortRequest, context: Context, admission: int | None, *, again: bool
     ) -> pb.AbortResponse | None:
         """Abort by id: the request's engine asked, or the gateway ending it itself. None
-        (with `again`) when the request moved on to another engine while its engine answered
-        that it no longer had it: to be asked again."""
+        (with `again`) when the request (`admission`: `Relay.admission` as the Abort came)
+        moved on to another engine while its engine answered that it no longer had it: to be
+        asked again."""
         address = self.relay.holding.get(request.request_id)
         if self.relay.abort_unrouted(request.request_id):
             # No engine can abort it now: its prefill engine finished its part (it would
@@ -900,7 +905,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     status=pb.ABORT_STATUS_ABORTED,
                     message="aborted before its engine accepted it",
                 )
-            if again and self.relay.moved_on(request.request_id, address):
+            if again and self.relay.moved_on(request.request_id, address, admission):
                 return None
             if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 await abort_with(
@@ -926,7 +931,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if (
             again
             and reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
-            and self.relay.moved_on(request.request_id, address)
+            and self.relay.moved_on(request.request_id, address, admission)
         ):
             return None
         return reply
