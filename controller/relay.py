@@ -611,15 +611,10 @@ class Relay:
         holder = self.holding.get(request_id)
         return holder is None or self.handed_over.get(request_id) == holder
 
-    def moved_on(self, request_id: str, engine: str, admission: int | None) -> bool:
-        """Whether the admitted request (`admission`), once `engine`'s, is another engine's now
-        (a retry, a run again, its decode hop); not when it ended and a later request took its
-        id."""
-        return (
-            admission is not None
-            and self.admission(request_id) == admission
-            and (self.holding.get(request_id) not in (None, engine))
-        )
+    def moved_on(self, request_id: str, engine: str) -> bool:
+        """Whether the admitted request, once `engine`'s, is another engine's now (a retry, a
+        run again, its decode hop)."""
+        return request_id in self.running and self.holding.get(request_id) not in (None, engine)
 
     def abort_unrouted(self, request_id: str) -> bool:
         """Abort a request admitted here that no engine can abort now (`_between_engines`);
