@@ -758,9 +758,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             # output and it is retried elsewhere, its prefill handed it over and its decode
             # engine took it): that engine's NOT_FOUND, UNAVAILABLE or ALREADY_FINISHED is then
             # of an attempt that ended, so the Abort goes round again, to where it went.
+            admission = self.relay.admission(request.request_id)
             rounds_left = _ABORT_ROUNDS
             while (
-                reply := await self._abort_request(request, context, again=rounds_left > 1)
+                reply := await self._abort_request(
+                    request, context, admission, again=rounds_left > 1
+                )
             ) is None:
                 rounds_left -= 1
             return reply
@@ -862,11 +865,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         return pb.AbortResponse(status=status, message=summary)
 
     async def _abort_request(
-        self, request: pb.AbortRequest, context: Context, *, again: bool
+        self, request: pb.AbortRequest, context: Context, admission: int | None, *, again: bool
     ) -> pb.AbortResponse | None:
         """Abort by id: the request's engine asked, or the gateway ending it itself. None
         (with `again`) when the request moved on to another engine while its engine answered
-        that it no longer had it: to be asked again."""
+        that it no longer had it: to be asked again. `admission` (`Relay.admission` as the
+        Abort came) is the request asked about: if it ended while its engine answered, and a
+        later request took its id, the engine's answer is returned as it is, the gateway doing
+        nothing to the later request (neither following it nor ending it)."""
         address = self.relay.holding.get(request.request_id)
         if self.relay.abort_unrouted(request.request_id):
             # No engine can abort it now: its prefill engine finished its part (it would
@@ -896,14 +902,17 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
             failure = engine_failure(caught, address, self.controller.fleet)
-            if failure.code() in _UNACCEPTED and self.relay.abort_unaccepted(
-                request.request_id, address
+            ours = self.relay.admission(request.request_id) == admission
+            if (
+                ours
+                and failure.code() in _UNACCEPTED
+                and self.relay.abort_unaccepted(request.request_id, address)
             ):  # routed there, not accepted yet: the gateway ends it
                 return pb.AbortResponse(
                     status=pb.ABORT_STATUS_ABORTED,
                     message="aborted before its engine accepted it",
                 )
-            if again and self.relay.moved_on(request.request_id, address):
+            if again and ours and self.relay.moved_on(request.request_id, address):
                 return None
             if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 await abort_with(
@@ -917,6 +926,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 failure.code(),
                 naming_engine(failure, address, "Abort", self.controller.fleet),
             )
+        if self.relay.admission(request.request_id) != admission:
+            return reply  # it ended meanwhile, and a later request took its id: that one runs on
         if (
             reply.status in _ENDED
             and self.relay.ended_at(request.request_id, address)

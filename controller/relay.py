@@ -555,6 +555,9 @@ class Relay:
         # Ids of the requests running through the gateway, from admission to their end (a
         # superset of `holding`: planning, between two engines).
         self.running: set[str] = set()
+        # request id -> which admission runs under it (`admission`; the same keys as `running`).
+        self._admissions: dict[str, int] = {}
+        self._num_admitted = 0
         # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
         self.finished = RecentIds(FINISHED_MEMORY)
         # Ids aborted while still being planned, before any engine had them, or while their
@@ -586,12 +589,20 @@ class Relay:
         if request_id in self.running:
             return False
         self.running.add(request_id)
+        self._num_admitted += 1
+        self._admissions[request_id] = self._num_admitted
         self.finished.discard(request_id)
         return True
+
+    def admission(self, request_id: str) -> int | None:
+        """Which admission runs under `request_id` now (None: none): a request ended and another
+        admitted with its id are two."""
+        return self._admissions.get(request_id)
 
     def release(self, request_id: str) -> None:
         """The admitted request ended."""
         self.running.discard(request_id)
+        self._admissions.pop(request_id, None)
         self.aborted_unrouted.discard(request_id)
         self.handed_over.pop(request_id, None)
         self._routes.pop(request_id, None)

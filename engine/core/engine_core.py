@@ -784,7 +784,13 @@ class EngineCore:
             allowed += tuple(sorted(self.eos_token_ids))
         if sampling.allowed_token_ids is not None:
             allow_list = set(sampling.allowed_token_ids)
-            allowed = tuple(t for t in allowed if t in allow_list)
+            narrowed = tuple(t for t in allowed if t in allow_list)
+            if allowed and not narrowed:
+                return (
+                    "guided decoding: allowed_token_ids holds none of the tokens that continue "
+                    "or end the constrained output"
+                )
+            allowed = narrowed
         if allowed:
             return allowed
         if complete:

@@ -419,15 +419,18 @@ class EngineService:
         *,
         num_blocks: int,
     ) -> RequestStream:
-        """The pull of `num_blocks` is over: submit the request (`before` imports the blocks),
-        even if a drain began meanwhile; RequestAbortedError if Abort or a drain's deadline
-        stopped it."""
+        """The pull of `num_blocks` is over: submit the request (`before` imports the blocks;
+        not if its adapter's name serves other weights by then, `LoraSlot.superseded`), even
+        if a drain began meanwhile; RequestAbortedError if Abort or a drain's deadline stopped
+        it."""
         self._end_pull(handle)
         if self.metrics is not None:
             self.metrics.on_pull("ok", num_blocks)
         if handle.aborted.is_set():
             self._release_lora(handle)
             raise RequestAbortedError(f"request {request.request_id!r} was aborted")
+        if before is not None and handle.lora is not None:
+            before = _unless_superseded(before, handle.lora)
         try:
             stream = self.submit(request, before=before, admitted=True, lora=handle.lora)
         except BaseException:
@@ -792,3 +795,17 @@ class EngineService:
         self._guide_compiler.shutdown(wait=False, cancel_futures=True)
         self.kv_log.close()
         self.runtime_events.close()
+
+
+def _unless_superseded(
+    before: Callable[[EngineCore], object], lora: LoraSlot
+) -> Callable[[EngineCore], object]:
+    """`before` (a pulled session's import into the prefix cache), skipped if `lora` is
+    superseded when it runs: the cache's namespace is the adapter's name, which other weights
+    serve now, so KV computed with this slot's must not enter it (as the request's own blocks
+    do not, `Sequence.caches_blocks`). Read on the engine thread, which loads adapters."""
+
+    def prepare(core: EngineCore) -> object:
+        return None if lora.superseded else before(core)
+
+    return prepare

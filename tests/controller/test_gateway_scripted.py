@@ -1514,6 +1514,120 @@ async def test_an_abort_follows_a_request_that_moved_to_another_engine_meanwhile
         await close_fleet(fleet)
 
 
+@dataclass
+class FirstEngineEnds(FirstCallFails):
+    """As `FirstCallFails`, except that the first Generate runs: its first response is
+    relayed, then the rest once `finish` is set. The engine that took it fails every later
+    Generate UNAVAILABLE before any output (`fail` is unused), or with `later_calls_wait`
+    passes them on once it has answered an Abort (`answered`)."""
+
+    finish: asyncio.Event = field(default_factory=asyncio.Event)
+    answered: asyncio.Event = field(default_factory=asyncio.Event)
+    later_calls_wait: bool = False
+
+
+class EndsFirstCall(FailsFirstCall):
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub, script: FirstEngineEnds) -> None:
+        super().__init__(inner, script)
+        self.ends = script
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.script.first is None:
+            self.script.first = self
+            relayed = 0
+            async for response in self.inner.Generate(request):
+                if relayed == 1:
+                    await self.ends.finish.wait()
+                relayed += 1
+                yield response
+            return
+        if self.script.first is self and self.ends.later_calls_wait:
+            await self.ends.answered.wait()
+        elif self.script.first is self:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: going away")
+        async for response in self.inner.Generate(request):
+            yield response
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        try:
+            return await super().Abort(request, context)
+        finally:
+            self.ends.answered.set()
+
+
+async def abort_held_as_its_request_ends(
+    fleet: EngineFleet[Any], script: FirstEngineEnds
+) -> asyncio.Future[pb.AbortResponse]:
+    """A request "r" runs on the engine taking it, an Abort of it is sent and held there
+    (`script`), and the request ends (LENGTH) meanwhile: the Abort, unanswered."""
+    ended = fleet.gateway.Generate(generate_request("r", [1, 2, 3], max_tokens=4))
+    assert isinstance(await ended.read(), pb.GenerateResponse)
+    abort = asyncio.ensure_future(fleet.gateway.Abort(pb.AbortRequest(request_id="r")))
+    await eventually(lambda: script.aborts_held == 1)
+    script.finish.set()
+    responses = []
+    while (response := await asyncio.wait_for(ended.read(), 10)) is not grpc.aio.EOF:
+        assert isinstance(response, pb.GenerateResponse)
+        responses.append(response)
+    assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    await eventually(lambda: "r" not in fleet.app.gateway.relay.running)
+    return abort
+
+
+async def test_an_abort_never_follows_its_id_to_a_later_request() -> None:
+    """An Abort by id whose engine answers ALREADY_FINISHED only after the request ended
+    there, and a new request reused the id on another engine meanwhile, answers
+    ALREADY_FINISHED: the request it was sent for ended; the new request runs on."""
+    script = FirstEngineEnds()
+    engines = [
+        await start_fronted_engine(name, lambda inner: EndsFirstCall(inner, script), time_scale=0.5)
+        for name in ("e0", "e1")
+    ]
+    fleet = await make_fleet(engines=engines)
+    relay = fleet.app.gateway.relay
+    try:
+        abort = await abort_held_as_its_request_ends(fleet, script)
+        later = fleet.gateway.Generate(generate_request("r", [1, 2, 3], max_tokens=2000))
+        first = await later.read()  # from the other engine: the later request runs there
+        assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+        script.answer.set()
+        reply = await asyncio.wait_for(abort, 10)
+        assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        assert "r" in relay.running  # the later request was not aborted
+        later.cancel()
+    finally:
+        script.finish.set()
+        script.answer.set()
+        await close_fleet(fleet)
+
+
+async def test_an_abort_finding_its_request_ended_leaves_a_later_one_there_charged() -> None:
+    """As above, the later request routed to the same engine, reaching it only after the
+    Abort's answer (ALREADY_FINISHED): the gateway, told that the request asked about ended
+    there, does not end the later one's charge on the engine (the router counts it on)."""
+    script = FirstEngineEnds(later_calls_wait=True)
+    engine = await start_fronted_engine("e0", lambda inner: EndsFirstCall(inner, script))
+    fleet = await make_fleet(engines=[engine])
+    inflight = fleet.app.controller.router.inflight
+    try:
+        abort = await abort_held_as_its_request_ends(fleet, script)
+        later = fleet.gateway.Generate(generate_request("r", [1, 2, 3], max_tokens=4))
+        await eventually(lambda: len(inflight) == 1)  # routed, held before the engine
+        script.answer.set()
+        reply = await asyncio.wait_for(abort, 10)
+        assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        assert len(inflight) == 1  # the later request is still charged to its engine
+        responses = [r async for r in later]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert len(inflight) == 0
+    finally:
+        script.finish.set()
+        script.answer.set()
+        await close_fleet(fleet)
+
+
 async def test_abort_everything_with_no_engine_reachable_is_unavailable() -> None:
     engines = [await start_scripted_engine("e0"), await start_scripted_engine("e1")]
     # Slow polls: the controller still believes both engines are up when they are gone.

@@ -4,14 +4,14 @@ check, on the torch runner with tiny-llama, with and without the native kernels)
 A seeded random workload of about ten requests (prompts of up to several dozen blocks that share
 prefixes, repeat each other or end on a block boundary; block sizes 1 to 16; random max_tokens,
 priorities, stop ids and strings, penalties, min_tokens, logprobs, prompt logprobs, two outputs,
-cache salt, cache bypass, a LoRA adapter, a guided regex, seeded sampling, late arrivals and an
-abort) runs (a) each request alone on a fresh engine with room to spare and (b) all together on
-one engine with a small KV cache, token budget and seat count, so that chunked prefill, prefix
-hits, evictions and preemption by recompute (of prompts and of generated tokens) happen; the
-engine's own counters show that they did. Outputs must be equal: token ids and text,
-logprobs and prompt logprobs within 1e-4. After every busy step the block manager's invariants
-hold (a block is referenced exactly by the tables holding it, so never reused while
-referenced) and the KV events replayed give exactly the cached keys.
+cache salt, cache bypass, a LoRA adapter, a guided regex, seeded sampling, vLLM's logit bias and
+allow-list, late arrivals and an abort) runs (a) each request alone on a fresh engine with room
+to spare and (b) all together on one engine with a small KV cache, token budget and seat count,
+so that chunked prefill, prefix hits, evictions and preemption by recompute (of prompts and of
+generated tokens) happen; the engine's own counters show that they did. Outputs must be equal:
+token ids and text, logprobs and prompt logprobs within 1e-4. After every busy step the block
+manager's invariants hold (a block is referenced exactly by the tables holding it, so never
+reused while referenced) and the KV events replayed give exactly the cached keys.
 
 Float32 matmuls may round differently for another batch shape, so a divergence would be
 accepted where it is numeric: the top two candidates of the alone run within `NEAR_TIE` of each
@@ -160,6 +160,17 @@ def draw_workload(seed: int, max_shared: int = 70) -> Workload:
         if rng.random() < 0.1:  # seeded sampling: the same draws alone and in a batch
             sampling = dataclasses.replace(sampling, temperature=0.8, seed=rng.randint(0, 99))
         kind = rng.random()
+        # vLLM's logit bias and allow-list (not beside the guide: their intersection may be
+        # empty), drawn from a stream of their own so the rest of each workload is as before.
+        vllm_rng = random.Random(f"{seed}/{i}")
+        if vllm_rng.random() < 0.3:
+            bias = sorted(
+                (t, vllm_rng.choice((-5.0, 5.0))) for t in vllm_rng.sample(range(3, 1000), 8)
+            )
+            sampling = dataclasses.replace(sampling, logit_bias=tuple(bias))
+        if vllm_rng.random() < 0.3 and not 0.15 <= kind < 0.25:
+            allowed = tuple(sorted(vllm_rng.sample(range(3, 1000), 40)))
+            sampling = dataclasses.replace(sampling, allowed_token_ids=allowed)
         request = EngineRequest(
             f"r{i}",
             tuple(prompt),
@@ -304,6 +315,8 @@ def test_a_busy_engine_batches_chunks_hits_evicts_and_preempts_without_changing_
     workload = draw_workload(seed, max_shared)
     assert any(a.request.lora_name for a in workload.arrivals)
     assert any(a.request.guided for a in workload.arrivals)
+    assert any(a.request.sampling.logit_bias for a in workload.arrivals)
+    assert any(a.request.sampling.allowed_token_ids for a in workload.arrivals)
     busy = check_workload(workload, native_kernels, adapter_dir)
     # The engine's own counters: every path this file is about ran.
     assert busy.num_partial_prompt_chunks > 0  # chunked prefill

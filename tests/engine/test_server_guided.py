@@ -429,7 +429,8 @@ async def test_vllm_allowed_token_ids_narrow_a_guide(model_dir: Path) -> None:
         request.decoding.allowed_token_ids.remove(EOS_ID)  # "banana" cannot end
         error = await rpc_error(engine.vllm.Generate(request))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "guided decoding" in (error.details() or ""), error.details()
+        # The allow-list is named: neither min_tokens nor ignore_eos forbids ending it.
+        assert "guided decoding: allowed_token_ids" in (error.details() or ""), error.details()
 
 
 async def test_capabilities_advertise_exactly_the_modes(model_dir: Path) -> None:

@@ -616,6 +616,24 @@ async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> 
         assert last.in_flight_requests == 0
 
 
+async def unload_while_pulled(
+    decoder: Engine,
+    held: _HeldPrefillEngine,
+    session: pb.KvSessionRef,
+    adapter: pb.LoraAdapter,
+) -> asyncio.Task[list[pb.GenerateResponse]]:
+    """`adapter` loaded on `decoder`, a request naming it decoding `session` (held by the
+    prefill engine, `held`), and the adapter unloaded while it is pulled: the request's
+    generation, its pull still held."""
+    await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+    request = with_session(session)
+    request.lora_name = adapter.lora_name
+    generation = asyncio.create_task(collect(decoder.stub, request))
+    await asyncio.wait_for(held.pulling.wait(), 10)
+    await decoder.stub.UnloadLora(pb.UnloadLoraRequest(lora_name=adapter.lora_name))
+    return generation
+
+
 async def test_a_request_whose_adapter_is_unloaded_during_its_pull_is_served_with_it(
     tmp_path: Path,
 ) -> None:
@@ -629,12 +647,7 @@ async def test_a_request_whose_adapter_is_unloaded_during_its_pull_is_served_wit
         adapter = pb.LoraAdapter(
             lora_id=1, lora_name="a", source_path=str(write_adapter_config(tmp_path / "a"))
         )
-        await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
-        request = with_session(session)
-        request.lora_name = "a"
-        generation = asyncio.create_task(collect(decoder.stub, request))
-        await asyncio.wait_for(held.pulling.wait(), 10)
-        await decoder.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a"))
+        generation = await unload_while_pulled(decoder, held, session, adapter)
         held.release.set()
         decoded = await generation
         assert decoded[-1].WhichOneof("event") == "finished", decoded[-1]
@@ -643,6 +656,35 @@ async def test_a_request_whose_adapter_is_unloaded_during_its_pull_is_served_wit
         runner = decoder.app.service.engine_loop.core.runner
         assert isinstance(runner, SimRunner)
         assert runner.loras == {}
+
+
+async def test_a_pulled_session_never_enters_the_cache_under_an_adapter_reloaded_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """The request's adapter is loaded afresh under its name (other weights) while its KV
+    session is pulled: the request runs with the weights it was accepted with, and the
+    blocks it pulled, computed with those, are not cached under the name, which the new
+    weights serve now: a later request naming it hits none of them."""
+    async with (
+        held_prefill_engine() as (held, session),
+        engines(sim_config(role="decode", lora=LoraConfig(enabled=True))) as (decoder,),
+    ):
+        old, new = (
+            pb.LoraAdapter(
+                lora_id=i, lora_name="a", source_path=str(write_adapter_config(tmp_path / d))
+            )
+            for i, d in ((1, "old"), (2, "new"))
+        )
+        generation = await unload_while_pulled(decoder, held, session, old)
+        await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=new))
+        held.release.set()
+        decoded = await generation
+        assert decoded[-1].finished.reason == pb.FINISH_REASON_LENGTH, decoded[-1]
+        later = generate_request(PROMPT, max_tokens=1)
+        later.lora_name = "a"
+        responses = await collect(decoder.stub, later)
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH, responses[-1]
+        assert responses[-1].usage.cached_prompt_tokens == 0
 
 
 async def test_an_abort_during_the_pull_ends_the_request_as_one_aborted_before_its_prefill() -> (
