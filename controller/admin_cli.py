@@ -31,6 +31,7 @@ from controller.outcomes import ENGINE_METADATA_KEY, lora_model_metadata, read_o
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
 from kvplane.cli_common import (
+    OLDER_RELEASE,
     RPC_TIMEOUT_S,
     ClientTarget,
     OutputFormat,
@@ -41,6 +42,7 @@ from kvplane.cli_common import (
     bearer_metadata,
     emit,
     finite_number,
+    is_kind,
     models_cell,
     not_blank,
     server_kind,
@@ -178,6 +180,8 @@ def _admin_call(command: str, server: ClientTarget, rpc: Callable[[apb_grpc.Admi
             if not _is_unimplemented(exc):
                 raise
             kind = server_kind(channel)
+            if is_kind(kind, "a controller"):
+                raise RpcCallError(f"{server.address} is {kind} {OLDER_RELEASE}") from None
             what = f"is {kind}, which serves" if kind else "serves"
             raise ControllerRequiredError(
                 f"`{command}` needs a controller: {server.address} {what} no kvplane admin "

@@ -594,6 +594,8 @@ _HTTP1 = re.compile(r"http1\.x server|got frame type 79\)")
 # process, a service that waits for its client to speak first) when its connect timeout
 # passes: a call without a deadline of its own (a drain, an index dump) fails so.
 _SILENT = "connection attempt timed out before receiving SETTINGS frame"
+# The same over TLS: the server sent nothing back to the client's handshake.
+_SILENT_TO_HANDSHAKE = "Handshake read failed (Endpoint closing)"
 
 
 def plain_details(details: str) -> str:
@@ -624,7 +626,7 @@ def plain_details(details: str) -> str:
         if _HTTP1.search(cause):
             return "the server answers HTTP/1, not gRPC (a /metrics address?)"
         return "the server does not speak gRPC (another service listens there?)"
-    if cause.startswith(_SILENT):
+    if cause.startswith(_SILENT) or cause == _SILENT_TO_HANDSHAKE:
         return (
             "the server took the connection but did not answer (is its process hung, stopped "
             "or overloaded, or is it not a gRPC server? check it and its log)"
