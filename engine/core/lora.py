@@ -150,7 +150,7 @@ def _full_match(pattern: str, module_path: str) -> bool:
             f"{ADAPTER_CONFIG}: target_modules {pattern!r} took over {MAX_TARGET_MATCH_S:g} s "
             f"to match {module_path} (a regular expression that backtracks catastrophically)"
         ) from None
-    except regex.error as exc:
+    except (regex.error, OverflowError, RecursionError) as exc:
         raise InvalidLoraError(
             f"{ADAPTER_CONFIG}: target_modules {pattern!r} is not a regular expression: {exc}"
         ) from None
@@ -162,7 +162,7 @@ def _target_modules(value: Any) -> TargetModules:
     if isinstance(value, str) and value:
         try:
             re.compile(value)
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:  # a{99999999999}, ((((...))))
             raise InvalidLoraError(
                 f"{ADAPTER_CONFIG}: target_modules {value!r} is not a regular expression: {exc}"
             ) from exc
