@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -144,3 +146,52 @@ def test_a_controller_without_a_call_is_said_older_not_another_kind(older_contro
     commands = (["health"], ["drain", "e1"], ["drain", "e1", "--output", "json"], ["workers"])
     for command in commands:
         assert _failed_with(_admin(older_controller, *command)) == says, command
+
+
+@pytest.fixture
+def tls_service(pki: Path) -> Iterator[str]:
+    """A TLS service that is not gRPC (OpenSSL's, as a TLS proxy's or an HTTPS server's port):
+    it offers no HTTP/2, and resets a plaintext client's connection (the bytes it did not
+    read)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki / "server.pem", pki / "server.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return  # closed: the test is over
+            with connection:
+                try:
+                    with context.wrap_socket(connection, server_side=True) as secured:
+                        secured.recv(1)
+                except (ssl.SSLError, OSError):
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
+        listener.close()
+        thread.join()
+
+
+def test_a_tls_service_that_is_not_grpc_is_said_so(tls_service: str, pki: Path) -> None:
+    """Dialled in plaintext it resets the connection: that was gRPC's words as they are,
+    "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:...: recvmsg:Connection
+    reset by peer (104)", where a gRPC TLS server's hang-up gets the TLS hint; over TLS,
+    "... Cannot check peer: missing selected ALPN property." as it was."""
+    plain = _failed_with(_admin(tls_service, "health"))
+    assert plain.startswith(
+        f"kvplane: error: {tls_service}: UNAVAILABLE: the server reset the connection (recvmsg:"
+    ), plain
+    assert plain.endswith(") (a TLS server? give --tls-ca)"), plain
+    secured = _failed_with(_admin(tls_service, "--tls-ca", str(pki / "ca.pem"), "health"))
+    assert secured == (
+        f"kvplane: error: {tls_service}: UNAVAILABLE: the server does not speak gRPC (a TLS "
+        "service without HTTP/2: another listens there?)"
+    )
