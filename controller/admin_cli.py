@@ -30,6 +30,7 @@ from controller.fleet import generates
 from controller.outcomes import ENGINE_METADATA_KEY, lora_model_metadata, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
+from kvplane.channels import METHOD_NOT_FOUND
 from kvplane.cli_common import (
     OLDER_RELEASE,
     RPC_TIMEOUT_S,
@@ -181,6 +182,8 @@ def _admin_call(command: str, server: ClientTarget, rpc: Callable[[apb_grpc.Admi
                 raise
             kind = server_kind(channel)
             if is_kind(kind, "a controller"):
+                if isinstance(exc, grpc.Call) and exc.details() != METHOD_NOT_FOUND:
+                    raise  # the controller's own refusal, said as it is
                 raise RpcCallError(f"{server.address} is {kind} {OLDER_RELEASE}") from None
             what = f"is {kind}, which serves" if kind else "serves"
             raise ControllerRequiredError(

@@ -125,8 +125,8 @@ class TargetModules:
     def targets(self, module_path: str) -> bool:
         """Whether the module is targeted. The pattern comes with the adapter, so its match is
         bounded (`MAX_TARGET_MATCH_S`, matched by `regex`, which lets other threads run): one
-        that backtracks catastrophically (`(.|.)*x`) would otherwise hold the engine's
-        process for hours. Past the bound: InvalidLoraError."""
+        that backtracks catastrophically (`(.*?)(.*?)...(.*?)\\d\\1`) would otherwise hold the
+        engine's process for hours. Past the bound: InvalidLoraError."""
         if self.pattern is not None and _full_match(self.pattern, module_path):
             return True
         return any(module_path == n or module_path.endswith(f".{n}") for n in self.names)
