@@ -31,7 +31,9 @@ from controller.fleet import SERVING_STATES, generates
 from controller.outcomes import ENGINE_METADATA_KEY, lora_model_metadata, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
+from kvplane.channels import METHOD_NOT_FOUND
 from kvplane.cli_common import (
+    OLDER_RELEASE,
     RPC_TIMEOUT_S,
     ClientTarget,
     OutputFormat,
@@ -42,6 +44,7 @@ from kvplane.cli_common import (
     bearer_metadata,
     emit,
     finite_number,
+    is_kind,
     models_cell,
     not_blank,
     server_kind,
@@ -179,6 +182,10 @@ def _admin_call(command: str, server: ClientTarget, rpc: Callable[[apb_grpc.Admi
             if not _is_unimplemented(exc):
                 raise
             kind = server_kind(channel)
+            if is_kind(kind, "a controller"):
+                if isinstance(exc, grpc.Call) and exc.details() != METHOD_NOT_FOUND:
+                    raise  # the controller's own refusal, said as it is
+                raise RpcCallError(f"{server.address} is {kind} {OLDER_RELEASE}") from None
             what = f"is {kind}, which serves" if kind else "serves"
             raise ControllerRequiredError(
                 f"`{command}` needs a controller: {server.address} {what} no kvplane admin "

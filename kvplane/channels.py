@@ -596,13 +596,21 @@ def _tls_hint(channels: ClientChannels, details: str, settings: ClientSettings) 
             " (a server certificate for another name? give the server one for the host "
             f"dialled{override})"
         )
-    if HUNG_UP not in details:
+    if not _hung_up(details):
         return ""
     if not channels.tls:
         return f" (a TLS server? give {settings.tls})"
     if not channels.client_certificate:
         return f" (a server requiring a client certificate? give {settings.client_certificate})"
     return f" (a client certificate the server does not trust? check {settings.client_certificate})"
+
+
+def _hung_up(details: str) -> bool:
+    """Whether the server closed (or, as the connection was made, reset) the connection."""
+    connect = _CONNECT_FAILED.search(details)
+    return HUNG_UP in details or (
+        connect is not None and _RESET.match(details, connect.end()) is not None
+    )
 
 
 def failure_details(
@@ -646,6 +654,13 @@ _HTTP1 = re.compile(r"http1\.x server|got frame type 79\)")
 # process, a service that waits for its client to speak first) when its connect timeout
 # passes: a call without a deadline of its own (a drain, an index dump) fails so.
 _SILENT = "connection attempt timed out before receiving SETTINGS frame"
+# The same over TLS: the server sent nothing back to the client's handshake.
+_SILENT_TO_HANDSHAKE = "Handshake read failed (Endpoint closing)"
+# What gRPC says of a server that resets the connection on the client's first bytes, as an
+# OpenSSL TLS server (a TLS proxy's port, say) does with plaintext: a hang-up too.
+_RESET = re.compile(r"recvmsg:Connection reset by peer\b")
+# What gRPC says of a TLS server that does not offer HTTP/2 (ALPN): a TLS service, not gRPC.
+_NO_ALPN = "Cannot check peer: missing selected ALPN property"
 
 
 def plain_details(details: str) -> str:
@@ -653,8 +668,9 @@ def plain_details(details: str) -> str:
     failed: CERTIFICATE_VERIFY_FAILED: certificate has expired", "TLS handshake failed: the
     server certificate's names do not include the host dialled", "the server closed the
     connection (Socket closed)", "the server answers HTTP/1, not gRPC (a /metrics address?)",
-    "the server does not speak gRPC (another service listens there?)" (a Redis), "the server
-    took the connection but did not answer (...)"; any other details as they are."""
+    "the server does not speak gRPC (another service listens there?)" (a Redis; over TLS, a
+    server without HTTP/2), "the server reset the connection (...)", "the server took the
+    connection but did not answer (...)"; any other details as they are."""
     connect = _CONNECT_FAILED.search(details)
     if connect is None:
         return details
@@ -672,11 +688,15 @@ def plain_details(details: str) -> str:
         )
     if cause == HUNG_UP:
         return f"the server closed the connection ({HUNG_UP})"
+    if _RESET.match(cause):
+        return f"the server reset the connection ({cause})"
+    if cause.startswith(_NO_ALPN):
+        return "the server does not speak gRPC (a TLS service without HTTP/2: another listens there?)"
     if cause.startswith(_NOT_HTTP2):
         if _HTTP1.search(cause):
             return "the server answers HTTP/1, not gRPC (a /metrics address?)"
         return "the server does not speak gRPC (another service listens there?)"
-    if cause.startswith(_SILENT):
+    if cause.startswith(_SILENT) or cause == _SILENT_TO_HANDSHAKE:
         return (
             "the server took the connection but did not answer (is its process hung, stopped "
             "or overloaded, or is it not a gRPC server? check it and its log)"

@@ -414,6 +414,17 @@ def server_kind(channel: grpc.Channel) -> str | None:
     return None
 
 
+# Said of a kvplane server of the kind a command needs that answers its call "Method not
+# found!": a release older than the CLI's.
+OLDER_RELEASE = "without this call (a kvplane release older than this CLI's? upgrade it)"
+
+
+def is_kind(kind: str | None, expects: str) -> bool:
+    """Whether `kind` (`server_kind`'s "a kvplane controller") is one that `expects` names
+    ("a controller or an engine", "a kvplane indexer")."""
+    return kind is not None and kind.rsplit(" ", 1)[-1] in expects.split()
+
+
 @contextmanager
 def rpc_channel(
     target: str, expects: str | None = None, channels: ClientChannels = INSECURE
@@ -421,8 +432,9 @@ def rpc_channel(
     """A channel to `target` (insecure, or TLS per `channels`) whose gRPC errors become
     one-line RpcCallErrors. `expects`: what the target should be ("a kvplane indexer"); a
     server without the method called (another kind of server) is then said to be something
-    else (what it is, when it is a kvplane server: `server_kind`), rather than gRPC's
-    "UNIMPLEMENTED: Method not found!". A server that hangs up on
+    else (what it is, when it is a kvplane server: `server_kind`; one of the kind expected is
+    said to be older than the CLI), rather than gRPC's "UNIMPLEMENTED: Method not found!". A
+    server that hangs up on
     the connection most likely wants TLS or a client certificate: the error says so. One that
     lets a call's deadline (RPC_TIMEOUT_S) pass is said not to have answered, rather than
     gRPC's "DEADLINE_EXCEEDED: Deadline Exceeded"."""
@@ -434,6 +446,8 @@ def rpc_channel(
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             if expects and code == grpc.StatusCode.UNIMPLEMENTED and details == METHOD_NOT_FOUND:
                 kind = server_kind(channel)
+                if is_kind(kind, expects):
+                    raise RpcCallError(f"{target} is {kind} {OLDER_RELEASE}") from None
                 what = f"it is {kind}" if kind else "it does not serve this call"
                 raise RpcCallError(f"{target} is not {expects}: {what}") from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == CLIENT_DEADLINE_PASSED:

@@ -9,6 +9,8 @@ Invariants (checked by `check_invariants`, kept on every change):
   on the free list may still hold a key (an evictable cached block);
 - a standby copy (`_standby`) is a used block without a key whose KV is that of a cached key
   (see Duplicates);
+- a key stays cached while a sequence holds a copy of it: a table's first `num_cached_blocks`
+  blocks each hold their key, cached or standing by for it;
 - the KV events recorded so far, replayed in order, give exactly the keys of `_cached`.
 
 Free list. An O(1) doubly linked list over block ids (arrays `_prev`/`_next`, sentinel at index
@@ -506,6 +508,9 @@ class BlockManager:
         if dropped:
             self._cache_version += 1
             self._events.append(BlockRemoved(tuple(dropped), self.medium))
+            for table in self._tables.values():
+                if table.namespace.lora_name == lora_name:
+                    table.num_cached_blocks = 0  # its holder keeps them, uncached
         return len(dropped)
 
     def snapshot(self) -> list[BlockStored]:
@@ -571,3 +576,11 @@ class BlockManager:
             assert self._ref_counts[block_id] > 0 and self._keys[block_id] is None
             assert key in self._cached, f"standby {block_id} of a key not cached"
         assert sum(map(len, self._standby.values())) == len(self._standby_key)
+        # What the standbys are for: a key stays cached while a sequence holds a copy of it,
+        # the cached block or a standby of the key (for the one the sequence holds there).
+        for table in self._tables.values():
+            for i in range(table.num_cached_blocks):
+                block_id, key = table.block_ids[i], table.block_keys[i]
+                assert key in self._cached, f"key of held block {block_id} not cached"
+                held = self._keys[block_id] or self._standby_key[block_id]
+                assert held == key, f"block {block_id} holds another key than its table's"

@@ -127,9 +127,37 @@ class TargetModules:
     pattern: str | None = None
 
     def targets(self, module_path: str) -> bool:
-        if self.pattern is not None and re.fullmatch(self.pattern, module_path) is not None:
+        """Whether the module is targeted. The pattern comes with the adapter, so its match is
+        bounded (`MAX_TARGET_MATCH_S`, matched by `regex`, which lets other threads run): one
+        that backtracks catastrophically (`(.*?)(.*?)...(.*?)\\d\\1`) would otherwise hold the
+        engine's process for hours. Past the bound: InvalidLoraError."""
+        if self.pattern is not None and _full_match(self.pattern, module_path):
             return True
         return any(module_path == n or module_path.endswith(f".{n}") for n in self.names)
+
+
+# A pattern that takes longer than this on one module name (microseconds for any sensible one)
+# is refused.
+MAX_TARGET_MATCH_S = 0.5
+
+
+def _full_match(pattern: str, module_path: str) -> bool:
+    import regex  # the engine extra's dependency; only the torch runner matches modules
+
+    try:
+        return (
+            regex.fullmatch(pattern, module_path, timeout=MAX_TARGET_MATCH_S, concurrent=True)
+            is not None
+        )
+    except TimeoutError:
+        raise InvalidLoraError(
+            f"{ADAPTER_CONFIG}: target_modules {pattern!r} took over {MAX_TARGET_MATCH_S:g} s "
+            f"to match {module_path} (a regular expression that backtracks catastrophically)"
+        ) from None
+    except (regex.error, OverflowError, RecursionError) as exc:
+        raise InvalidLoraError(
+            f"{ADAPTER_CONFIG}: target_modules {pattern!r} is not a regular expression: {exc}"
+        ) from None
 
 
 def _target_modules(value: Any) -> TargetModules:
@@ -138,7 +166,7 @@ def _target_modules(value: Any) -> TargetModules:
     if isinstance(value, str) and value:
         try:
             re.compile(value)
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:  # a{99999999999}, ((((...))))
             raise InvalidLoraError(
                 f"{ADAPTER_CONFIG}: target_modules {value!r} is not a regular expression: {exc}"
             ) from exc
@@ -195,7 +223,7 @@ def read_adapter_config(directory: Path, *, max_rank: int) -> AdapterConfig:
         raise InvalidLoraError(f"{file}: DoRA (use_dora) is not supported")
     if raw.get("bias", "none") != "none":
         raise InvalidLoraError(f"{file}: LoRA biases (bias {raw['bias']!r}) are not supported")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "lora_bias"):
         if raw.get(key):
             raise InvalidLoraError(f"{file}: {key} is not supported")
     if raw.get("fan_in_fan_out"):

@@ -62,8 +62,12 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.default)?"
     r"\.weight$"
 )
-# Any PEFT LoRA tensor (of a module _KEY does not know, e.g. the LM head): group 1 its module.
-_ANY_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_(?:A|B|embedding_A|embedding_B)\b")
+# Any PEFT LoRA weight (of a module _KEY does not know, e.g. the LM head): group 1 its module.
+# Only weights: another tensor of a module (`lora_B.bias`, PEFT's lora_bias) is unexpected.
+_ANY_LORA_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(.+)\.(?:lora_[AB](?:\.default)?\.weight|lora_embedding_[AB]"
+    r"(?:\.default)?)$"
+)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int, int]]:

@@ -118,6 +118,28 @@ def test_dropping_a_lora_namespace_forgets_its_blocks_only() -> None:
     bm.check_invariants()
 
 
+def test_blocks_of_a_dropped_lora_still_held_stay_with_their_holder_uncached() -> None:
+    # A KV session's scratch table holds a LoRA's prompt blocks (hits only) when the name is
+    # dropped: the keys go (BlockRemoved), the blocks stay with the table, which no longer
+    # counts them cached; freed, they are reused first and nothing more is recorded.
+    bm = BlockManager(8, 4)
+    prompt = list(range(9))
+    bm.allocate(1, prompt, 9, lora_name="x")
+    bm.cache_blocks(1, prompt, 9)
+    bm.free(1)
+    assert bm.allocate(2, prompt, 8, lora_name="x") == 8  # the scratch table: hits only
+    held = list(bm.block_table(2))
+    bm.take_events()
+    assert bm.drop_lora_blocks("x") == 2
+    bm.check_invariants()
+    assert bm.block_table(2) == held
+    assert bm.num_cached_blocks == 0
+    bm.free(2)
+    bm.check_invariants()
+    assert bm.take_events() == [BlockRemoved(tuple(block_keys(prompt, 4, lora_name="x")))]
+    assert bm.num_free_blocks == 8
+
+
 def test_lru_evicts_least_recently_freed_and_records_removal() -> None:
     bm = BlockManager(4, 2)
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]

@@ -111,6 +111,10 @@ async def test_load_list_unload_follow_the_seed(tmp_path: Path) -> None:
         ("dora", grpc.StatusCode.INVALID_ARGUMENT, "DoRA"),
         ("rank", grpc.StatusCode.FAILED_PRECONDITION, "rank 32 is above"),
         ("module", grpc.StatusCode.FAILED_PRECONDITION, "embed_tokens, lm_head not supported"),
+        # Expressions Python's `re` refuses with another error than re.error: they were INTERNAL.
+        ("repeat", grpc.StatusCode.INVALID_ARGUMENT, "is not a regular expression: the rep"),
+        ("nesting", grpc.StatusCode.INVALID_ARGUMENT, "is not a regular expression: maximum"),
+        ("lora bias", grpc.StatusCode.INVALID_ARGUMENT, "lora_bias is not supported"),
     ],
 )
 async def test_bad_adapters_are_refused_naming_the_problem(
@@ -146,6 +150,12 @@ async def test_bad_adapters_are_refused_naming_the_problem(
         write_adapter_config(path, r=32)
     elif fault == "module":
         write_adapter_config(path, target_modules=["lm_head", "embed_tokens"])
+    elif fault == "repeat":
+        write_adapter_config(path, target_modules=r".*\.q_proj{99999999999}")
+    elif fault == "nesting":
+        write_adapter_config(path, target_modules="(" * 5000 + "q_proj" + ")" * 5000)
+    elif fault == "lora bias":
+        write_adapter_config(path, lora_bias=True)
     async with running_engine(sim_config(lora=lora_config())) as engine:
         err = await rpc_error(load(engine, name, path, lora_id))
         assert err.code() == status

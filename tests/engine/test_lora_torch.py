@@ -86,6 +86,14 @@ async def load(engine: Engine, name: str, path: Path, lora_id: int) -> pb.LoadLo
     return await engine.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
 
 
+async def refused(engine: Engine, cases: list[tuple[Path, grpc.StatusCode, str]]) -> None:
+    """Each adapter directory's LoadLora fails with its status, the details holding its text."""
+    for lora_id, (path, status, detail) in enumerate(cases, start=1):
+        err = await rpc_error(load(engine, path.name, path, lora_id))
+        assert (err.code(), path.name) == (status, path.name), err.details()
+        assert detail in (err.details() or ""), err.details()
+
+
 @pytest.mark.parametrize(
     "adapter",
     [
@@ -203,10 +211,7 @@ async def test_adapters_that_do_not_fit_the_model_are_refused(
         (big, grpc.StatusCode.FAILED_PRECONDITION, "rank 32 is above"),
     ]
     async with running_engine(torch_config(base_model)) as engine:
-        for lora_id, (path, status, detail) in enumerate(cases, start=1):
-            err = await rpc_error(load(engine, path.name, path, lora_id))
-            assert err.code() == status, path.name
-            assert detail in (err.details() or ""), err.details()
+        await refused(engine, cases)
         listed = await engine.stub.ListLoras(pb.ListLorasRequest())
         assert list(listed.adapters) == []
 
@@ -250,6 +255,37 @@ async def test_target_modules_are_read_as_peft_reads_them(base_model: Path, tmp_
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layers.0.self_attn.v_proj.lora_A.weight' adapts v_proj" in (err.details() or "")
     assert outputs["lacking"] == outputs["listed"] == outputs["regex"] != base
+
+
+async def test_adapters_the_engine_cannot_serve_as_written_are_refused_safely(
+    base_model: Path, tmp_path: Path
+) -> None:
+    """A `target_modules` regular expression comes with the adapter: one that backtracks
+    catastrophically on a module's name (hours with Python's `re`, which holds the process
+    meanwhile) is refused at once, and the engine serves on. PEFT's `lora_bias` (a `lora_B.bias`
+    per module) is an unsupported option, not a module the engine does not adapt."""
+    plain = write_adapter(tmp_path / "plain", base_model, modules=("q_proj",), seed=5)
+    costly = shutil.copytree(plain, tmp_path / "costly")
+    write_adapter_config(costly, target_modules="(.*?)" * 12 + r"\d\1")
+    biased = shutil.copytree(plain, tmp_path / "biased")
+    write_adapter_config(biased, target_modules=["q_proj"], lora_bias=True)
+    tensors = load_file(str(plain / "adapter_model.safetensors"))
+    out_features = module_shapes(base_model)["q_proj"][1]
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"] = torch.zeros(
+        out_features
+    )
+    save_file(tensors, str(biased / "adapter_model.safetensors"))
+    bias_unstated = shutil.copytree(biased, tmp_path / "bias-unstated")
+    write_adapter_config(bias_unstated, target_modules=["q_proj"])
+    cases = [
+        (costly, grpc.StatusCode.INVALID_ARGUMENT, "backtracks catastrophically"),
+        (biased, grpc.StatusCode.INVALID_ARGUMENT, "lora_bias is not supported"),
+        (bias_unstated, grpc.StatusCode.INVALID_ARGUMENT, "q_proj.lora_B.bias' in the adapter"),
+    ]
+    async with running_engine(torch_config(base_model)) as engine:
+        await refused(engine, cases)
+        await load(engine, "plain", plain, 9)
+        assert tokens_and_logprobs(await collect(engine.stub, greedy(PROMPT, lora="plain")))[0]
 
 
 async def test_an_adapter_unloaded_in_use_serves_its_request_to_the_end(
