@@ -248,6 +248,27 @@ def test_pulled_blocks_without_room_are_held_until_admitted_then_dropped_past_th
     core.block_manager.check_invariants()
 
 
+def test_held_blocks_another_request_cached_meanwhile_are_not_stored_twice() -> None:
+    """A higher-priority request with the same prompt, queued after the held one, is admitted
+    first (priority, not arrival) and computes the blocks: the held request then finds them
+    cached, writes none of its held bytes, and each key is stored once (one BlockStored)."""
+    runner = BytesRunner(num_blocks=4)
+    core = EngineCore(runner)
+    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
+    core.step()  # holds all 4 blocks
+    pulled = EngineRequest("pulled", PROMPT, SamplingParams(max_tokens=3))
+    assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
+    core.add_request(pulled)
+    core.add_request(EngineRequest("twin", PROMPT, SamplingParams(max_tokens=3), priority=1))
+    cached = run_all(core)
+    assert list(cached) == ["busy", "twin", "pulled"] and cached["pulled"] == 8
+    assert core.held_import_bytes == 0 and runner.data == {}
+    events = core.take_kv_events()
+    stored = [k for e in events if isinstance(e, BlockStored) for k in e.block_keys]
+    assert len(stored) == len(set(stored))
+    core.block_manager.check_invariants()
+
+
 def test_reloading_an_adapter_drops_the_pulled_blocks_held_with_its_old_weights() -> None:
     """Pulled KV held for a waiting request of an adapter is dropped, its bytes freed, once
     another adapter is loaded under the name: the request (on its old slot, out of the prefix
