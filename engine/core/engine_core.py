@@ -386,11 +386,13 @@ class EngineCore:
         """Serve `weights` (the runner's `read_lora`) as `adapter` (`LoraLoad` says what was
         done). Loaded afresh, in a new slot (`LoraSlot`), the name's cached blocks, computed
         with an earlier adapter of that name, are dropped first (BlockRemoved), and so are the
-        KV sessions held with it (a later pull of one is NOT_FOUND): prefix hits never cross
-        adapters. Requests still holding the name's earlier slot (unloaded while they ran) run
-        on with its weights, out of the prefix cache (`LoraSlot.superseded`). Resumed (this
-        very adapter, unloaded while its requests still run), it is served again as it is: the
-        runner's weights, its cached blocks and sessions are its own (`weights` is unused)."""
+        KV sessions held with it (a later pull of one is NOT_FOUND) and the pulled KV held for
+        its waiting requests (`import_or_hold_kv_blocks`: they compute their prompts): prefix
+        hits never cross adapters. Requests still holding the name's earlier slot (unloaded
+        while they ran) run on with its weights, out of the prefix cache
+        (`LoraSlot.superseded`). Resumed (this very adapter, unloaded while its requests still
+        run), it is served again as it is: the runner's weights, its cached blocks and sessions
+        are its own (`weights` is unused)."""
         loras, runner = self._lora_runner()
         if loras.check_load(adapter) is LoraLoad.LOADED:
             stale = [
@@ -398,6 +400,10 @@ class EngineCore:
             ]
             for session_id in stale:
                 self.release_kv_session(session_id)
+            for request_id in [
+                rid for rid, held in self._held_imports.items() if held.lora_name == adapter.name
+            ]:  # their requests, out of the prefix cache now, compute their prompts
+                self._drop_held_import(request_id)
             self.block_manager.drop_lora_blocks(adapter.name)
         outcome, slot = loras.load(adapter)
         if outcome is LoraLoad.LOADED:

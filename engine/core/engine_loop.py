@@ -331,6 +331,11 @@ class EngineLoop:
                 self._commands.clear()
             for command in pending:  # resolve futures of commands that raced the stop
                 self._run_command(command)
+            try:  # a failed thread's requests (or ones added as it stopped) release what the
+                # core holds for them: blocks, LoRA slots, pulled KV (their sinks hear below)
+                self.core.abort_all(FinishReason.ERROR, "the engine stopped")
+            except Exception:
+                logger.exception("releasing the requests of the stopped engine failed")
             with self._cond:  # whatever is still live ends now, so no consumer waits forever
                 orphans = list(self._sinks.values())
                 self._sinks.clear()

@@ -25,6 +25,7 @@ from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.core.sim_runner import SimRunner
 from engine.server.metrics import EngineMetrics
+from tests.engine.test_kv_sessions_core import BytesRunner
 from tests.polling import eventually
 
 
@@ -302,3 +303,35 @@ async def test_a_request_waiting_for_blocks_a_session_holds_runs_once_it_is_rele
 
 def _counted(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, {"model": "m", **labels}) or 0.0
+
+
+class DyingCore(EngineCore):
+    """A core whose `has_work` raises once armed: the engine thread fails outside a step."""
+
+    armed = False
+
+    def has_work(self) -> bool:
+        if self.armed:
+            raise RuntimeError("engine bug")
+        return super().has_work()
+
+
+def test_a_failed_engine_thread_releases_what_its_requests_held() -> None:
+    """The engine thread failing (not a step: the thread itself) ends its requests in the core
+    too: their blocks return to the pool and the pulled KV a DECODE engine held for a waiting
+    one (`import_or_hold_kv_blocks`) is dropped, not kept as long as the process lives."""
+    core = DyingCore(BytesRunner(num_blocks=4))
+    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
+    core.step()  # holds all 4 blocks
+    pulled = EngineRequest("pulled", tuple(range(100, 110)), SamplingParams(max_tokens=3))
+    assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
+    core.add_request(pulled)
+    exited = threading.Event()
+    engine = EngineLoop(core, on_exit=exited.set)
+    core.armed = True
+    engine.start()
+    assert exited.wait(timeout=10)
+    assert not engine.running
+    core.armed = False
+    assert core.held_import_bytes == 0
+    assert core.block_manager.num_used_blocks == 0 and not core.has_work()

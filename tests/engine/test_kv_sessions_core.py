@@ -57,6 +57,16 @@ def run(core: EngineCore, request: EngineRequest) -> list[RequestOutput]:
     return outputs
 
 
+def run_all(core: EngineCore) -> dict[str, int]:
+    """Step until idle: each ended request's cached prompt tokens."""
+    cached: dict[str, int] = {}
+    while core.has_work():
+        for output in core.step().outputs:
+            if output.usage is not None:
+                cached[output.request_id] = output.usage.cached_prompt_tokens
+    return cached
+
+
 def prefill(session_id: str | None = "s1", prompt: tuple[int, ...] = PROMPT) -> EngineRequest:
     sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     return EngineRequest("p", prompt, sampling, kv_session_id=session_id)
@@ -232,14 +242,57 @@ def test_pulled_blocks_without_room_are_held_until_admitted_then_dropped_past_th
     assert core.held_import_bytes == 8
     core.abort("aborted")
     assert core.held_import_bytes == 4
-    usage = {}
-    while core.has_work():
-        for output in core.step().outputs:
-            if output.usage is not None:
-                usage[output.request_id] = output.usage.cached_prompt_tokens
-    assert usage == {"busy": 0, "pulled": 8, "dropped": 0}
+    assert run_all(core) == {"busy": 0, "pulled": 8, "dropped": 0}
     assert core.held_import_bytes == 0
     assert sorted(runner.data.values()) == [b"k0", b"k1"]
+    core.block_manager.check_invariants()
+
+
+def test_held_blocks_another_request_cached_meanwhile_are_not_stored_twice() -> None:
+    """A higher-priority request with the same prompt, queued after the held one, is admitted
+    first (priority, not arrival) and computes the blocks: the held request then finds them
+    cached, writes none of its held bytes, and each key is stored once (one BlockStored)."""
+    runner = BytesRunner(num_blocks=4)
+    core = EngineCore(runner)
+    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
+    core.step()  # holds all 4 blocks
+    pulled = EngineRequest("pulled", PROMPT, SamplingParams(max_tokens=3))
+    assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
+    core.add_request(pulled)
+    core.add_request(EngineRequest("twin", PROMPT, SamplingParams(max_tokens=3), priority=1))
+    cached = run_all(core)
+    assert list(cached) == ["busy", "twin", "pulled"] and cached["pulled"] == 8
+    assert core.held_import_bytes == 0 and runner.data == {}
+    events = core.take_kv_events()
+    stored = [k for e in events if isinstance(e, BlockStored) for k in e.block_keys]
+    assert len(stored) == len(set(stored))
+    core.block_manager.check_invariants()
+
+
+def test_reloading_an_adapter_drops_the_pulled_blocks_held_with_its_old_weights() -> None:
+    """Pulled KV held for a waiting request of an adapter is dropped, its bytes freed, once
+    another adapter is loaded under the name: the request (on its old slot, out of the prefix
+    cache) can never import it, and held bytes it kept until its end would refuse others'."""
+    runner = BytesRunner(num_blocks=4)
+    core = EngineCore(runner, max_loras=2)
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
+    core.load_lora(LoraAdapter(1, "ad", "/v1"), weights)
+    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
+    core.step()  # holds all 4 blocks
+    pulled = EngineRequest("pulled", PROMPT, SamplingParams(max_tokens=3), lora_name="ad")
+    assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
+    core.add_request(pulled)
+    base = EngineRequest("base", tuple(range(200, 210)), SamplingParams(max_tokens=3))
+    assert core.import_or_hold_kv_blocks(base, [b"b0", b"b1"], max_held_bytes=8) == "held"
+    core.add_request(base)
+    core.unload_lora("ad")
+    core.load_lora(LoraAdapter(2, "ad", "/v2"), weights)
+    assert core.held_import_bytes == 4  # the base model's stay held
+    assert run_all(core) == {"busy": 0, "pulled": 0, "base": 8}
+    assert core.held_import_bytes == 0
+    assert sorted(runner.data.values()) == [b"b0", b"b1"]
     core.block_manager.check_invariants()
 
 
