@@ -346,7 +346,8 @@ class RequestOutput(NamedTuple):
     `include_stop_in_output` or `emit_stop_token`; it is still counted in `completion_tokens`.
     `held_kv_session`: on the last output of a request with `kv_session_id`, whether its
     prompt's KV is now held under that id (not when it was cancelled, failed or never computed
-    its whole prompt).
+    its whole prompt, nor when its adapter's name serves other weights by its end: `message`
+    then says so).
     """
 
     request_id: str

@@ -346,10 +346,12 @@ class EngineCore:
             state.request.kv_session_id is not None
             and out.sequence.output_index == 0
             and reason in (FinishReason.STOP, FinishReason.LENGTH)
-            and out.sequence.caches_blocks
         ):
-            # Before `remove` frees the sequence's blocks: they must not become evictable.
-            state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
+            if out.sequence.caches_blocks:
+                # Before `remove` frees the sequence's blocks: they must not become evictable.
+                state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
+            else:
+                message = message or _superseded_session_message(state.request)
         self.scheduler.remove(out.sequence)
         del self._outputs_by_seq[out.sequence.seq_id]
         state.num_unfinished -= 1
@@ -909,3 +911,13 @@ class EngineCore:
             prefill_batch_size=self._last_prefill_batch if running else 0,
             decode_batch_size=self._last_decode_batch if running else 0,
         )
+
+
+def _superseded_session_message(request: EngineRequest) -> str:
+    """Why a prefill's KV is not held for its session: its adapter's name serves other weights
+    now (`LoraSlot.superseded`), and its KV, computed with the earlier ones, is not theirs."""
+    return (
+        f"LoRA adapter {request.lora_name!r} was loaded again, with other weights, while the "
+        "prefill ran: its KV, computed with the earlier weights, is not held for a session "
+        "(the name serves the new ones now; a retry prefills with them)"
+    )

@@ -169,6 +169,11 @@ class TaskHandle:
         self.queued_batch: Future[Any] | None = None
         self.lora: LoraSlot | None = None
 
+    def take_lora(self) -> LoraSlot | None:
+        """The adapter held, now the caller's to let go of (or hand on): once."""
+        slot, self.lora = self.lora, None
+        return slot
+
     def drop_queued_batch(self) -> bool:
         """Take the task's batch out of the engine thread's queue; True if it had not begun
         (so it never runs), False if it runs or ran, or there is none (a pull)."""
@@ -426,22 +431,17 @@ class EngineService:
         self._end_pull(handle)
         if self.metrics is not None:
             self.metrics.on_pull("ok", num_blocks)
+        lora = handle.take_lora()
         if handle.aborted.is_set():
-            self._release_lora(handle)
+            self._release_lora(lora)
             raise RequestAbortedError(f"request {request.request_id!r} was aborted")
-        if before is not None and handle.lora is not None:
-            before = _unless_superseded(before, handle.lora)
-        try:
-            stream = self.submit(request, before=before, admitted=True, lora=handle.lora)
-        except BaseException:
-            self._release_lora(handle)
-            raise
-        handle.lora = None  # the request's now
-        return stream
+        if before is not None and lora is not None:
+            before = _unless_superseded(before, lora)
+        return self.submit(request, before=before, admitted=True, lora=lora)  # submit's now
 
     def abandon_pull(self, handle: TaskHandle, error: BaseException) -> None:
         """The pull failed (`error`) or the client left: the request was never submitted."""
-        self._release_lora(handle)
+        self._release_lora(handle.take_lora())
         self._end_pull(handle)
         if self.metrics is not None:
             self.metrics.on_pull(_pull_outcome(error))
@@ -469,9 +469,8 @@ class EngineService:
             self.metrics.on_outputs(outputs)
         return outputs
 
-    def _release_lora(self, handle: TaskHandle) -> None:
-        """Let go of the adapter a pulling request held (never submitted)."""
-        slot, handle.lora = handle.lora, None
+    def _release_lora(self, slot: LoraSlot | None) -> None:
+        """Let go of the adapter a request admitted before held, never submitted (`end_pull`)."""
         if slot is not None:
             self.engine_loop.call(lambda core: core.release_lora(slot))
 
@@ -489,23 +488,29 @@ class EngineService:
         lora: LoraSlot | None = None,
     ) -> RequestStream:
         """Validate and accept `request` (raising before acceptance), or refuse while draining.
-        `lora`: its adapter, held since its admission (`end_pull`; `EngineLoop.submit`).
+        `lora`: its adapter, held since its admission (`end_pull`), this call's to let go of:
+        the request's once `EngineLoop.submit` took it (the core releases it at its end),
+        released here if anything raises before.
 
         `internal` requests (the health probe) are accepted while draining and past the
         admission bound, and so are those `admitted` before (`end_pull`). `before(core)` runs in
         the engine thread just before the request is added (`EngineLoop.submit`).
         """
-        if not self.model.generates:
-            raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
-        self._check_accepting(request.request_id, internal, admitted)
         stream = RequestStream(request, self._on_stream_done, self._in_flight_changed.set)
-        self.engine_loop.submit(
-            request,
-            asyncio_sink(self._aio_loop, stream),
-            before=before,
-            admit=None if internal or admitted else lambda: self._check_admission("generate"),
-            lora=lora,
-        )
+        try:
+            if not self.model.generates:
+                raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
+            self._check_accepting(request.request_id, internal, admitted)
+            self.engine_loop.submit(
+                request,
+                asyncio_sink(self._aio_loop, stream),
+                before=before,
+                admit=None if internal or admitted else lambda: self._check_admission("generate"),
+                lora=lora,
+            )
+        except BaseException:
+            self._release_lora(lora)  # not taken
+            raise
         self._live[request.request_id] = stream
         if internal:
             self._live_internal.add(request.request_id)

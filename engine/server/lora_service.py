@@ -88,4 +88,9 @@ def _release_sessions(
         and loading.exception() is None
         and loading.result() is LoraLoad.LOADED
     ):
-        loop.call_soon_threadsafe(sessions.release_lora, name)
+        try:
+            loop.call_soon_threadsafe(sessions.release_lora, name)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
+            # Shut down: the event loop, and the sessions it served, are gone.

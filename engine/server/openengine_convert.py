@@ -380,7 +380,9 @@ class GenerateStreamEncoder:
         """The prefill's end: its KV session, with the Usage of the prompt (the token the pass
         sampled is not the client's: completion_tokens 0)."""
         assert self._kv_session is not None
-        if not output.held_kv_session:  # its prompt was never computed (the KV cache is full)
+        if not output.held_kv_session:
+            # The prompt was never computed in full, or its adapter's name serves other weights
+            # now (the core's message says so): retried unchanged, it can succeed.
             message = output.message or "the prompt's KV could not be held"
             return self.error_event(pb.ERROR_CODE_KV_TRANSFER_FAILED, message, retryable=True)
         self.done = True

@@ -215,15 +215,14 @@ async def test_a_prefill_short_of_the_blocks_sessions_hold_waits_for_their_relea
 
 
 async def _a_prefill_waiting_for_blocks(
-    prefiller: Engine,
+    prefiller: Engine, request: pb.GenerateRequest | None = None
 ) -> tuple[pb.KvSessionRef, asyncio.Future[list[pb.GenerateResponse]]]:
     """On an engine of 8 blocks: a session holding 7, and a prefill of 3 blocks waiting for
-    them (its responses to come)."""
+    them (its responses to come; `request`, of 3 blocks, if given)."""
     held = await prefill(prefiller, list(range(100, 129)))  # 29 tokens: holds 7 blocks
     assert await used_blocks(prefiller) == 7
-    waiting = asyncio.ensure_future(
-        collect(prefiller.stub, generate_request(list(range(300, 312))))  # 3 blocks
-    )
+    request = request or generate_request(list(range(300, 312)))  # 3 blocks
+    waiting = asyncio.ensure_future(collect(prefiller.stub, request))
 
     async def queued() -> bool:
         load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
@@ -246,6 +245,36 @@ async def test_a_health_probe_is_not_held_behind_a_prefill_waiting_for_blocks() 
         await prefiller.stub.Abort(pb.AbortRequest(kv_session=held))
         responses = await waiting
         assert responses[-1].WhichOneof("event") == "prefill_ready", responses[-1]
+
+
+async def test_a_prefill_whose_adapter_is_loaded_again_meanwhile_says_so_and_is_retryable(
+    tmp_path: Path,
+) -> None:
+    """Another adapter loaded under the prefill's adapter name while it ran (here: while it
+    waited for blocks): its KV, computed with the earlier weights, is not held for a session.
+    It ends with a retryable KV_TRANSFER_FAILED saying so (it used to say only "the prompt's
+    KV could not be held", as if the KV cache were full); retried unchanged, it succeeds."""
+    config = sim_config(role="prefill", num_kv_blocks=8, lora=LoraConfig(enabled=True))
+    async with engines(config) as (prefiller,):
+        old, new = (
+            pb.LoraAdapter(
+                lora_id=i, lora_name="a", source_path=str(write_adapter_config(tmp_path / d))
+            )
+            for i, d in ((1, "old"), (2, "new"))
+        )
+        await prefiller.stub.LoadLora(pb.LoadLoraRequest(adapter=old))
+        request = generate_request(list(range(300, 312)), lora_name="a")
+        held, waiting = await _a_prefill_waiting_for_blocks(prefiller, request)
+        await prefiller.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a"))
+        await prefiller.stub.LoadLora(pb.LoadLoraRequest(adapter=new))
+        await prefiller.stub.Abort(pb.AbortRequest(kv_session=held))
+        responses = await waiting
+        error = responses[-1].error
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_KV_TRANSFER_FAILED, True), error
+        assert "LoRA adapter 'a' was loaded again, with other weights" in error.message
+        assert "not held for a session" in error.message
+        retried = await collect(prefiller.stub, request)
+        assert retried[-1].WhichOneof("event") == "prefill_ready", retried[-1]
 
 
 async def test_sessions_the_decode_engine_cannot_use_are_refused_before_acceptance() -> None:
@@ -656,6 +685,46 @@ async def test_a_request_whose_adapter_is_unloaded_during_its_pull_is_served_wit
         runner = decoder.app.service.engine_loop.core.runner
         assert isinstance(runner, SimRunner)
         assert runner.loras == {}
+
+
+async def test_a_request_failing_after_its_submission_lets_go_of_its_adapter_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its pull over, the request is submitted, and accepting it fails after the engine
+    thread took it (here: its metrics): the request, which runs on, lets go of its adapter at
+    its end, and only it. The adapter used to be released there too, twice in all: unloaded
+    then, it stayed in the runner (and in its place among max_loras) for good."""
+    config = sim_config(role="decode", lora=LoraConfig(enabled=True), metrics_listen="127.0.0.1:0")
+    async with held_prefill_engine() as (held, session), engines(config) as (decoder,):
+        adapter = pb.LoraAdapter(
+            lora_id=1, lora_name="a", source_path=str(write_adapter_config(tmp_path / "a"))
+        )
+        await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        service = decoder.app.service
+        assert service.metrics is not None
+
+        def metrics_down(request: object) -> None:
+            raise RuntimeError("metrics down")
+
+        monkeypatch.setattr(service.metrics, "on_accept", metrics_down)
+        request = with_session(session)
+        request.lora_name = "a"
+        held.release.set()
+        await rpc_error(lambda: collect(decoder.stub, request))
+        monkeypatch.undo()
+
+        async def ran() -> bool:  # the request the engine thread took ran to its end
+            load = await decoder.stub.GetLoad(pb.GetLoadRequest())
+            return load.running_requests == 0 and load.queued_requests == 0
+
+        await eventually(ran, what="the request ended")
+        await decoder.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a"))
+        runner = service.engine_loop.core.runner
+        assert isinstance(runner, SimRunner)
+        assert runner.loras == {}
+        await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        listed = await decoder.stub.ListLoras(pb.ListLorasRequest())
+        assert [a.lora_name for a in listed.adapters] == ["a"]
 
 
 async def test_a_pulled_session_never_enters_the_cache_under_an_adapter_reloaded_meanwhile(
