@@ -1219,8 +1219,11 @@ class Fleet:
         (`kvplane.channels.reconnected`: no call made, the channel reconnecting about every
         second). True when it did. Only for an engine nothing listened for: the channel of
         one that answers errors, or hangs with its port open, stays connected, and a poll
-        that timed out dials afresh, a new channel that would connect at once."""
-        if not back:
+        that timed out dials afresh, a new channel that would connect at once. Not on a
+        channel connected now (UNAVAILABLE answered over it: a proxy whose upstream is gone):
+        its state may not change for long, and each wait timed out would stay in gRPC until
+        it does, one more at every step of the backoff."""
+        if not back or engine.channel.get_state() is grpc.ChannelConnectivity.READY:
             await asyncio.sleep(delay_s)
             return False
         with contextlib.suppress(TimeoutError):

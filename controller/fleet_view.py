@@ -18,10 +18,12 @@ from dataclasses import fields
 
 from controller.eligibility import (
     CONTEXT_LIMIT,
+    KV_CACHE_LIMIT,
     ROUTED_LIMITS,
     ROUTED_OPTIONS,
     bounds_of,
     generating_facts,
+    limits_of,
 )
 from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts
 
@@ -47,7 +49,8 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     or not: a request may be routed to any of them), as the gateway's GetModelInfo answers
     them: each request limit (REQUEST_LIMITS) the smallest any reports, so that a request
     within them is not refused wherever it goes, but one routing honours per engine
-    (controller.eligibility) the largest; a request option (CAPABILITY_FLAGS) unsupported
+    (controller.eligibility) the largest (the context of each no more than its KV cache
+    holds: `_served_context`); a request option (CAPABILITY_FLAGS) unsupported
     when one says so (a pooling task's, of those with the task: `ModelFacts.constrains`),
     one routing honours when every one says so; the model's name (`served_name`) while they
     agree on one; the capacity, `total_kv_blocks` and `max_running_requests`,
@@ -76,11 +79,15 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
         for path, limit in facts.limits:
             if facts.constrains(path) and (path not in limits or limit < limits[path]):
                 limits[path] = limit
+    # An engine's context as far as its KV cache holds it (`_served_context`): a controller
+    # fronting this one sees the summed cache, not one engine's, and would send it a prompt
+    # that no single engine here holds.
+    served = [{**dict(f.limits), **_served_context(f)} for f in finishing]
     for path in ROUTED_LIMITS:
-        largest = max((v for f in finishing for p, v in f.limits if p == path), default=None)
+        largest = max((limits[path] for limits in served if path in limits), default=None)
         if largest is not None and not (path == CONTEXT_LIMIT and has_tasks):
             limits[path] = largest
-    served = {f.served_name for f in serving if f.served_name}
+    names = {f.served_name for f in serving if f.served_name}
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
     kv = [f.total_kv_blocks for f in serving if f.total_kv_blocks is not None]
     kv_sizes = {f.block_size for f in serving if f.total_kv_blocks is not None}
@@ -100,8 +107,19 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
             for flag in f.unsupported
             if f.constrains(flag) and (flag not in ROUTED_OPTIONS or flag in routed.lacked_by_all)
         ),
-        served_name=next(iter(served)) if len(served) == 1 else "",
+        served_name=next(iter(names)) if len(names) == 1 else "",
     )
+
+
+def _served_context(facts: ModelFacts) -> dict[str, int]:
+    """The longest context the engine of `facts` serves (`CONTEXT_LIMIT`, where it reports it
+    or its KV cache): its `max_context_length`, but no more than its whole KV cache holds (a
+    request's KV is its context less its last token, `KV_CACHE_LIMIT`)."""
+    limits = limits_of(facts)
+    ends = [limits[CONTEXT_LIMIT]] if CONTEXT_LIMIT in limits else []
+    if KV_CACHE_LIMIT in limits:
+        ends.append(limits[KV_CACHE_LIMIT] + 1)
+    return {CONTEXT_LIMIT: min(ends)} if ends else {}
 
 
 def _described(identity: EngineIdentity) -> str:

@@ -258,7 +258,9 @@ async def reconnected(channel: grpc.aio.Channel) -> None:
     """Return once `channel` connects (READY) after a time it was not connected: its server,
     down, answers connections again. The channel is asked to connect, which it does at its
     own reconnect backoff, no call made; one connected throughout (its server up, or hung with
-    its port open) never returns, nor one closed."""
+    its port open) never returns, nor one closed. Cancelled, its wait stays in gRPC until
+    the channel's state next changes: not for a channel connected now, whose state may stay
+    for long."""
     state = channel.get_state(try_to_connect=True)
     while state is not grpc.ChannelConnectivity.SHUTDOWN:
         await channel.wait_for_state_change(state)

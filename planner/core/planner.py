@@ -15,9 +15,9 @@ Each tick, per configured pool (engines of other pools are left alone):
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
    per second; the backlog is what the engines will compute of their queued prompts:
-   `_prefill_backlog`) and feed the forecast; keep running means of the prompt length, of the
-   passes a request decodes for and of the share of admitted prompt tokens computed (not
-   found cached).
+   `_prefill_backlog`, its growth at this tick's share computed) and feed the forecast;
+   keep running means of the prompt length, of the passes a request decodes for and of the
+   share of admitted prompt tokens computed (not found cached).
 4. Size (`planner.core.capacity`): engines needed at the SLA targets for the forecast load
    plus `forecast_error_headroom` times the forecast's mean absolute error, by the bounds of
    the pool's role (`planner.core.roles`: what its engines report, else its configured role;
@@ -94,7 +94,7 @@ class _PoolState:
     forecast: HoltForecast  # prompt tokens arriving per second
     kv_forecast: HoltForecast  # KV demand summed over the engines (in engines' caches)
     last_tick_s: float | None = None
-    last_backlog_tokens: float = 0.0  # `_prefill_backlog` summed over the engines
+    last_queued_tokens: float = 0.0  # `_queued_tokens` summed over the engines
     mean_prompt_tokens: float | None = None
     mean_decode_passes: float | None = None
     # Of the prompt tokens the pool's engines admitted, the share they computed (the rest
@@ -288,12 +288,15 @@ class Planner:
             )
         role = self._role(pool, state, engines)
         active = [e for e in engines if e.state is not EngineState.STARTING]
-        backlog = sum(_prefill_backlog(e, role, state) for e in active)
+        queued = sum(_queued_tokens(e, role, state) for e in active)
         last_s, state.last_tick_s = state.last_tick_s, now_s
-        last_backlog, state.last_backlog_tokens = state.last_backlog_tokens, backlog
+        last_queued, state.last_queued_tokens = state.last_queued_tokens, queued
         if last_s is None or now_s <= last_s:
             return None
-        arrivals = max(0.0, (computed_tokens + backlog - last_backlog) / (now_s - last_s))
+        # The backlog's growth at this tick's share of it computed at both ends: a share that
+        # moved (the first cache hits told) is no queue filling or draining.
+        growth = (queued - last_queued) * _computed_share(role, state)
+        arrivals = max(0.0, (computed_tokens + growth) / (now_s - last_s))
         kv_demand = sum(e.load.kv_demand for e in active)
         state.forecast.update(arrivals, now_s)
         state.kv_forecast.update(kv_demand, now_s)
@@ -354,24 +357,38 @@ class Planner:
 
 
 def _prefill_backlog(engine: EngineObservation, role: EngineRole, state: _PoolState) -> float:
-    """Prompt tokens `engine` will compute for its queued requests. GetLoad's waiting tokens
+    """Prompt tokens `engine` will compute for its queued requests: `_queued_tokens`, of which
+    `_computed_share`."""
+    return _queued_tokens(engine, role, state) * _computed_share(role, state)
+
+
+def _queued_tokens(engine: EngineObservation, role: EngineRole, state: _PoolState) -> float:
+    """Prompt tokens of `engine`'s queued requests it has no KV for. GetLoad's waiting tokens
     count each queued prompt whole: the engine finds a prompt's cached prefix only when it
-    admits it, and GetLoad has no count of the queued tokens cached.
-    - A decode engine's queued prompts come with their KV pulled from a prefill engine (in its
-      prefix cache), so it computes only what that KV lacks: its queued requests times the
-      prompt tokens its pool computes per request (the running mean), at most the waiting
-      tokens (all of them until the mean is measured, or while the engine does not report
-      its request counts: its queued_requests is then no count).
-    - Any other engine computes of its queued prompts the share its pool computed of the
-      prompts it admitted (the rest was cached: FORWARD_PASS's num_cached_tokens): an
-      estimate, the queued prompts' hits taken to be those of the admitted ones (all of the
-      waiting tokens until a pass is reported, or while no engine reports its hits)."""
+    admits it, and GetLoad has no count of the queued tokens cached. A decode engine's queued
+    prompts come with their KV pulled from a prefill engine (in its prefix cache), so it
+    computes only what that KV lacks: its queued requests times the prompt tokens its pool
+    computes per request (the running mean), at most the waiting tokens (all of them until
+    the mean is measured, or while the engine does not report its request counts: its
+    queued_requests is then no count)."""
     waiting = engine.load.waiting_prefill_tokens
     if role is not EngineRole.DECODE:
-        return waiting * (1.0 if state.computed_share is None else state.computed_share)
+        return waiting
     if state.mean_prompt_tokens is None or not engine.load.requests_known:
         return waiting
     return min(waiting, engine.load.queued_requests * state.mean_prompt_tokens)
+
+
+def _computed_share(role: EngineRole, state: _PoolState) -> float:
+    """Of `_queued_tokens`, the share the engines of a pool of `role` will compute. A decode
+    engine's are all computed. Any other engine computes of its queued prompts the share its
+    pool computed of the prompts it admitted (the rest was cached: FORWARD_PASS's
+    num_cached_tokens): an estimate, the queued prompts' hits taken to be those of the
+    admitted ones (all of them until a pass is reported, or while no engine reports its
+    hits)."""
+    if role is EngineRole.DECODE or state.computed_share is None:
+        return 1.0
+    return state.computed_share
 
 
 def _running_mean(previous: float | None, sample: float) -> float:

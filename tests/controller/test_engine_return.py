@@ -7,8 +7,12 @@ after it was back. A restart is still a flap: three in the flap window hold it d
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from controller.registry import EngineState
 from openengine.v1 import openengine_pb2 as pb
@@ -20,7 +24,9 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.controller.test_stalled_engines import EngineProcess
+from tests.polling import eventually
 
 # The first poll after the kill comes this long after it at the soonest: the fleet must see
 # the engine back well before.
@@ -88,4 +94,47 @@ async def test_an_engine_restarted_again_and_again_is_held_down(tmp_path: Path) 
         assert [r.address for r in registry.routable()] == [fleet.address(other)]
     finally:
         await engine.close()
+        await close_fleet(fleet)
+
+
+class AnsweringUnavailable(Forwarding):
+    """Health and GetLoad answered UNAVAILABLE once `down` (as a proxy in front of an engine
+    whose upstream is gone answers), over a connection that stays up."""
+
+    down = False
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        if self.down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "upstream connect error")
+        return await super().Health(request, context)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        if self.down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "upstream connect error")
+        return await super().GetLoad(request, context)
+
+
+def _cancelled_futures() -> int:
+    """The cancelled futures something still holds (a gRPC core watch, say)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, asyncio.Future) and o.cancelled())
+
+
+async def test_polls_answered_unavailable_on_a_live_connection_leave_no_watch_behind() -> None:
+    """An engine answering its polls UNAVAILABLE over a connection that stays up (READY): a
+    hundred backoff steps leave no wait behind. Each step waited on the channel's next change
+    of state (for it to connect again), never coming, and left that wait in gRPC when it
+    timed out: a future (and a gRPC core watch) more per step, for as long as the outage."""
+    engine = await start_fronted_engine("e0", AnsweringUnavailable)
+    health = {"backoff_initial_s": 0.001, "backoff_max_s": 0.002}
+    engines: list[Any] = [engine]
+    fleet = await make_fleet(engines=engines, health=health)
+    try:
+        registry = fleet.app.controller.fleet.registry
+        address = fleet.address(engine)
+        engine.servicer.down = True
+        await eventually(lambda: registry.get(address).num_failures >= 100, 60)
+        assert registry.get(address).state is EngineState.UNREACHABLE
+        assert _cancelled_futures() < 20
+    finally:
         await close_fleet(fleet)

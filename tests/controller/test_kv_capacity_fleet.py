@@ -32,6 +32,7 @@ from tests.controller.conftest import (
 )
 from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.controller.test_gateway import generate_routed
+from tests.controller.test_two_model_fleet import front
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,3 +150,35 @@ async def test_an_engine_whose_cache_cannot_hold_the_prompt_is_not_sent_it() -> 
             assert route["retried"] is False, route
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_fronted_fleet_is_not_sent_a_prompt_no_engine_of_it_holds() -> None:
+    """An upper controller fronting two lower ones, round robin: one of two engines whose
+    caches hold 128 tokens each (their context said 4096), one of an engine whose cache holds
+    1024. The first advertises the context its engines serve (129: their cache's, a token
+    more), not 4096, and every prompt of 200 tokens goes to the second at once. (The first
+    advertised 4096 and 256 tokens of cache, its engines' summed: the upper sent it every
+    other prompt, which it refused, no engine of it holding one, to be sent it again.)"""
+    small: list[Any] = [
+        await start_fronted_engine(f"small{i}", ContextPastItsCache, num_kv_blocks=SMALL)
+        for i in range(2)
+    ]
+    small_fleet = await make_fleet(engines=small)
+    large_fleet = await make_fleet(engines=[await start_sim_engine("large", num_kv_blocks=64)])
+    upper: Fleet = await make_fleet(engines=[], router={"policy": "round_robin"})
+    try:
+        info = await small_fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        assert info.max_context_length == SMALL * 16 + 1, info
+        assert info.total_kv_blocks == 2 * SMALL, info  # the capacity stays the fleet's
+        for lower, routable in ((small_fleet, 1), (large_fleet, 2)):
+            await front(upper, lower, routable)
+        for i in range(4):
+            reply, route = await generate_routed(
+                upper, generate_request(f"r{i}", [i + 1] * 200, max_tokens=4)
+            )
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            assert route is not None and route["engine"] == large_fleet.target, route
+            assert route["retried"] is False, route
+    finally:
+        for fleet in (upper, small_fleet, large_fleet):
+            await close_fleet(fleet)

@@ -225,6 +225,26 @@ def test_queued_prompts_count_whole_while_the_engines_report_no_cache_hits() -> 
     assert two_aggregated_engines_ticked(hits_reported=False) == []
 
 
+def test_the_first_cache_hits_told_are_no_drop_in_the_prompt_tokens_arriving() -> None:
+    """Two aggregated engines with `PROMPTS_QUEUED` (60,000 tokens queued, unchanged), their
+    first tick without passes, their second admitting 20 prompts each of which the cache held
+    three quarters: the prompt tokens arriving are those computed, 30,000 in 5 s, 6,000 a
+    second (the queue did not grow). The queue was measured whole at the first tick and at a
+    quarter at the second, a fall of 45,000 tokens taken for a queue draining: no prompt
+    tokens arriving at all."""
+    planner = Planner(PlannerConfig(pools=(PoolConfig(max_engines=4),), capacity=AS_MEASURED))
+    engines = tuple(
+        EngineObservation(name, "default", SERVING, PROMPTS_QUEUED, EngineRole.AGGREGATED)
+        for name in ("a", "b")
+    )
+    planner.decide(Observations(engines, ()), 0)
+    batches = tuple(ForwardPasses(e.engine_id, 140, 3.0, 20 * 750, 20, 20 * 2_250) for e in engines)
+    planner.decide(Observations(engines, batches), 5)
+    estimate = planner.estimate("default")
+    assert estimate is not None
+    assert estimate.prompt_tokens_per_s == pytest.approx(6_000)
+
+
 def test_no_scale_up_while_earlier_capacity_is_starting() -> None:
     planner = make_planner()
     tick(planner, 0, busy("a"), busy("b"), idle("c", STARTING))
