@@ -190,3 +190,19 @@ async def test_a_lora_request_no_engine_holding_its_adapter_takes_names_the_adap
         assert "it would go to long, which do not hold 'x'" in details, details
     finally:
         await close_fleet(fleet)
+
+
+def test_a_pooling_inputs_limit_is_the_context_unless_the_kv_cache_bounds_it() -> None:
+    """An engine checks a pooling input against its model's length, which its context is,
+    unless a generating engine's KV cache bounds the context (its cache's tokens plus one):
+    that says nothing of the model's length, so such an engine may take any input."""
+    from controller.eligibility import CONTEXT_LIMIT, input_context, takes_input
+    from controller.registry import ModelFacts
+
+    kv_bound = ModelFacts(block_size=16, total_kv_blocks=4, limits=((CONTEXT_LIMIT, 65),))
+    assert input_context(kv_bound) is None and takes_input(kv_bound, 4096)
+    model_bound = ModelFacts(block_size=16, total_kv_blocks=4, limits=((CONTEXT_LIMIT, 64),))
+    assert input_context(model_bound) == 64
+    assert takes_input(model_bound, 64) and not takes_input(model_bound, 65)
+    pooling = ModelFacts(generates=False, tasks=frozenset({"embed"}), limits=((CONTEXT_LIMIT, 65),))
+    assert input_context(pooling) == 65 and takes_input(pooling, None)
