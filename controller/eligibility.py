@@ -24,6 +24,13 @@ cache bypass). Every hop's engine is checked alike. An engine that does not repo
 or an option may take any. `max_output_tokens` is not: an engine caps an output at its
 context (LENGTH).
 
+A pooling task (Embed, Classify, Score) is routed alike by its longest input, where the
+gateway knows its tokens (token ids, or text it tokenises), to an engine with the task whose
+context takes it (`takes_input`, the engine's own check: each input within its model's
+length); past every such engine's, refused INVALID_ARGUMENT naming the largest
+(`largest_input_context`). Where the engines with the task tell one context, no input is
+read (the engine refuses one past it).
+
 Cheap on the routing path: each model's bounds over its engines (`_Bounds`) are kept until
 the registry changes; where its engines are alike (none would be chosen over another) a
 request is not even read, and one within the smallest limits using no option an engine
@@ -46,7 +53,8 @@ CONTEXT_LIMIT = "max_context_length"
 # ModelInfo's limits (of controller.fleet's REQUEST_LIMITS, named here: controller.fleet
 # imports fleet_view, which imports this module) that routing honours per engine: the
 # context and generation's. Not `max_output_tokens` (an engine caps an output at its
-# context), nor a pooling task's (pooling tasks are routed by load only).
+# context), nor a pooling task's (a pooling task is routed by its inputs' context only:
+# `takes_input`).
 ROUTED_LIMITS = (
     CONTEXT_LIMIT,
     "generation.max_num_sequences",
@@ -82,6 +90,42 @@ def limits_of(facts: ModelFacts) -> dict[str, int]:
     if facts.total_kv_blocks is not None and facts.block_size is not None:
         limits[KV_CACHE_LIMIT] = facts.total_kv_blocks * facts.block_size
     return limits
+
+
+def input_context(facts: ModelFacts) -> int | None:
+    """The longest pooling task input (Embed, Classify, Score), in tokens, the engine of
+    `facts` takes, as it checks one (engine/server/pooling_tasks.py: each input within its
+    model's length; an input has no output token and enters no KV cache): its context (None:
+    not told, it may take any). A generating engine's context bound by its KV cache
+    (`total_kv_blocks` x `kv_block_size` + 1, engine/server/info.py) says nothing of its
+    model's length, which bounds its pooling inputs: not told either."""
+    context = dict(facts.limits).get(CONTEXT_LIMIT)
+    if (
+        context is not None
+        and facts.generates
+        and facts.total_kv_blocks is not None
+        and facts.block_size is not None
+        and context == facts.total_kv_blocks * facts.block_size + 1
+    ):
+        return None
+    return context
+
+
+def takes_input(facts: ModelFacts, input_tokens: int | None) -> bool:
+    """Whether the engine of `facts` takes a pooling task whose longest input has
+    `input_tokens` tokens (None: not known, any may)."""
+    context = None if input_tokens is None else input_context(facts)
+    return context is None or input_tokens is None or input_tokens <= context
+
+
+def largest_input_context(tasked: Iterable[ModelFacts]) -> int | None:
+    """The largest pooling input the engines of `tasked` (those with a task) take, where
+    each tells it (`input_context`); None where one does not (it may take any) or there are
+    none."""
+    contexts = [input_context(f) for f in tasked]
+    if not contexts or None in contexts:
+        return None
+    return max(c for c in contexts if c is not None)
 
 
 class BeyondFleetError(KvplaneError):
@@ -348,12 +392,29 @@ class Eligibility:
                 out.append(candidate)
         return tuple(out), needs
 
-    def lacking(self, model: str | None, needs: RequestNeeds) -> str:
-        """What each engine taking traffic for `model` lacks for a request of `needs` ("":
-        none lacks anything): why routing found none to take it, though one not taking
-        traffic now would."""
-        told = _lacks(self.registry.routable(model, generating=True), model, needs)
-        return "those taking traffic do not take the request: " + ", ".join(told) if told else ""
+    def lacking(self, model: str | None, needs: RequestNeeds, lora_name: str = "") -> str:
+        """What each engine taking traffic for `model` (holding the LoRA adapter `lora_name`,
+        when one is named) lacks for a request of `needs` ("": none lacks anything): why
+        routing found none to take it, though one not taking traffic now would. Those that
+        take it but do not hold the adapter are named as such: the adapter narrowed the
+        candidates to those that do not take it."""
+        routable = self.registry.routable(model, generating=True)
+        holding = [r for r in routable if not lora_name or r.holds_lora(lora_name)]
+        told = _lacks(holding, model, needs)
+        if not told:
+            return ""
+        adapter = f" with LoRA adapter {lora_name!r}" if lora_name else ""
+        why = f"those taking traffic{adapter} do not take the request: " + ", ".join(told)
+        without = [
+            r.engine_id
+            for r in routable
+            if r not in holding
+            and r.identity is not None
+            and unmet(r.identity.facts_of(model), needs) is None
+        ]
+        if without:
+            why += f"; it would go to {', '.join(without)}, which do not hold {lora_name!r}"
+        return why
 
     @staticmethod
     def _refuse_beyond(model: str | None, bounds: _Bounds, needs: RequestNeeds) -> None:

@@ -23,6 +23,7 @@ from controller.eligibility import (
     ROUTED_OPTIONS,
     bounds_of,
     generating_facts,
+    largest_input_context,
     limits_of,
 )
 from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts
@@ -50,7 +51,9 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     them: each request limit (REQUEST_LIMITS) the smallest any reports, so that a request
     within them is not refused wherever it goes, but one routing honours per engine
     (controller.eligibility) the largest (the context of each no more than its KV cache
-    holds: `_served_context`); a request option (CAPABILITY_FLAGS) unsupported
+    holds: `_served_context`; for a model with pooling tasks, the smaller of the largest a
+    Generate and the largest a pooling task's input is routed to); a request option
+    (CAPABILITY_FLAGS) unsupported
     when one says so (a pooling task's, of those with the task: `ModelFacts.constrains`),
     one routing honours when every one says so; the model's name (`served_name`) while they
     agree on one; the capacity, `total_kv_blocks` and `max_running_requests`,
@@ -69,11 +72,9 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     # Where routing honours an engine's limit or option (ROUTED_LIMITS, ROUTED_OPTIONS: a
     # Generate goes only to an engine that takes it), the largest any engine finishing a
     # Generate takes (not a prefill engine's: alone, it serves none), and an option
-    # unsupported only when every one says so. Not the context of a model with pooling
-    # tasks: their inputs are routed by load only.
+    # unsupported only when every one says so.
     finishing = generating_facts(records, model or None, finishing=True)
     routed = bounds_of(generating_facts(records, model or None), finishing)
-    has_tasks = any(f.tasks for f in serving)
     limits: dict[str, int] = {}
     for facts in serving:
         for path, limit in facts.limits:
@@ -83,10 +84,19 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     # fronting this one sees the summed cache, not one engine's, and would send it a prompt
     # that no single engine here holds.
     served = [{**dict(f.limits), **_served_context(f)} for f in finishing]
+    smallest_context = limits.get(CONTEXT_LIMIT)
     for path in ROUTED_LIMITS:
-        largest = max((limits[path] for limits in served if path in limits), default=None)
-        if largest is not None and not (path == CONTEXT_LIMIT and has_tasks):
+        largest = _largest(served, path)
+        if largest is not None:
             limits[path] = largest
+    tasked = [f for f in serving if f.tasks]
+    if tasked and smallest_context is not None:
+        # A pooling task is routed by its longest input too (`takes_input`): the largest
+        # input the engines with a task take (the smallest context where one does not tell
+        # its own), and the smaller of that and a Generate's where the model does both.
+        pooled = largest_input_context(tasked) or smallest_context
+        generated = _largest(served, CONTEXT_LIMIT)
+        limits[CONTEXT_LIMIT] = pooled if generated is None else min(pooled, generated)
     names = {f.served_name for f in serving if f.served_name}
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
     kv = [f.total_kv_blocks for f in serving if f.total_kv_blocks is not None]
@@ -120,6 +130,11 @@ def _served_context(facts: ModelFacts) -> dict[str, int]:
     if KV_CACHE_LIMIT in limits:
         ends.append(limits[KV_CACHE_LIMIT] + 1)
     return {CONTEXT_LIMIT: min(ends)} if ends else {}
+
+
+def _largest(served: Iterable[dict[str, int]], path: str) -> int | None:
+    """The largest limit at `path` of any of `served` (None: none has it)."""
+    return max((limits[path] for limits in served if path in limits), default=None)
 
 
 def _described(identity: EngineIdentity) -> str:

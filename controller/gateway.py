@@ -86,13 +86,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from controller.eligibility import ROUTED_OPTIONS
+from controller.eligibility import (
+    CONTEXT_LIMIT,
+    ROUTED_OPTIONS,
+    input_context,
+    largest_input_context,
+    takes_input,
+)
 from controller.fleet import (
     CAPABILITY_FLAGS,
     KV_BLOCK_SIZE_ATTRIBUTE,
@@ -534,7 +540,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         task_context: pb.TaskRequestContext,
         call: Callable[[pb_grpc.OpenEngineAsyncStub], grpc.aio.UnaryUnaryCall[Any, T]],
         context: Context,
+        inputs: Iterable[pb.TaskInput],
     ) -> T:
+        """`inputs`: the request's, each routed engine's context to take
+        (`controller.eligibility.takes_input`)."""
         if not task_context.request_id or not task_context.model:
             # The seed requires both, whatever the task's support: refused as an engine does.
             await abort_with(
@@ -544,7 +553,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         if self.controller.draining:  # as a draining engine refuses a pooling task
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
-        engine = (await self._task_engine(task, task_context, context)).address
+        longest = await self._longest_input(task, task_context.model, inputs)
+        engine = (await self._task_engine(task, task_context, context, longest)).address
         relay, fleet = self.relay, self.controller.fleet
         request_id = task_context.request_id
         if not relay.admit(request_id):
@@ -583,8 +593,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     # Never shed (the request was admitted); with no other capable engine,
                     # the client gets this engine's failure, or the fleet's LoRA status
                     # when its adapter left.
-                    other = min(self._capable(task, task_context, tried), key=_queue_depth,
-                                default=None)  # fmt: skip
+                    other = min(self._capable(task, task_context, longest, tried),
+                                key=_queue_depth, default=None)  # fmt: skip
                     if other is None:
                         if adapter_left:
                             await self._refuse_lora(task, task_context, context)
@@ -607,20 +617,64 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             relay.release(request_id)
 
     def _capable(
-        self, task: str, task_context: pb.TaskRequestContext, tried: set[str] | None = None
+        self,
+        task: str,
+        task_context: pb.TaskRequestContext,
+        longest: int | None,
+        tried: set[str] | None = None,
     ) -> list[EngineRecord]:
-        """The routable engines serving the request's model that have `task` and hold its
-        LoRA adapter, but those in `tried`."""
+        """The routable engines serving the request's model that have `task`, hold its LoRA
+        adapter and take its longest input, of `longest` tokens (None: not known), but those
+        in `tried`."""
+        model = task_context.model
         registry = self.controller.fleet.registry
-        routable = registry.routable(task_context.model, lora_name=task_context.lora_name)
+        routable = registry.routable(model, lora_name=task_context.lora_name)
         return [
             r
             for r in routable
-            if _has_task(r, task_context.model, task) and r.address not in (tried or ())
+            if _has_task(r, model, task)
+            and r.identity is not None
+            and takes_input(r.identity.facts_of(model), longest)
+            and r.address not in (tried or ())
         ]
 
+    def _serving(self, model: str) -> list[EngineRecord]:
+        """The engines (read, compatible) serving `model`, routable or not."""
+        return [
+            r
+            for r in self.controller.fleet.registry.records()
+            if r.identity is not None
+            and r.state is not EngineState.INCOMPATIBLE
+            and r.identity.serves(model)
+        ]
+
+    async def _longest_input(
+        self, task: str, model: str, inputs: Iterable[pb.TaskInput]
+    ) -> int | None:
+        """The tokens of the longest of `inputs` where routing needs them (the engines with
+        `task` take inputs of different lengths: `input_context`) and knows them: token ids,
+        or text the controller tokenises (text it does not is left out: the longest known is
+        one an engine must take). None: not needed or not known."""
+        contexts = {input_context(f) for f in _tasked_facts(self._serving(model), model, task)}
+        if len(contexts) <= 1:
+            return None  # every engine takes what any takes: it refuses the rest itself
+        c = self.controller
+        longest = 0
+        for item in inputs:
+            which = item.WhichOneof("input")
+            if which == "token_ids":
+                longest = max(longest, len(item.token_ids.ids))
+            elif which == "text":
+                tokens = await c.tokenize(item.text, c.tokenizer_name(model))
+                longest = max(longest, len(tokens or ()))
+        return longest or None
+
     async def _task_engine(
-        self, task: str, task_context: pb.TaskRequestContext, context: Context
+        self,
+        task: str,
+        task_context: pb.TaskRequestContext,
+        context: Context,
+        longest: int | None,
     ) -> EngineRecord:
         """The least loaded routable engine serving the request's model whose GetModelInfo
         says it supports `task`, and that holds the LoRA adapter the request names (seed:
@@ -628,18 +682,20 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         (UNAVAILABLE, FAILED_PRECONDITION, NOT_FOUND; registry.check_lora) among the
         engines with the task; UNAVAILABLE while a capable engine exists but takes no
         traffic, FAILED_PRECONDITION when engines serve the model but none has the task
-        (seed: UNSUPPORTED task), NOT_FOUND when no engine serves the model; with
+        (seed: UNSUPPORTED task), NOT_FOUND when no engine serves the model;
+        INVALID_ARGUMENT when its longest input, of `longest` tokens, is past every engine's
+        with the task (`largest_input_context`; as an engine refuses it); with
         `router.reject_when_all_busy`, RESOURCE_EXHAUSTED when every capable one is busy,
         as for a generation."""
         c = self.controller
         registry = c.fleet.registry
         model = task_context.model
-        capable = self._capable(task, task_context)
+        capable = self._capable(task, task_context, longest)
         if not capable and task_context.lora_name:
             # (Loaded through another controller replica since this one listed the engines'
             # adapters, perhaps: `Fleet.relist_loras`.)
             await c.fleet.relist_loras()
-            capable = self._capable(task, task_context)
+            capable = self._capable(task, task_context, longest)
         if capable:
             if c.sheds_load:
                 try:
@@ -647,21 +703,32 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 except AllEnginesBusyError as exc:
                     await abort_with(context, status_of(exc), str(exc))
             return min(capable, key=_queue_depth)
+        serving = self._serving(model)
+        tasked = _tasked_facts(serving, model, task)
+        largest = largest_input_context(tasked)
+        if longest is not None and largest is not None and longest > largest:
+            await abort_with(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request's longest input has {longest} tokens; the largest "
+                f"{CONTEXT_LIMIT} any engine serving model {model!r} with {task} takes is "
+                f"{largest}",
+            )
         await self._refuse_lora(task, task_context, context)
-        serving = [
-            r
-            for r in registry.records()
-            if r.identity is not None
-            and r.state is not EngineState.INCOMPATIBLE
-            and r.identity.serves(model)
-        ]
-        if any(_has_task(r, model, task) for r in serving):
+        if tasked:
+            lora_name = task_context.lora_name
 
             def state_of(r: EngineRecord) -> str:
                 # (An engine not reached yet may have the task: its state, as for a Generate.)
-                if r.identity is None or _has_task(r, model, task):
+                if r.identity is None:
                     return r.availability
-                return f"no {task}"
+                if not _has_task(r, model, task):
+                    return f"no {task}"
+                if not takes_input(facts := r.identity.facts_of(model), longest):
+                    return f"{CONTEXT_LIMIT} {input_context(facts)} < {longest}"
+                if lora_name and not r.holds_lora(lora_name):
+                    return f"without LoRA adapter {lora_name!r}"
+                return r.availability
 
             await abort_with(
                 context,
@@ -697,13 +764,20 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(context, status_of(exc), str(exc))
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
-        return await self._task("embed", request.context, lambda s: s.Embed(request), context)
+        return await self._task(
+            "embed", request.context, lambda s: s.Embed(request), context, request.inputs
+        )
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
-        return await self._task("classify", request.context, lambda s: s.Classify(request), context)
+        return await self._task(
+            "classify", request.context, lambda s: s.Classify(request), context, request.inputs
+        )
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
-        return await self._task("score", request.context, lambda s: s.Score(request), context)
+        inputs = (i for g in request.groups for i in (g.query, *g.candidates))
+        return await self._task(
+            "score", request.context, lambda s: s.Score(request), context, inputs
+        )
 
     # ---- lifecycle ----
 
@@ -1805,6 +1879,15 @@ _NOT_ASKED = frozenset({EngineState.UNREACHABLE, EngineState.INCOMPATIBLE})
 def _has_task(record: EngineRecord, model: str, task: str) -> bool:
     """Whether the engine's GetModelInfo for `model` says it supports `task`."""
     return record.identity is not None and task in record.identity.facts_of(model).tasks
+
+
+def _tasked_facts(records: Iterable[EngineRecord], model: str, task: str) -> list[ModelFacts]:
+    """The facts of `model` on each of `records` whose GetModelInfo says it supports `task`."""
+    return [
+        r.identity.facts_of(model)
+        for r in records
+        if r.identity is not None and task in r.identity.facts_of(model).tasks
+    ]
 
 
 def _generates(record: EngineRecord, model: str) -> bool:

@@ -274,10 +274,13 @@ class Controller:
 
     def _tokenizer_name(self, query: PromptInput) -> str:
         """The model name whose tokenizer (`tokenizers:`) splits `query`'s text prompt as the
-        engine serving it does: its model's (`_served_model`), else, for an alias of a model
-        (`served_model_aliases`), the model's it stands for; otherwise its model's name (the
-        controller-wide `tokenizer:`)."""
-        model = self._served_model(query)
+        engine serving it does (`tokenizer_name` of its model, `_served_model`)."""
+        return self.tokenizer_name(self._served_model(query))
+
+    def tokenizer_name(self, model: str) -> str:
+        """The model name whose tokenizer (`tokenizers:`) splits text for `model` as its
+        engines do: `model`'s own, else, for an alias of a model (`served_model_aliases`), the
+        model's it stands for; otherwise `model` (the controller-wide `tokenizer:`)."""
         if self._tokenizers.has_own(model):
             return model
         return self.fleet.registry.served_name(model) or model
@@ -347,7 +350,7 @@ class Controller:
         """Each engine serving the plan's model and its state, and, of those taking traffic,
         what each lacks for the request (`Eligibility.lacking`)."""
         why = self.fleet.registry.why_unavailable(plan.model)
-        lacking = self.eligibility.lacking(plan.model or None, plan.needs)
+        lacking = self.eligibility.lacking(plan.model or None, plan.needs, plan.lora_name)
         return f"{why}; {lacking}" if lacking else why
 
     @contextmanager

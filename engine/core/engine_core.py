@@ -500,7 +500,8 @@ class EngineCore:
         """`import_kv_blocks` for `request`, about to be added; when the pool has no room now,
         hold the blocks (their bytes, while all the requests' held bytes stay within
         `max_held_bytes`) for the scheduler to import as it admits the request: "held".
-        Beyond the bound they are "dropped" and the request computes its prompt. "unused":
+        Beyond the bound (or for a request whose id is in use already) they are "dropped", a
+        warning saying which, and the request computes its prompt. "unused":
         nothing to import (cached here already, or no full block before the last token), or
         no room and a request that bypasses the prefix cache."""
         token_ids = request.prompt_token_ids
@@ -512,11 +513,19 @@ class EngineCore:
             return "unused"  # it would not read them
         num_blocks = min(len(blocks), (len(token_ids) - 1) // self.block_size)
         num_bytes = sum(len(block) for block in blocks[:num_blocks])
-        if (
-            self._held_import_bytes + num_bytes > max_held_bytes
-            or request.request_id in self._held_imports
-            or request.request_id in self._requests  # refused by add_request: a duplicate
-        ):
+        if request.request_id in self._held_imports or request.request_id in self._requests:
+            logger.warning(
+                "request %s: its %d pulled KV blocks dropped: its id is in use already (a "
+                "duplicate, which the engine refuses)", request.request_id, num_blocks,
+            )  # fmt: skip
+            return "dropped"
+        if self._held_import_bytes + num_bytes > max_held_bytes:
+            logger.warning(
+                "request %s: no room for its %d pulled KV blocks (%d bytes) in the pool nor "
+                "beside the %d bytes held already (kv_transfer.max_held_kv_bytes %d): it "
+                "computes its prompt", request.request_id, num_blocks, num_bytes,
+                self._held_import_bytes, max_held_bytes,
+            )  # fmt: skip
             return "dropped"
         self._held_imports[request.request_id] = _HeldImport(
             token_ids,

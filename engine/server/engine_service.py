@@ -84,7 +84,7 @@ from engine.server.errors import (
 from engine.server.info import POOLING_ONLY_MESSAGE, ServedModel
 from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import KvSessionStore
-from engine.server.metrics import EngineMetrics, PullOutcome
+from engine.server.metrics import EngineMetrics, ImportOutcome, PullOutcome
 from engine.server.runtime_events import RuntimeEventHub
 
 log = logging.getLogger(__name__)
@@ -424,20 +424,32 @@ class EngineService:
         *,
         num_blocks: int,
     ) -> RequestStream:
-        """The pull of `num_blocks` is over: submit the request (`before` imports the blocks;
-        not if its adapter's name serves other weights by then, `LoraSlot.superseded`), even
-        if a drain began meanwhile; RequestAbortedError if Abort or a drain's deadline stopped
-        it."""
+        """The pull of `num_blocks` is over: submit the request (`before` imports the blocks,
+        counting its outcome; not if its adapter's name serves other weights by then,
+        `LoraSlot.superseded`), even if a drain began meanwhile; RequestAbortedError if Abort
+        or a drain's deadline stopped it. A `before` that never runs counts why (`superseded`,
+        `aborted`, `refused`): every pull that ended "ok" counts one import outcome."""
         self._end_pull(handle)
-        if self.metrics is not None:
-            self.metrics.on_pull("ok", num_blocks)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.on_pull("ok", num_blocks)
+
+        def never_imported(outcome: ImportOutcome) -> None:
+            if metrics is not None and before is not None:
+                metrics.on_kv_import(outcome)
+
         lora = handle.take_lora()
         if handle.aborted.is_set():
             self._release_lora(lora)
+            never_imported("aborted")
             raise RequestAbortedError(f"request {request.request_id!r} was aborted")
         if before is not None and lora is not None:
-            before = _unless_superseded(before, lora)
-        return self.submit(request, before=before, admitted=True, lora=lora)  # submit's now
+            before = _unless_superseded(before, lora, lambda: never_imported("superseded"))
+        try:
+            return self.submit(request, before=before, admitted=True, lora=lora)  # now submit's
+        except Exception:
+            never_imported("refused")
+            raise
 
     def abandon_pull(self, handle: TaskHandle, error: BaseException) -> None:
         """The pull failed (`error`) or the client left: the request was never submitted."""
@@ -803,14 +815,15 @@ class EngineService:
 
 
 def _unless_superseded(
-    before: Callable[[EngineCore], object], lora: LoraSlot
+    before: Callable[[EngineCore], object], lora: LoraSlot, on_skip: Callable[[], object]
 ) -> Callable[[EngineCore], object]:
-    """`before` (a pulled session's import into the prefix cache), skipped if `lora` is
-    superseded when it runs: the cache's namespace is the adapter's name, which other weights
-    serve now, so KV computed with this slot's must not enter it (as the request's own blocks
-    do not, `Sequence.caches_blocks`). Read on the engine thread, which loads adapters."""
+    """`before` (a pulled session's import into the prefix cache), skipped (`on_skip()`) if
+    `lora` is superseded when it runs: the cache's namespace is the adapter's name, which
+    other weights serve now, so KV computed with this slot's must not enter it (as the
+    request's own blocks do not, `Sequence.caches_blocks`). Read on the engine thread, which
+    loads adapters."""
 
     def prepare(core: EngineCore) -> object:
-        return None if lora.superseded else before(core)
+        return on_skip() if lora.superseded else before(core)
 
     return prepare

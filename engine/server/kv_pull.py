@@ -23,7 +23,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from engine.config import KvTransferConfig
-from engine.core.api import EngineRequest, KvBlockBytes, KvImportOutcome
+from engine.core.api import EngineRequest, KvBlockBytes
 from engine.core.errors import InvalidRequestError
 from engine.server.errors import KvSessionNotFoundError, KvSessionRefusedError, KvTransferError
 from engine.server.kv_transfer import (
@@ -33,6 +33,7 @@ from engine.server.kv_transfer import (
     blocks_per_chunk,
     check_fit,
 )
+from engine.server.metrics import ImportOutcome
 from kvplane.channels import ClientChannels, Redialling
 from kvplane.config import join_host_port, parse_dial_target
 from kvplane.errors import KvplaneError
@@ -78,26 +79,24 @@ class PulledSession:
         request: EngineRequest,
         *,
         max_held_bytes: int,
-        on_outcome: Callable[[KvImportOutcome], object] | None = None,
+        on_outcome: Callable[[ImportOutcome], object] | None = None,
     ) -> Callable[[EngineCore], object]:
         """What the engine thread runs just before adding `request` (EngineLoop.submit's
         `before`): the blocks enter the prefix cache under the request's namespace, or wait
         for the request's admission (`EngineCore.import_or_hold_kv_blocks`); `on_outcome`
-        hears which (in the engine thread)."""
+        hears which (in the engine thread), or "failed" if the import raised."""
 
         def import_blocks(core: EngineCore) -> None:
-            outcome = core.import_or_hold_kv_blocks(
-                request, self.blocks, max_held_bytes=max_held_bytes
-            )
-            if outcome == "dropped":
-                log.warning(
-                    "request %s: no room for its %d pulled KV blocks and %d bytes held "
-                    "already (kv_transfer.max_held_kv_bytes %d): it computes its prompt",
-                    request.request_id, len(self.blocks), core.held_import_bytes,
-                    max_held_bytes,
-                )  # fmt: skip
-            if on_outcome is not None:
-                on_outcome(outcome)
+            try:
+                outcome: ImportOutcome = core.import_or_hold_kv_blocks(
+                    request, self.blocks, max_held_bytes=max_held_bytes
+                )
+            except BaseException:
+                outcome = "failed"
+                raise
+            finally:
+                if on_outcome is not None:
+                    on_outcome(outcome)
 
         return import_blocks
 

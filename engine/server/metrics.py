@@ -13,6 +13,13 @@ from engine.core.api import EngineRequest, KvImportOutcome, RequestOutput, StepR
 # malformed ref), `failed` the transfer itself (unreachable, too slow, malformed stream),
 # `cancelled` the client gone, or the request aborted (Abort, a drain's deadline), during the pull.
 PullOutcome = Literal["ok", "not_found", "refused", "failed", "cancelled"]
+# What became of the blocks of a pull that ended "ok", exactly one per such pull: what the core
+# did with them (`KvImportOutcome`), or why it never took them: `superseded` (the request's
+# adapter loaded again with other weights meanwhile: not imported, as its own blocks are not
+# cached), `aborted` (Abort or a drain's deadline between the pull's end and the submission),
+# `refused` (the submission refused: the engine stopping, or the id in use), `failed` (the
+# import raised: the request computes its prompt).
+ImportOutcome = KvImportOutcome | Literal["superseded", "aborted", "refused", "failed"]
 
 
 class EngineMetrics:
@@ -95,10 +102,20 @@ class EngineMetrics:
         )
         self.kv_imports = Counter(
             "kvplane_engine_kv_imports",
-            "What a DECODE engine did with pulled KV blocks: imported at once, held until the "
-            "request is admitted (no room then), dropped (no room, and max_held_kv_bytes held "
-            "already: the request computes its prompt), or unused (nothing to import).",
+            "What became of a DECODE engine's completed pull's KV blocks, one outcome per pull: "
+            "imported at once, held until the request is admitted (no room then), dropped (no "
+            "room, and max_held_kv_bytes held already, or a duplicate request id: the request "
+            "computes its prompt), unused (nothing to import), superseded (its adapter loaded "
+            "again meanwhile), aborted (before its submission), refused (its submission), or "
+            "failed (the import raised).",
             [*labels, "outcome"],
+            registry=registry,
+        )
+        self.held_kv_bytes = Gauge(
+            "kvplane_engine_held_kv_bytes",
+            "Bytes of pulled KV a DECODE engine holds for requests waiting for room in its full "
+            "pool (at most kv_transfer.max_held_kv_bytes).",
+            labels,
             registry=registry,
         )
         self.open_kv_sessions = Gauge(
@@ -141,7 +158,7 @@ class EngineMetrics:
     def on_overloaded(self, task: str) -> None:
         self.overloaded.labels(self._model, task).inc()
 
-    def on_kv_import(self, outcome: KvImportOutcome) -> None:
+    def on_kv_import(self, outcome: ImportOutcome) -> None:
         """Any thread: the engine thread imports."""
         self.kv_imports.labels(self._model, outcome).inc()
 
@@ -149,6 +166,10 @@ class EngineMetrics:
         self.kv_pulls.labels(self._model, outcome).inc()
         if num_blocks:
             self.kv_pulled_blocks.labels(self._model).inc(num_blocks)
+
+    def watch_held_kv_bytes(self, count: Callable[[], int]) -> None:
+        """The held-bytes gauge reads `count()` at every scrape."""
+        self.held_kv_bytes.labels(self._model).set_function(count)
 
     def watch_open_kv_sessions(self, count: Callable[[], int]) -> None:
         """The open-sessions gauge reads `count()` at every scrape."""

@@ -390,6 +390,8 @@ async def start_engine(config: EngineConfig) -> EngineApp:
             kv_layout=runner.kv_layout,
             kv_block_bytes=runner.kv_block_bytes,
         )
+        if metrics is not None:
+            metrics.watch_held_kv_bytes(lambda: core.held_import_bytes)
 
     encode: Callable[[str], list[int]] | None = None
     if tokenizer is not None:

@@ -7,12 +7,14 @@ advertises the largest context (routing honours each engine's)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
 
 from controller.fleet import CAPABILITY_FLAGS, REQUEST_LIMITS
 from controller.route_report import ROUTE_METADATA_KEY
+from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
@@ -25,6 +27,7 @@ from tests.controller.conftest import (
 from tests.controller.fronted_engine import start_fronted_engine
 from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import generate_routed
+from tests.controller.test_lora_fleet_intent import adapter, on
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,3 +161,48 @@ async def test_a_disaggregated_fleet_takes_the_context_its_decode_engines_take()
         assert within[-1].WhichOneof("event") == "finished", within[-1]
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_lora_request_no_engine_holding_its_adapter_takes_names_the_adapter(
+    tmp_path: Path,
+) -> None:
+    """Adapter x is on the short engine alone; a prompt past its context, which the long
+    engine would take, is refused naming x, what narrowed the candidates: the short engine's
+    context and the long engine without x. It used to name the short engine's context alone,
+    as if no engine took such a prompt."""
+    engines = [
+        await start_sim_engine(name, max_model_len=length, lora=LoraConfig(enabled=True))
+        for name, length in (("short", SHORT), ("long", LONG))
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        x = adapter(tmp_path, "x", 1)
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x), metadata=on("short"))
+        request = generate_request("past-x", [3] * 300, max_tokens=4)
+        request.lora_name = "x"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in fleet.gateway.Generate(request)]
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = caught.value.details() or ""
+        assert "with LoRA adapter 'x' do not take the request: short max_context_length" in (
+            details
+        ), details
+        assert "it would go to long, which do not hold 'x'" in details, details
+    finally:
+        await close_fleet(fleet)
+
+
+def test_a_pooling_inputs_limit_is_the_context_unless_the_kv_cache_bounds_it() -> None:
+    """An engine checks a pooling input against its model's length, which its context is,
+    unless a generating engine's KV cache bounds the context (its cache's tokens plus one):
+    that says nothing of the model's length, so such an engine may take any input."""
+    from controller.eligibility import CONTEXT_LIMIT, input_context, takes_input
+    from controller.registry import ModelFacts
+
+    kv_bound = ModelFacts(block_size=16, total_kv_blocks=4, limits=((CONTEXT_LIMIT, 65),))
+    assert input_context(kv_bound) is None and takes_input(kv_bound, 4096)
+    model_bound = ModelFacts(block_size=16, total_kv_blocks=4, limits=((CONTEXT_LIMIT, 64),))
+    assert input_context(model_bound) == 64
+    assert takes_input(model_bound, 64) and not takes_input(model_bound, 65)
+    pooling = ModelFacts(generates=False, tasks=frozenset({"embed"}), limits=((CONTEXT_LIMIT, 65),))
+    assert input_context(pooling) == 65 and takes_input(pooling, None)

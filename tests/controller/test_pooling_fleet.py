@@ -360,3 +360,79 @@ async def test_a_fronted_fleets_model_info_keeps_a_task_whose_engine_is_out_of_r
         await _classified_through(upper)
     finally:
         await close_fleet(upper)
+
+
+SHORT_INPUT, LONG_INPUT = 32, 128  # the two pooling engines' max_model_len
+
+
+@pytest.fixture
+async def short_and_long(tmp_path: Path) -> AsyncIterator[Fleet]:
+    """Two pooling-only engines of one model, one taking inputs of up to SHORT_INPUT tokens,
+    the other LONG_INPUT, behind a round-robin controller."""
+    headless = write_headless_classifier(tmp_path)
+    # The short engine listed first (by address), which routing by load alone picks among
+    # idle engines.
+    ports = sorted((free_port(), free_port()), key=lambda port: f"127.0.0.1:{port}")
+    engines = [
+        await start_engine(
+            engine_config(headless, name).model_copy(
+                update={
+                    "listen": f"127.0.0.1:{port}",
+                    "max_model_len": length,
+                    "max_num_batched_tokens": LONG_INPUT,
+                }
+            )
+        )
+        for name, length, port in (("short", SHORT_INPUT, ports[0]), ("long", LONG_INPUT, ports[1]))
+    ]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+def _tokens(n: int) -> pb.TaskInput:
+    return pb.TaskInput(item_id=f"t{n}", token_ids=pb.TokenIds(ids=[5 + i % 50 for i in range(n)]))
+
+
+async def test_a_pooling_input_goes_to_the_engine_whose_context_takes_it(
+    short_and_long: Fleet,
+) -> None:
+    """An input of 64 tokens, which the short engine refuses (INVALID_ARGUMENT), goes to the
+    long engine and is served, in an Embed, a Classify and a Score alike (pooling tasks used
+    to be routed by load alone: to the short engine, the least loaded first)."""
+    gateway = short_and_long.gateway
+    for n in range(2):
+        context = pb.TaskRequestContext(request_id=f"e{n}", model=MODEL)
+        embedded = await gateway.Embed(pb.EmbedRequest(context=context, inputs=[_tokens(64)]))
+        assert len(embedded.outputs) == 1
+        context = pb.TaskRequestContext(request_id=f"c{n}", model=MODEL)
+        classified = await gateway.Classify(
+            pb.ClassifyRequest(context=context, inputs=[_tokens(3), _tokens(64)])
+        )
+        assert len(classified.outputs) == 2
+        context = pb.TaskRequestContext(request_id=f"s{n}", model=MODEL)
+        group = pb.ScoreGroup(group_id="g", query=_tokens(4), candidates=[_tokens(64)])
+        scored = await gateway.Score(pb.ScoreRequest(context=context, groups=[group]))
+        assert len(scored.groups) == 1
+
+
+async def test_a_pooling_input_past_every_engines_context_is_refused_naming_the_largest(
+    short_and_long: Fleet,
+) -> None:
+    """Refused by the gateway, INVALID_ARGUMENT (as an engine refuses it), naming the
+    largest context; GetModelInfo advertises that largest (what routing now honours; it
+    used to advertise the smallest)."""
+    context = pb.TaskRequestContext(request_id="huge", model=MODEL)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await short_and_long.gateway.Embed(
+            pb.EmbedRequest(context=context, inputs=[_tokens(LONG_INPUT + 1)])
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details() or ""
+    assert f"has {LONG_INPUT + 1} tokens" in details, details
+    assert f"max_context_length any engine serving model {MODEL!r} with embed takes is " \
+        f"{LONG_INPUT}" in details, details  # fmt: skip
+    info = await short_and_long.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
+    assert info.max_context_length == LONG_INPUT

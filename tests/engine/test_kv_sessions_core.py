@@ -219,16 +219,21 @@ def test_an_import_without_room_or_with_a_failing_write_changes_nothing() -> Non
     core.block_manager.check_invariants()
 
 
+def _full_pool() -> tuple[BytesRunner, EngineCore]:
+    """A core of 4 blocks, all held by its running request "busy"."""
+    runner = BytesRunner(num_blocks=4)
+    core = EngineCore(runner)
+    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
+    core.step()  # holds all 4 blocks
+    return runner, core
+
+
 def test_pulled_blocks_without_room_are_held_until_admitted_then_dropped_past_the_bound() -> None:
     """With the pool full, a request's pulled blocks are held (bytes counted) and imported as
     the scheduler admits it, after the running request ends: its prompt's blocks come from
     them (cached 8). Past `max_held_bytes` another's are dropped; an aborted request's held
     blocks go with it."""
-    runner = BytesRunner(num_blocks=4)
-    core = EngineCore(runner)
-    busy = EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3))
-    core.add_request(busy)
-    core.step()  # holds all 4 blocks
+    runner, core = _full_pool()
     pulled = EngineRequest("pulled", PROMPT, SamplingParams(max_tokens=3))
     assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
     core.add_request(pulled)
@@ -252,10 +257,7 @@ def test_held_blocks_another_request_cached_meanwhile_are_not_stored_twice() -> 
     """A higher-priority request with the same prompt, queued after the held one, is admitted
     first (priority, not arrival) and computes the blocks: the held request then finds them
     cached, writes none of its held bytes, and each key is stored once (one BlockStored)."""
-    runner = BytesRunner(num_blocks=4)
-    core = EngineCore(runner)
-    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
-    core.step()  # holds all 4 blocks
+    runner, core = _full_pool()
     pulled = EngineRequest("pulled", PROMPT, SamplingParams(max_tokens=3))
     assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
     core.add_request(pulled)
@@ -359,3 +361,23 @@ def test_the_same_adapter_loaded_back_while_its_requests_run_keeps_its_sessions(
     assert [w is weights for w in runner.loras.values()] == [True]
     assert core.load_lora(adapter, weights) is LoraLoad.ALREADY_LOADED
     core.block_manager.check_invariants()
+
+
+def test_dropped_pulled_blocks_are_logged_with_their_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Pulled blocks are dropped for one of two causes, and the warning says which: no room
+    (pool full, the held bound reached), or a request id in use already (a duplicate, which
+    the engine refuses). It used to blame the room for both."""
+    _runner, core = _full_pool()
+    twin = EngineRequest("busy", PROMPT, SamplingParams(max_tokens=3))
+    full = EngineRequest("full", PROMPT, SamplingParams(max_tokens=3))
+    with caplog.at_level("WARNING", logger="engine.core.engine_core"):
+        assert core.import_or_hold_kv_blocks(twin, [b"k0", b"k1"], max_held_bytes=4) == "dropped"
+        assert core.import_or_hold_kv_blocks(full, [b"k0", b"k1"], max_held_bytes=2) == "dropped"
+    duplicate, no_room = (r.getMessage() for r in caplog.records)
+    assert "request busy" in duplicate and "id is in use already" in duplicate
+    assert "no room" not in duplicate
+    assert "request full" in no_room and "no room" in no_room
+    assert "max_held_kv_bytes 2" in no_room
+    assert core.held_import_bytes == 0

@@ -16,9 +16,12 @@ import grpc
 import pytest
 
 from engine.config import KvTransferConfig, LoraConfig
+from engine.core.api import EngineRequest, SamplingParams
 from engine.core.lora import LoraAdapter
 from engine.core.sim_runner import SimRunner
-from engine.server.kv_pull import MAX_IDLE_PEERS
+from engine.server.engine_service import AbortOutcome
+from engine.server.errors import RequestAbortedError
+from engine.server.kv_pull import MAX_IDLE_PEERS, PulledSession
 from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, TlsConfig
 from kvplane_api.v1 import kv_transfer_pb2 as kt
@@ -663,6 +666,23 @@ async def unload_while_pulled(
     return generation
 
 
+async def reload_while_pulled(
+    decoder: Engine, held: _HeldPrefillEngine, session: pb.KvSessionRef, tmp_path: Path
+) -> list[pb.GenerateResponse]:
+    """A request naming adapter "a" decoding `session`, the adapter loaded again under its
+    name (other weights) while the session is pulled: the request's generation."""
+    old, new = (
+        pb.LoraAdapter(
+            lora_id=i, lora_name="a", source_path=str(write_adapter_config(tmp_path / d))
+        )
+        for i, d in ((1, "old"), (2, "new"))
+    )
+    generation = await unload_while_pulled(decoder, held, session, old)
+    await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=new))
+    held.release.set()
+    return await generation
+
+
 async def test_a_request_whose_adapter_is_unloaded_during_its_pull_is_served_with_it(
     tmp_path: Path,
 ) -> None:
@@ -738,16 +758,7 @@ async def test_a_pulled_session_never_enters_the_cache_under_an_adapter_reloaded
         held_prefill_engine() as (held, session),
         engines(sim_config(role="decode", lora=LoraConfig(enabled=True))) as (decoder,),
     ):
-        old, new = (
-            pb.LoraAdapter(
-                lora_id=i, lora_name="a", source_path=str(write_adapter_config(tmp_path / d))
-            )
-            for i, d in ((1, "old"), (2, "new"))
-        )
-        generation = await unload_while_pulled(decoder, held, session, old)
-        await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=new))
-        held.release.set()
-        decoded = await generation
+        decoded = await reload_while_pulled(decoder, held, session, tmp_path)
         assert decoded[-1].finished.reason == pb.FINISH_REASON_LENGTH, decoded[-1]
         later = generate_request(PROMPT, max_tokens=1)
         later.lora_name = "a"
@@ -959,3 +970,43 @@ async def test_prefill_and_decode_engines_are_ready_and_advertise_their_connecto
             assert probed.state == pb.HEALTH_STATE_READY
         connector = await aggregated.stub.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest())
         assert connector.HasField("enabled") and not connector.enabled
+
+
+async def test_every_completed_pull_counts_one_import_outcome(tmp_path: Path) -> None:
+    """`kvplane_engine_kv_imports_total` counts one outcome for each pull that ended "ok":
+    blocks imported, blocks never imported because the request's adapter was loaded again
+    meanwhile ("superseded"), and a request aborted as its pull ended, never submitted
+    ("aborted", the Abort landing in the same turn of the event loop as the pull's end). The
+    last two used to count none. The held bytes are exported (none held here)."""
+    async with (
+        held_prefill_engine() as (held, session),
+        engines(
+            sim_config(role="decode", lora=LoraConfig(enabled=True), metrics_listen="127.0.0.1:0")
+        ) as (decoder,),
+    ):
+        decoded = await reload_while_pulled(decoder, held, session, tmp_path)
+        assert decoded[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        imported = await collect(decoder.stub, with_session(session))  # no adapter
+        assert imported[-1].usage.cached_prompt_tokens == 8
+
+        service = decoder.app.service
+        assert service.metrics is not None
+        request = EngineRequest("late", tuple(PROMPT), SamplingParams(max_tokens=1))
+        handle = service.begin_pull(request)
+        assert await service.abort("late") == AbortOutcome.ABORTED
+        pulled = PulledSession(tuple(PROMPT[:8]), [b"", b""])
+        importer = pulled.importer(
+            request, max_held_bytes=0, on_outcome=service.metrics.on_kv_import
+        )
+        with pytest.raises(RequestAbortedError):
+            service.end_pull(handle, request, importer, num_blocks=2)
+
+        text = await metrics_text(decoder)
+        assert 'kvplane_engine_kv_pulls_total{model="sim",outcome="ok"} 3.0' in text
+        counted = {
+            line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvplane_engine_kv_imports_total{")
+        }
+        assert counted == {"superseded": 1.0, "imported": 1.0, "aborted": 1.0}
+        assert 'kvplane_engine_held_kv_bytes{model="sim"} 0.0' in text

@@ -5,6 +5,7 @@ partial block on top of the blocks it pulled."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Literal
@@ -259,6 +260,20 @@ async def test_a_session_pulled_while_the_decode_pool_is_full_is_imported_once_a
             decoding = asyncio.ensure_future(collect(decoder.stub, decode))
             # Pulled and submitted: added (its KV meeting the full pool) once the thread is free.
             await eventually(lambda: service.engine_loop.num_queued() == 1, what="submitted")
+            # Behind its addition (which holds the pulled KV), the thread is held again.
+            holding, go_on = threading.Event(), threading.Event()
+
+            def hold(_core: object) -> None:
+                holding.set()
+                go_on.wait(30)
+
+            again = service.engine_loop.call(hold)
+        await eventually(holding.is_set, what="the KV held")
+        held_bytes = 10 * decoder.app.service.engine_loop.core.runner.kv_block_bytes
+        text = await metrics_text(decoder)
+        assert f'kvplane_engine_held_kv_bytes{{model="tiny-llama"}} {held_bytes:.1f}' in text
+        go_on.set()
+        await asyncio.wrap_future(again)
         while (response := await running.read()) is not grpc.aio.EOF:
             assert isinstance(response, pb.GenerateResponse)
             last = response
@@ -271,3 +286,4 @@ async def test_a_session_pulled_while_the_decode_pool_is_full_is_imported_once_a
         text = await metrics_text(decoder)
         assert 'kvplane_engine_kv_imports_total{model="tiny-llama",outcome="held"} 1.0' in text
         assert service.engine_loop.core.held_import_bytes == 0
+        assert 'kvplane_engine_held_kv_bytes{model="tiny-llama"} 0.0' in text
