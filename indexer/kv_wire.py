@@ -1,6 +1,6 @@
 """Conversions between kv_indexer.v1 / kvplane.v1 messages and the index's dataclasses.
 
-Adapter code: the servicers, the bridge and the admin CLI use it; the core never sees protos.
+Adapter code: the servicers, the bridge and the index benchmark use it; the core never sees protos.
 `batch_from_proto` keeps unknown enum values as they are so that `indexer.index.validate_batch`
 rejects them with the seed's status code and in the seed's order (worker id, action count,
 hash total, each action).
