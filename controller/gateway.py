@@ -653,20 +653,24 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     ) -> int | None:
         """The tokens of the longest of `inputs` where routing needs them (the engines with
         `task` take inputs of different lengths: `input_context`) and knows them: token ids,
-        or text the controller tokenises (text it does not is left out: the longest known is
-        one an engine must take). None: not needed or not known."""
+        or text the controller tokenises (`Controller.tokenize_all`: all of it in one call,
+        off the event loop when long together; text it does not, with no tokenizer or past
+        `tokenize_max_chars` together, is left out: the longest known is one an engine must
+        take). None: not needed or not known."""
         contexts = {input_context(f) for f in _tasked_facts(self._serving(model), model, task)}
         if len(contexts) <= 1:
             return None  # every engine takes what any takes: it refuses the rest itself
         c = self.controller
-        longest = 0
+        longest, texts = 0, []
         for item in inputs:
             which = item.WhichOneof("input")
             if which == "token_ids":
                 longest = max(longest, len(item.token_ids.ids))
             elif which == "text":
-                tokens = await c.tokenize(item.text, c.tokenizer_name(model))
-                longest = max(longest, len(tokens or ()))
+                texts.append(item.text)
+        # One call for all: a batch of short texts is tokenised off the event loop too.
+        tokenized = await c.tokenize_all(texts, c.tokenizer_name(model)) if texts else None
+        longest = max([longest, *(len(tokens) for tokens in tokenized or ())])
         return longest or None
 
     async def _task_engine(
