@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.fleet_view import FLEET_VIEW_KEY
+from controller.registry import EngineRecord
 from engine.config import EngineConfig
 from engine.server.service import start_engine
 from kvplane.tokenize import INLINE_TOKENIZE_MAX_CHARS
@@ -475,3 +476,35 @@ async def test_a_batch_of_short_texts_is_tokenised_off_the_event_loop(
         )
         assert len(embedded.outputs) == len(texts)
     assert threads and threading.current_thread() not in threads, threads
+
+
+async def test_a_pooling_request_costs_no_scan_of_the_engines_while_they_are_alike(
+    mixed_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the engines with a task take inputs alike (one here), whether a request's inputs
+    are read is kept until the registry changes: a Classify scans no engine list (each used
+    to scan every engine, the per-request cost routing keeps off its path at hundreds of
+    engines)."""
+    registry = mixed_fleet.app.controller.fleet.registry
+    records, scans = registry.records, []
+
+    def counting() -> list[EngineRecord]:
+        scans.append(1)
+        return records()
+
+    async def classify(request_id: str) -> None:
+        classified = await mixed_fleet.gateway.Classify(
+            pb.ClassifyRequest(
+                context=pb.TaskRequestContext(request_id=request_id, model=MODEL),
+                inputs=[pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))],
+            )
+        )
+        assert list(classified.outputs[0].labels) == LABELS
+
+    await classify("first")
+    monkeypatch.setattr(registry, "records", counting)  # how many scans: instrumentation only
+    version = registry.version
+    for n in range(10):
+        await classify(f"c{n}")
+    # (At most one scan after each change of the fleet meanwhile, if any.)
+    assert len(scans) <= registry.version - version, (len(scans), registry.version - version)
