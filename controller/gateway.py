@@ -492,6 +492,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # Shared with the vllm.Generate front end (app.py): one set of in-flight requests.
         self.relay = Relay(controller)
         self._generate = _OpenEngineGenerate(controller.fleet)
+        # Whether a pooling task's inputs are read to route it, by (model, task), as of the
+        # registry's `version` (`_reads_inputs`): asked by every pooling request.
+        self._reads_inputs_memo: dict[tuple[str, str], bool] = {}
+        self._reads_inputs_version = -1
 
     # ---- generation ----
 
@@ -653,21 +657,39 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     ) -> int | None:
         """The tokens of the longest of `inputs` where routing needs them (the engines with
         `task` take inputs of different lengths: `input_context`) and knows them: token ids,
-        or text the controller tokenises (text it does not is left out: the longest known is
-        one an engine must take). None: not needed or not known."""
-        contexts = {input_context(f) for f in _tasked_facts(self._serving(model), model, task)}
-        if len(contexts) <= 1:
+        or text the controller tokenises (`Controller.tokenize_all`: all of it in one call,
+        off the event loop when long together; text it does not, with no tokenizer or past
+        `tokenize_max_chars` together, is left out: the longest known is one an engine must
+        take). None: not needed or not known."""
+        if not self._reads_inputs(model, task):
             return None  # every engine takes what any takes: it refuses the rest itself
         c = self.controller
-        longest = 0
+        longest, texts = 0, []
         for item in inputs:
             which = item.WhichOneof("input")
             if which == "token_ids":
                 longest = max(longest, len(item.token_ids.ids))
             elif which == "text":
-                tokens = await c.tokenize(item.text, c.tokenizer_name(model))
-                longest = max(longest, len(tokens or ()))
+                texts.append(item.text)
+        # One call for all: a batch of short texts is tokenised off the event loop too.
+        tokenized = await c.tokenize_all(texts, c.tokenizer_name(model)) if texts else None
+        longest = max([longest, *(len(tokens) for tokens in tokenized or ())])
         return longest or None
+
+    def _reads_inputs(self, model: str, task: str) -> bool:
+        """Whether the engines serving `model` with `task` (routable or not) take inputs of
+        different lengths (`input_context`), so that routing reads a request's. Kept until
+        the registry changes: with engines alike, a request costs no scan of them."""
+        version = self.controller.fleet.registry.version
+        if self._reads_inputs_version != version or len(self._reads_inputs_memo) >= 64:
+            self._reads_inputs_memo.clear()  # (bounded: a request may name any model)
+            self._reads_inputs_version = version
+        reads = self._reads_inputs_memo.get((model, task))
+        if reads is None:
+            tasked = _tasked_facts(self._serving(model), model, task)
+            reads = len({input_context(f) for f in tasked}) > 1
+            self._reads_inputs_memo[model, task] = reads
+        return reads
 
     async def _task_engine(
         self,

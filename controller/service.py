@@ -41,7 +41,7 @@ from indexer.backend import IndexBackend, IndexStats, ReachableIndex, index_answ
 from indexer.backends import open_backend
 from indexer.size_gauges import refresh_wait_s
 from indexer.sources.resync import connect_resync
-from kvplane.tokenize import tokenize_off_loop
+from kvplane.tokenize import tokenize_all_off_loop
 from openengine.v1 import openengine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -201,10 +201,19 @@ class Controller:
         """`prompt` in `model`'s tokens; None when no tokenizer is configured for it or the
         prompt is longer than `tokenize_max_chars` (routed by load only). A long prompt is
         tokenised in a worker thread (`kvplane.tokenize`)."""
-        if len(prompt) > self.config.tokenize_max_chars:
+        tokens = await self.tokenize_all((prompt,), model)
+        return None if tokens is None else tokens[0]
+
+    async def tokenize_all(self, texts: Sequence[str], model: str = "") -> list[list[int]] | None:
+        """Each of `texts` (a pooling task's inputs) in `model`'s tokens; None when no
+        tokenizer is configured for it or they are longer together than `tokenize_max_chars`.
+        Long together, they are tokenised in one worker thread (`kvplane.tokenize`)."""
+        if sum(map(len, texts)) > self.config.tokenize_max_chars:
             return None
         encode = functools.partial(self._tokenizers.encode, model=model)
-        return await tokenize_off_loop(encode, prompt)
+        tokens = await tokenize_all_off_loop(encode, texts)
+        known = [t for t in tokens if t is not None]
+        return known if len(known) == len(tokens) else None
 
     async def plan(
         self, query: PromptInput, role: Role | None = Role.AGGREGATED, *, cordoned: bool = False

@@ -8,10 +8,10 @@ controller (routing) and the engine (text prompts)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-# Prompts up to this many characters are tokenised on the event loop.
+# Prompts up to this many characters (together, for a batch) are tokenised on the event loop.
 INLINE_TOKENIZE_MAX_CHARS = 512
 
 T = TypeVar("T")
@@ -19,6 +19,16 @@ T = TypeVar("T")
 
 async def tokenize_off_loop(encode: Callable[[str], T], text: str) -> T:
     """`encode(text)`, in a worker thread when `text` is long."""
-    if len(text) <= INLINE_TOKENIZE_MAX_CHARS:
-        return encode(text)
-    return await asyncio.to_thread(encode, text)
+    return (await tokenize_all_off_loop(encode, (text,)))[0]
+
+
+async def tokenize_all_off_loop(encode: Callable[[str], T], texts: Sequence[str]) -> list[T]:
+    """`encode` of each of `texts` (a pooling task's inputs), in one worker thread when they
+    are long together: many short texts stall the event loop as one long one does."""
+
+    def encode_all() -> list[T]:
+        return [encode(text) for text in texts]
+
+    if sum(map(len, texts)) <= INLINE_TOKENIZE_MAX_CHARS:
+        return encode_all()
+    return await asyncio.to_thread(encode_all)

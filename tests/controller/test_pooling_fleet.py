@@ -8,6 +8,7 @@ engine that would refuse it."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,8 +17,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.fleet_view import FLEET_VIEW_KEY
+from controller.registry import EngineRecord
 from engine.config import EngineConfig
 from engine.server.service import start_engine
+from kvplane.tokenize import INLINE_TOKENIZE_MAX_CHARS
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
@@ -55,7 +58,11 @@ async def mixed_fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         await start_engine(engine_config(tmp_path / "builtin", "gen")),
         await start_engine(engine_config(headless, "pool")),
     ]
-    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    fleet = await make_fleet(
+        engines=engines,
+        router={"policy": "round_robin"},
+        tokenizer=str(headless / "tokenizer.json"),
+    )
     try:
         yield fleet
     finally:
@@ -368,7 +375,7 @@ SHORT_INPUT, LONG_INPUT = 32, 128  # the two pooling engines' max_model_len
 @pytest.fixture
 async def short_and_long(tmp_path: Path) -> AsyncIterator[Fleet]:
     """Two pooling-only engines of one model, one taking inputs of up to SHORT_INPUT tokens,
-    the other LONG_INPUT, behind a round-robin controller."""
+    the other LONG_INPUT, behind a round-robin controller with their tokenizer."""
     headless = write_headless_classifier(tmp_path)
     # The short engine listed first (by address), which routing by load alone picks among
     # idle engines.
@@ -385,7 +392,11 @@ async def short_and_long(tmp_path: Path) -> AsyncIterator[Fleet]:
         )
         for name, length, port in (("short", SHORT_INPUT, ports[0]), ("long", LONG_INPUT, ports[1]))
     ]
-    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    fleet = await make_fleet(
+        engines=engines,
+        router={"policy": "round_robin"},
+        tokenizer=str(headless / "tokenizer.json"),
+    )
     try:
         yield fleet
     finally:
@@ -436,3 +447,64 @@ async def test_a_pooling_input_past_every_engines_context_is_refused_naming_the_
         f"{LONG_INPUT}" in details, details  # fmt: skip
     info = await short_and_long.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
     assert info.max_context_length == LONG_INPUT
+
+
+async def test_a_batch_of_short_texts_is_tokenised_off_the_event_loop(
+    short_and_long: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many text inputs, each within the inline limit but long together, are tokenised by
+    the gateway in a worker thread, as one long prompt is (they used to be tokenised one by
+    one on the event loop, stalling every other request meanwhile); the longest, past the
+    short engine's context, goes to the long engine."""
+    tokenizers = short_and_long.app.controller._tokenizers
+    encode, threads = tokenizers.encode, set()
+
+    def recording(prompt: str, model: str) -> list[int] | None:
+        threads.add(threading.current_thread())
+        return encode(prompt, model)
+
+    monkeypatch.setattr(tokenizers, "encode", recording)  # which thread: instrumentation only
+    short, long = "hello world", "hello " * 12
+    assert SHORT_INPUT < len(encode(long, MODEL) or ()) <= LONG_INPUT
+    texts = [short] * (INLINE_TOKENIZE_MAX_CHARS // len(short)) + [long]
+    assert all(len(text) <= INLINE_TOKENIZE_MAX_CHARS for text in texts)
+    inputs = [pb.TaskInput(item_id=f"t{i}", text=text) for i, text in enumerate(texts)]
+    for n in range(2):
+        context = pb.TaskRequestContext(request_id=f"e{n}", model=MODEL)
+        embedded = await short_and_long.gateway.Embed(
+            pb.EmbedRequest(context=context, inputs=inputs)
+        )
+        assert len(embedded.outputs) == len(texts)
+    assert threads and threading.current_thread() not in threads, threads
+
+
+async def test_a_pooling_request_costs_no_scan_of_the_engines_while_they_are_alike(
+    mixed_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the engines with a task take inputs alike (one here), whether a request's inputs
+    are read is kept until the registry changes: a Classify scans no engine list (each used
+    to scan every engine, the per-request cost routing keeps off its path at hundreds of
+    engines)."""
+    registry = mixed_fleet.app.controller.fleet.registry
+    records, scans = registry.records, []
+
+    def counting() -> list[EngineRecord]:
+        scans.append(1)
+        return records()
+
+    async def classify(request_id: str) -> None:
+        classified = await mixed_fleet.gateway.Classify(
+            pb.ClassifyRequest(
+                context=pb.TaskRequestContext(request_id=request_id, model=MODEL),
+                inputs=[pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))],
+            )
+        )
+        assert list(classified.outputs[0].labels) == LABELS
+
+    await classify("first")
+    monkeypatch.setattr(registry, "records", counting)  # how many scans: instrumentation only
+    version = registry.version
+    for n in range(10):
+        await classify(f"c{n}")
+    # (At most one scan after each change of the fleet meanwhile, if any.)
+    assert len(scans) <= registry.version - version, (len(scans), registry.version - version)
