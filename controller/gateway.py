@@ -546,9 +546,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         context: Context,
         inputs: Iterable[pb.TaskInput],
     ) -> T:
-        """`inputs`: the request's, each routed engine's context to take
-        (`controller.eligibility.takes_input`), and text among them an engine that takes
-        text (`_capable`)."""
+        """`inputs`: the request's: the longest for each routed engine's context to take
+        (`controller.eligibility.takes_input`), a text one for an engine that takes text
+        (`_capable`)."""
         if not task_context.request_id or not task_context.model:
             # The seed requires both, whatever the task's support: refused as an engine does.
             await abort_with(
@@ -633,9 +633,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     ) -> list[EngineRecord]:
         """The routable engines serving the request's model that have `task`, hold its LoRA
         adapter and take its longest input, of `longest` tokens (None: not known), but those
-        in `tried`; with `text` (a text input), those of them that take text (GetModelInfo's
-        `supports_text_input`: an engine with no tokenizer refuses it) where any does (where
-        none does, whichever takes it refuses it, in its own words)."""
+        in `tried`; with `text` (a text input), those that take text (GetModelInfo's
+        `supports_text_input`: an engine with no tokenizer refuses it) where any does, tried
+        or not (where none does, whichever takes it refuses it, in its own words; a retry does
+        not go to one with no tokenizer)."""
         model = task_context.model
         registry = self.controller.fleet.registry
         routable = registry.routable(model, lora_name=task_context.lora_name)
@@ -645,12 +646,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             if _has_task(r, model, task)
             and r.identity is not None
             and takes_input(r.identity.facts_of(model), longest)
-            and r.address not in (tried or ())
         ]
-        if not text:
-            return capable
-        texting = [r for r in capable if _takes_text(r, model)]
-        return texting or capable
+        if text and any(_takes_text(r, model) for r in capable):
+            capable = [r for r in capable if _takes_text(r, model)]
+        return [r for r in capable if r.address not in (tried or ())]
 
     def _serving(self, model: str) -> list[EngineRecord]:
         """The engines (read, compatible) serving `model`, routable or not."""
