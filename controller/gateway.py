@@ -546,8 +546,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         context: Context,
         inputs: Iterable[pb.TaskInput],
     ) -> T:
-        """`inputs`: the request's, each routed engine's context to take
-        (`controller.eligibility.takes_input`)."""
+        """`inputs`: the request's: the longest for each routed engine's context to take
+        (`controller.eligibility.takes_input`), a text one for an engine that takes text
+        (`_capable`)."""
         if not task_context.request_id or not task_context.model:
             # The seed requires both, whatever the task's support: refused as an engine does.
             await abort_with(
@@ -557,8 +558,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         if self.controller.draining:  # as a draining engine refuses a pooling task
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
+        inputs = tuple(inputs)
         longest = await self._longest_input(task, task_context.model, inputs)
-        engine = (await self._task_engine(task, task_context, context, longest)).address
+        text = any(item.WhichOneof("input") == "text" for item in inputs)
+        engine = (await self._task_engine(task, task_context, context, longest, text)).address
         relay, fleet = self.relay, self.controller.fleet
         request_id = task_context.request_id
         if not relay.admit(request_id):
@@ -597,7 +600,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     # Never shed (the request was admitted); with no other capable engine,
                     # the client gets this engine's failure, or the fleet's LoRA status
                     # when its adapter left.
-                    other = min(self._capable(task, task_context, longest, tried),
+                    other = min(self._capable(task, task_context, longest, text, tried),
                                 key=_queue_depth, default=None)  # fmt: skip
                     if other is None:
                         if adapter_left:
@@ -625,22 +628,28 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         task: str,
         task_context: pb.TaskRequestContext,
         longest: int | None,
+        text: bool,
         tried: set[str] | None = None,
     ) -> list[EngineRecord]:
         """The routable engines serving the request's model that have `task`, hold its LoRA
         adapter and take its longest input, of `longest` tokens (None: not known), but those
-        in `tried`."""
+        in `tried`; with `text` (a text input), those that take text (GetModelInfo's
+        `supports_text_input`: an engine with no tokenizer refuses it) where any does, tried
+        or not (where none does, whichever takes it refuses it, in its own words; a retry does
+        not go to one with no tokenizer)."""
         model = task_context.model
         registry = self.controller.fleet.registry
         routable = registry.routable(model, lora_name=task_context.lora_name)
-        return [
+        capable = [
             r
             for r in routable
             if _has_task(r, model, task)
             and r.identity is not None
             and takes_input(r.identity.facts_of(model), longest)
-            and r.address not in (tried or ())
         ]
+        if text and any(_takes_text(r, model) for r in capable):
+            capable = [r for r in capable if _takes_text(r, model)]
+        return [r for r in capable if r.address not in (tried or ())]
 
     def _serving(self, model: str) -> list[EngineRecord]:
         """The engines (read, compatible) serving `model`, routable or not."""
@@ -697,6 +706,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         task_context: pb.TaskRequestContext,
         context: Context,
         longest: int | None,
+        text: bool,
     ) -> EngineRecord:
         """The least loaded routable engine serving the request's model whose GetModelInfo
         says it supports `task`, and that holds the LoRA adapter the request names (seed:
@@ -712,12 +722,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         c = self.controller
         registry = c.fleet.registry
         model = task_context.model
-        capable = self._capable(task, task_context, longest)
+        capable = self._capable(task, task_context, longest, text)
         if not capable and task_context.lora_name:
             # (Loaded through another controller replica since this one listed the engines'
             # adapters, perhaps: `Fleet.relist_loras`.)
             await c.fleet.relist_loras()
-            capable = self._capable(task, task_context, longest)
+            capable = self._capable(task, task_context, longest, text)
         if capable:
             if c.sheds_load:
                 try:
@@ -796,7 +806,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
-        inputs = (i for g in request.groups for i in (g.query, *g.candidates))
+        inputs = [i for g in request.groups for i in (g.query, *g.candidates)]
         return await self._task(
             "score", request.context, lambda s: s.Score(request), context, inputs
         )
@@ -1901,6 +1911,15 @@ _NOT_ASKED = frozenset({EngineState.UNREACHABLE, EngineState.INCOMPATIBLE})
 def _has_task(record: EngineRecord, model: str, task: str) -> bool:
     """Whether the engine's GetModelInfo for `model` says it supports `task`."""
     return record.identity is not None and task in record.identity.facts_of(model).tasks
+
+
+def _takes_text(record: EngineRecord, model: str) -> bool:
+    """Whether the engine's GetModelInfo for `model` does not say it refuses text input
+    (`supports_text_input` false: it has no tokenizer)."""
+    return (
+        record.identity is not None
+        and "supports_text_input" not in record.identity.facts_of(model).unsupported
+    )
 
 
 def _tasked_facts(records: Iterable[EngineRecord], model: str, task: str) -> list[ModelFacts]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.core.errors import InvalidRequestError, PromptTooLongError
@@ -48,7 +48,7 @@ from engine.server.errors import (
     UnsupportedOptionError,
 )
 from engine.server.openengine_convert import EngineContext
-from kvplane.tokenize import tokenize_off_loop
+from kvplane.tokenize import tokenize_all_off_loop
 from openengine.v1 import openengine_pb2 as pb
 
 _SEQUENCE = pb.TASK_OUTPUT_GRANULARITY_SEQUENCE
@@ -184,14 +184,19 @@ class PoolingTasks:
             raise InvalidRequestError("groups must not be empty")
         if len({g.group_id for g in request.groups}) != len(request.groups):
             raise InvalidRequestError("group ids must be unique")
-        groups: list[tuple[_Item, list[_Item]]] = []
+        given: list[tuple[pb.TaskInput, str]] = []
+        for index, group in enumerate(request.groups):
+            if not group.HasField("query"):
+                raise InvalidRequestError(f"groups[{index}] has no query")
+            members = [group.query, *group.candidates]
+            given.extend(self._placed(members, f"groups[{index}]", min_items=2))
         with self._service.converting(request.context.request_id) as converted:
-            for index, group in enumerate(request.groups):
-                if not group.HasField("query"):
-                    raise InvalidRequestError(f"groups[{index}] has no query")
-                where = f"groups[{index}]"
-                items = await self._items([group.query, *group.candidates], where, min_items=2)
-                groups.append((items[0], items[1:]))
+            # Every group's texts tokenised in one call (`_tokenized`).
+            tokenized = iter(await self._tokenized(given))
+        groups: list[tuple[_Item, list[_Item]]] = []
+        for group in request.groups:
+            query = next(tokenized)
+            groups.append((query, [next(tokenized) for _ in group.candidates]))
         # Each distinct token sequence is embedded once (a query shared by N:N groups).
         distinct = list(
             dict.fromkeys(item.token_ids for q, cs in groups for item in (q, *cs)).keys()
@@ -243,35 +248,59 @@ class PoolingTasks:
             raise UnsupportedOptionError(f"{task} granularity: one of {names}")
         return value
 
-    async def _items(
-        self, inputs: Sequence[pb.TaskInput], where: str, *, min_items: int = 1
-    ) -> list[_Item]:
+    async def _items(self, inputs: Sequence[pb.TaskInput], where: str) -> list[_Item]:
+        return await self._tokenized(self._placed(inputs, where))
+
+    @staticmethod
+    def _placed(
+        inputs: Sequence[pb.TaskInput], where: str, *, min_items: int = 1
+    ) -> list[tuple[pb.TaskInput, str]]:
+        """`inputs`, found at `where` in the request, each with its place there (for a
+        refusal); refused when fewer than `min_items` or of one item id twice."""
         if len(inputs) < min_items:
             raise InvalidRequestError(
                 f"{where}: a query and at least one candidate are needed"
                 if min_items > 1
                 else f"{where} must not be empty"
             )
-        items = [await self._item(item, f"{where}[{i}]") for i, item in enumerate(inputs)]
-        if len({item.item_id for item in items}) != len(items):
+        ids = [item.item_id for item in inputs if item.item_id]  # (none: `_given` refuses it)
+        if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"{where}: item ids must be unique")
-        return items
+        return [(item, f"{where}[{i}]") for i, item in enumerate(inputs)]
 
-    async def _item(self, item: pb.TaskInput, where: str) -> _Item:
+    async def _tokenized(self, placed: Sequence[tuple[pb.TaskInput, str]]) -> list[_Item]:
+        """Each input of `placed` (with its place in the request) as its tokens, checked: all
+        of a request's texts tokenised in one call, in a worker thread when they are long
+        together (`tokenize_all_off_loop`: a batch of many short texts would stall the event
+        loop, every stream and Health, as one long text would)."""
+        given = [self._given(item, where) for item, where in placed]
+        texts = [g for g in given if isinstance(g, str)]
+        encoded: Iterator[list[int]] = iter(())
+        if texts:
+            encode = self._ctx.encode
+            assert encode is not None  # (`_given` refuses text without a tokenizer)
+            encoded = iter(await tokenize_all_off_loop(encode, texts))
+        return [
+            self._item(item.item_id, g if isinstance(g, tuple) else tuple(next(encoded)), where)
+            for (item, where), g in zip(placed, given, strict=True)
+        ]
+
+    def _given(self, item: pb.TaskInput, where: str) -> str | tuple[int, ...]:
+        """The text or token ids `item`, at `where`, gives."""
         if not item.item_id:
             raise InvalidRequestError(f"{where}: item_id is required")
         which = item.WhichOneof("input")
-        encode: Callable[[str], list[int]] | None = self._ctx.encode
         if which == "token_ids":
-            tokens = tuple(item.token_ids.ids)
-        elif which == "text":
-            if encode is None:
+            return tuple(item.token_ids.ids)
+        if which == "text":
+            if self._ctx.encode is None:
                 raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
-            tokens = tuple(await tokenize_off_loop(encode, item.text))
-        elif which == "multimodal":
+            return item.text
+        if which == "multimodal":
             raise UnsupportedOptionError("multimodal inputs are not supported by this engine")
-        else:
-            raise InvalidRequestError(f"{where}: set text or token_ids")
+        raise InvalidRequestError(f"{where}: set text or token_ids")
+
+    def _item(self, item_id: str, tokens: tuple[int, ...], where: str) -> _Item:
         if not tokens:
             raise InvalidRequestError(f"{where} is empty (no tokens)")
         model = self._ctx.model
@@ -283,7 +312,7 @@ class PoolingTasks:
             raise InvalidRequestError(
                 f"{where}: token id {max(tokens)} >= vocab size {model.vocab_size}"
             )
-        return _Item(item.item_id, tokens)
+        return _Item(item_id, tokens)
 
     # ---------------------------------------------------------------- running
 

@@ -7,9 +7,11 @@ the engine thread; and every config a pooling engine cannot honour is refused at
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import json
 import shutil
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from engine.torch_runner.loader import ships_lm_head
 from engine.torch_runner.runner import TorchModelRunner
 from kvplane.config import validate_config
 from kvplane.errors import ConfigError
+from kvplane.tokenize import INLINE_TOKENIZE_MAX_CHARS
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
@@ -274,3 +277,51 @@ def test_runner_defaults_to_auto_and_generate_allows_everything() -> None:
     EngineConfig(
         runner=RunnerName.generate, role=EngineRoleName.prefill, lora=LoraConfig(enabled=True)
     )
+
+
+async def test_a_batch_of_short_texts_is_tokenised_off_the_event_loop(
+    headless_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many text inputs, each within the inline limit but long together, are tokenised in one
+    call in a worker thread, as one long text is (they were tokenised one by one on the event
+    loop, stalling every stream and Health meanwhile); Embed and Score, whose groups' texts go
+    in the same call, answer as for the same inputs as token ids."""
+    async with running_engine(engine_config(headless_dir)) as engine:
+        tasks = engine.app.openengine._tasks
+        assert tasks is not None
+        encode = tasks._ctx.encode
+        assert encode is not None
+        threads: set[threading.Thread] = set()
+
+        def recording(text: str) -> list[int]:
+            threads.add(threading.current_thread())
+            return encode(text)
+
+        # Which thread tokenises: instrumentation only.
+        monkeypatch.setattr(tasks, "_ctx", dataclasses.replace(tasks._ctx, encode=recording))
+        texts = [f"hello world {n}" for n in range(INLINE_TOKENIZE_MAX_CHARS // 10)]
+        assert all(len(text) <= INLINE_TOKENIZE_MAX_CHARS for text in texts)
+        assert sum(map(len, texts)) > INLINE_TOKENIZE_MAX_CHARS
+        as_text = [pb.TaskInput(item_id=f"t{n}", text=t) for n, t in enumerate(texts)]
+        as_ids = [ids_input(f"t{n}", encode(t)) for n, t in enumerate(texts)]
+        embedded, by_ids = [
+            await engine.stub.Embed(pb.EmbedRequest(context=context(f"e{n}"), inputs=inputs))
+            for n, inputs in enumerate((as_text, as_ids))
+        ]
+        assert len(embedded.outputs) == len(texts)
+        assert embedded.outputs == by_ids.outputs
+        scored, scored_by_ids = [
+            await engine.stub.Score(
+                pb.ScoreRequest(
+                    context=context(f"s{n}"),
+                    groups=[
+                        pb.ScoreGroup(group_id=f"g{g}", query=inputs[g], candidates=inputs[g + 1 :])
+                        for g in range(3)
+                    ],
+                )
+            )
+            for n, inputs in enumerate((as_text, as_ids))
+        ]
+        assert [len(g.candidates) for g in scored.groups] == [len(texts) - g - 1 for g in range(3)]
+        assert scored.groups == scored_by_ids.groups
+    assert threads and threading.current_thread() not in threads, threads
