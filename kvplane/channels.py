@@ -693,7 +693,9 @@ def plain_details(details: str) -> str:
     if _RESET.match(cause):
         return f"the server reset the connection ({cause})"
     if cause.startswith(_NO_ALPN):
-        return "the server does not speak gRPC (a TLS service without HTTP/2: another listens there?)"
+        return (
+            "the server does not speak gRPC (a TLS service without HTTP/2: another listens there?)"
+        )
     if cause.startswith(_NOT_HTTP2):
         if _HTTP1.search(cause):
             return "the server answers HTTP/1, not gRPC (a /metrics address?)"
