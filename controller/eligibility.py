@@ -41,14 +41,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from controller.registry import EngineRecord, EngineState, ModelFacts, Registry, Role
+from controller.registry import EngineRecord, EngineState, ModelFacts, Registry, RegistryMemo, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 
-# How many models' bounds are kept between two changes of the fleet (a request may name any
-# model, as `Registry.routable`'s memo).
-_MEMO_SIZE = 64
 CONTEXT_LIMIT = "max_context_length"
 # ModelInfo's limits (of controller.fleet's REQUEST_LIMITS, named here: controller.fleet
 # imports fleet_view, which imports this module) that routing honours per engine: the
@@ -302,21 +299,15 @@ class Eligibility:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self._bounds: dict[str | None, _Bounds] = {}
-        self._version = registry.version
+        self._bounds: RegistryMemo[str | None, _Bounds] = RegistryMemo(registry)
 
     def _of(self, model: str | None) -> _Bounds:
-        if self._version != self.registry.version:
-            self._bounds.clear()
-            self._version = self.registry.version
         bounds = self._bounds.get(model)
         if bounds is None:
-            if len(self._bounds) >= _MEMO_SIZE:
-                self._bounds.clear()
             records = self.registry.records()
             serving = generating_facts(records, model)
             finishing = generating_facts(records, model, finishing=True)
-            bounds = self._bounds[model] = bounds_of(serving, finishing)
+            bounds = self._bounds.put(model, bounds_of(serving, finishing))
         return bounds
 
     def candidates(

@@ -125,6 +125,7 @@ from controller.registry import (
     ModelFacts,
     ModelRequiredError,
     NoEngineRegisteredError,
+    RegistryMemo,
     Role,
     UnknownEngineError,
     UnknownModelError,
@@ -492,10 +493,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # Shared with the vllm.Generate front end (app.py): one set of in-flight requests.
         self.relay = Relay(controller)
         self._generate = _OpenEngineGenerate(controller.fleet)
-        # Whether a pooling task's inputs are read to route it, by (model, task), as of the
-        # registry's `version` (`_reads_inputs`): asked by every pooling request.
-        self._reads_inputs_memo: dict[tuple[str, str], bool] = {}
-        self._reads_inputs_version = -1
+        # Whether a pooling task's inputs are read to route it, by (model, task)
+        # (`_reads_inputs`): asked by every pooling request.
+        self._reads_inputs_memo: RegistryMemo[tuple[str, str], bool] = RegistryMemo(
+            controller.fleet.registry
+        )
 
     # ---- generation ----
 
@@ -689,15 +691,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         """Whether the engines serving `model` with `task` (routable or not) take inputs of
         different lengths (`input_context`), so that routing reads a request's. Kept until
         the registry changes: with engines alike, a request costs no scan of them."""
-        version = self.controller.fleet.registry.version
-        if self._reads_inputs_version != version or len(self._reads_inputs_memo) >= 64:
-            self._reads_inputs_memo.clear()  # (bounded: a request may name any model)
-            self._reads_inputs_version = version
         reads = self._reads_inputs_memo.get((model, task))
         if reads is None:
             tasked = _tasked_facts(self._serving(model), model, task)
-            reads = len({input_context(f) for f in tasked}) > 1
-            self._reads_inputs_memo[model, task] = reads
+            reads = self._reads_inputs_memo.put(
+                (model, task), len({input_context(f) for f in tasked}) > 1
+            )
         return reads
 
     async def _task_engine(

@@ -81,7 +81,7 @@ import enum
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from controller.router import LoadSnapshot
 from kvplane.errors import KvplaneError
@@ -539,6 +539,33 @@ def _standing(record: EngineRecord) -> tuple[bool, bool, str]:
     succeed (not failing, unreachable or rejected), then by address."""
     rejected = record.state in POLL_FAILED_STATES or record.state is EngineState.INCOMPATIBLE
     return (not record.routable, rejected, record.address)
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class RegistryMemo(Generic[_K, _V]):
+    """Values derived from a registry's engines, kept until its next change (`version`),
+    `ROUTABLE_MEMO_SIZE` at most (a request may name any model: the memo must not grow with
+    what clients send). `get` says None for a key not derived since the change."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._values: dict[_K, _V] = {}
+        self._version = registry.version
+
+    def get(self, key: _K) -> _V | None:
+        if self._version != self._registry.version:
+            self._values.clear()
+            self._version = self._registry.version
+        return self._values.get(key)
+
+    def put(self, key: _K, value: _V) -> _V:
+        if len(self._values) >= ROUTABLE_MEMO_SIZE:
+            self._values.clear()
+        self._values[key] = value
+        return value
 
 
 class Registry:
