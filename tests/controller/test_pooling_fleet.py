@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
@@ -19,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controller.fleet_view import FLEET_VIEW_KEY
 from controller.registry import EngineRecord
 from engine.config import EngineConfig
-from engine.server.service import start_engine
+from engine.server.service import EngineApp, start_engine
 from kvplane.tokenize import INLINE_TOKENIZE_MAX_CHARS
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -51,6 +52,20 @@ def engine_config(model: Path, instance_id: str) -> EngineConfig:
     )
 
 
+@asynccontextmanager
+async def round_robin_fleet(engines: list[EngineApp], model: Path) -> AsyncIterator[Fleet]:
+    """A round-robin controller in front of `engines`, with `model`'s tokenizer."""
+    fleet = await make_fleet(
+        engines=engines,
+        router={"policy": "round_robin"},
+        tokenizer=str(model / "tokenizer.json"),
+    )
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
 @pytest.fixture
 async def mixed_fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
     headless = write_headless_classifier(tmp_path)
@@ -58,15 +73,8 @@ async def mixed_fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         await start_engine(engine_config(tmp_path / "builtin", "gen")),
         await start_engine(engine_config(headless, "pool")),
     ]
-    fleet = await make_fleet(
-        engines=engines,
-        router={"policy": "round_robin"},
-        tokenizer=str(headless / "tokenizer.json"),
-    )
-    try:
+    async with round_robin_fleet(engines, headless) as fleet:
         yield fleet
-    finally:
-        await close_fleet(fleet)
 
 
 async def test_a_pooling_only_engine_gets_pooling_traffic_only(mixed_fleet: Fleet) -> None:
@@ -392,15 +400,8 @@ async def short_and_long(tmp_path: Path) -> AsyncIterator[Fleet]:
         )
         for name, length, port in (("short", SHORT_INPUT, ports[0]), ("long", LONG_INPUT, ports[1]))
     ]
-    fleet = await make_fleet(
-        engines=engines,
-        router={"policy": "round_robin"},
-        tokenizer=str(headless / "tokenizer.json"),
-    )
-    try:
+    async with round_robin_fleet(engines, headless) as fleet:
         yield fleet
-    finally:
-        await close_fleet(fleet)
 
 
 def _tokens(n: int) -> pb.TaskInput:
