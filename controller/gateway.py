@@ -653,16 +653,6 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             capable = [r for r in capable if _takes_text(r, model)]
         return [r for r in capable if r.address not in (tried or ())]
 
-    def _serving(self, model: str) -> list[EngineRecord]:
-        """The engines (read, compatible) serving `model`, routable or not."""
-        return [
-            r
-            for r in self.controller.fleet.registry.records()
-            if r.identity is not None
-            and r.state is not EngineState.INCOMPATIBLE
-            and r.identity.serves(model)
-        ]
-
     async def _longest_input(
         self, task: str, model: str, inputs: Iterable[pb.TaskInput]
     ) -> int | None:
@@ -693,7 +683,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         the registry changes: with engines alike, a request costs no scan of them."""
         reads = self._reads_inputs_memo.get((model, task))
         if reads is None:
-            tasked = _tasked_facts(self._serving(model), model, task)
+            serving = self.controller.fleet.registry.may_serve_records(model)
+            tasked = _tasked_facts(serving, model, task)
             reads = self._reads_inputs_memo.put(
                 (model, task), len({input_context(f) for f in tasked}) > 1
             )
@@ -734,7 +725,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 except AllEnginesBusyError as exc:
                     await abort_with(context, status_of(exc), str(exc))
             return min(capable, key=_queue_depth)
-        serving = self._serving(model)
+        serving = self.controller.fleet.registry.may_serve_records(model)
         tasked = _tasked_facts(serving, model, task)
         largest = largest_input_context(tasked)
         if longest is not None and largest is not None and longest > largest:
