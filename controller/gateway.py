@@ -504,13 +504,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
+        started = time.perf_counter()
         if not request.request_id:
-            self.controller.metrics.count_request("invalid")
+            self.controller.metrics.count_request("invalid", time.perf_counter() - started)
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         if request.kv.HasField("session"):
             # Seed: a role mismatch is refused before acceptance. The gateway is AGGREGATED
             # (GetEngineInfo); the handoff to a decode engine is its own, never a client's.
-            self.controller.metrics.count_request("invalid")
+            self.controller.metrics.count_request("invalid", time.perf_counter() - started)
             await abort_with(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,

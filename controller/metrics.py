@@ -325,7 +325,8 @@ class ControllerMetrics:
         )
         self.request_seconds = Histogram(
             "kvplane_controller_request_seconds",
-            "Gateway time from request to the end of the stream",
+            "Gateway time from request to its end (its stream's end, its error, its refusal or "
+            "its client leaving): every generation, whatever its outcome",
             buckets=_STREAM_BUCKETS,
             registry=r,
         )
@@ -349,8 +350,12 @@ class ControllerMetrics:
             return 1.0
         return 1.0 - self._cached_tokens_error_sum / self._cached_tokens_max_sum
 
-    def count_request(self, outcome: RequestOutcome) -> None:
+    def count_request(self, outcome: RequestOutcome, seconds: float) -> None:
+        """A generation ended with `outcome`, `seconds` after the gateway took it: counted
+        once and timed once (`request_seconds`), whatever its outcome, so that the
+        histogram's count is the requests' (errors, refusals and cancellations included)."""
         self._outcomes[outcome].inc()
+        self.request_seconds.observe(seconds)
 
     def observe_event_lag(self, engine: str, lag_s: float) -> None:
         """Every KV-event batch of every engine: its child is looked up once (see `_outcomes`)."""

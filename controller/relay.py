@@ -114,6 +114,9 @@ log = logging.getLogger(__name__)
 _outcome_counted: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "outcome_counted", default=False
 )
+# When the gateway took the request this call runs (`time.perf_counter()`): its outcome is
+# timed from then (`Relay._count`).
+_started: contextvars.ContextVar[float] = contextvars.ContextVar("started")
 
 Context = grpc.aio.ServicerContext[Any, Any]
 Request = TypeVar("Request")
@@ -399,7 +402,7 @@ class _Stage(NamedTuple):
 
     times_route: bool = True  # observes the time to route
     times_first_response: bool = True  # observes the time to its first relayed response
-    last: bool = True  # counts the request's outcome and its time
+    last: bool = True  # counts the request's outcome (and times it: `Relay._count`)
     usage: bool = True  # records the engine's usage against the router's prediction
     # The client already has output from an earlier hop: any failure ends the stream with an
     # in-band error, never a status.
@@ -709,6 +712,7 @@ class Relay:
         disaggregated fleet is FAILED_PRECONDITION through this front end."""
         c = self.controller
         started = time.perf_counter()
+        _started.set(started)
         if c.draining:
             self._count("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
@@ -957,7 +961,6 @@ class Relay:
             # ended it so itself (`_end_aborted`: "aborted").
             if finished and not _outcome_counted.get():
                 self._count("ok")
-                c.metrics.request_seconds.observe(time.perf_counter() - started)
             if ended:
                 return
             self._count("engine_error")
@@ -1315,8 +1318,6 @@ class Relay:
                     await self.report_failure(engine, late)
                 if stage.last or error is not None:
                     self._count("ok" if error is None else error.outcome)
-                if stage.last:
-                    c.metrics.request_seconds.observe(time.perf_counter() - started)
                 if usage is not None and stage.usage:
                     self._record_usage(decision.predicted_cached_tokens, usage)
                 if error is None and late is None and stage.served_when_done:
@@ -1526,9 +1527,10 @@ class Relay:
         context.set_trailing_metadata(route.metadata())
 
     def _count(self, outcome: RequestOutcome) -> None:
-        """Count the outcome of the request this call runs, once (`_outcome_counted`)."""
+        """Count the outcome of the request this call runs, once (`_outcome_counted`), and
+        time it from when the gateway took it."""
         _outcome_counted.set(True)
-        self.controller.metrics.count_request(outcome)
+        self.controller.metrics.count_request(outcome, time.perf_counter() - _started.get())
 
     async def _end_aborted(
         self,

@@ -38,6 +38,7 @@ from tests.controller.conftest import (
     EngineFleet,
     Fleet,
     close_fleet,
+    engines_of_kinds,
     generate_request,
     make_fleet,
     start_sim_engine,
@@ -517,3 +518,75 @@ def test_an_engine_entrys_unknown_array_tail_is_a_one_line_config_error(tmp_path
     assert str(raised.value) == (
         f"invalid config in {path}: engines.0.array_tail: Input should be 'ignore' or 'vllm'"
     )
+
+
+class _EventsOnMedium(Forwarding):
+    """The sim engine's KV events as if its blocks lived on `medium` (an engine offloading
+    its prefix cache to host memory or to disk says so in each event)."""
+
+    medium: int = pb.STORAGE_MEDIUM_GPU
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Any
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        async for reply in self.inner.SubscribeKvEvents(request):
+            for event in reply.batch.events:
+                if event.HasField("block_stored"):
+                    event.block_stored.medium = self.medium  # type: ignore[assignment]
+                elif event.HasField("block_removed"):
+                    event.block_removed.medium = self.medium  # type: ignore[assignment]
+            yield reply
+
+
+class _OnHost(_EventsOnMedium):
+    medium = pb.STORAGE_MEDIUM_CPU_PINNED
+
+
+class _OnDisk(_EventsOnMedium):
+    medium = pb.STORAGE_MEDIUM_DISK
+
+
+async def test_a_prefix_on_the_host_tier_is_discounted_and_one_on_disk_is_not_counted() -> None:
+    """What an operator reads in admin `route` for engines whose KV events carry a medium:
+    a prefix held in host memory (CPU_PINNED -> DRAM) is HOST cached, its prefill cost
+    `host_weight` (0.25) of recomputing it, and wins over engines without it; one held on
+    disk alone (DISK -> SSD, which the index's match does not serve) is routed as uncached.
+    Each prefix is computed by sending it to its engine directly (no claim of the router's
+    on it: `pending_ttl_s` 0)."""
+    on_host = await start_fronted_engine("host", _OnHost)
+    on_disk = await start_fronted_engine("disk", _OnDisk)
+    cold = await start_sim_engine("cold")
+    engines = engines_of_kinds(on_host, on_disk, cold)
+    fleet = await make_fleet(engines=engines, router={"pending_ttl_s": 0})
+    try:
+        prompt = list(range(500, 500 + 20 * BLOCK))
+        for name, engine in (("host", on_host), ("disk", on_disk)):
+            async with grpc.aio.insecure_channel(fleet.address(engine)) as channel:
+                stub = pb_grpc.OpenEngineStub(channel)
+                async for _ in stub.Generate(generate_request(f"warm-{name}", prompt)):
+                    pass
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prompt, 1]))
+
+        index = fleet.app.controller.fleet.index
+        assert index is not None
+
+        async def both_indexed() -> bool:  # on DRAM and SSD: in the index, if not matched
+            stats = await index.stats()
+            return {w.worker_id for w in stats.workers if w.num_blocks >= 20} >= {
+                fleet.address(on_host),
+                fleet.address(on_disk),
+            }
+
+        await eventually(both_indexed, WAIT_S)
+        route = await fleet.admin.Route(query)
+        rows = {c.instance_id: c for c in route.costs}
+        assert (rows["host"].cached_tokens, rows["host"].host_cached_tokens) == (0, 20 * BLOCK)
+        assert (rows["disk"].cached_tokens, rows["disk"].host_cached_tokens) == (0, 0)
+        # overlap x (1 uncached + 0.25 x 320 on the host) against overlap x 321 recomputed
+        uncached = rows["cold"].prefill_cost / (20 * BLOCK + 1)
+        assert rows["host"].prefill_cost == pytest.approx(uncached * (1 + 0.25 * 20 * BLOCK))
+        assert rows["disk"].prefill_cost == rows["cold"].prefill_cost
+        assert (route.instance_id, route.reason) == ("host", "cache")
+        assert route.predicted_cached_tokens == 20 * BLOCK
+    finally:
+        await close_fleet(fleet)

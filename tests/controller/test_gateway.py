@@ -1144,6 +1144,49 @@ async def test_gateway_latency_buckets_resolve_its_milliseconds_and_minute_long_
         await close_fleet(fleet)
 
 
+async def test_the_request_histogram_times_every_generation_whatever_its_outcome() -> None:
+    """`request_seconds` observes each generation that `requests_total` counts, so that its
+    count is the requests' and its quantiles include the failed ones: one answered, one
+    refused by the gateway (no request id), one refused by its engine (an empty prompt), one
+    whose client left mid-stream, and one with no engine to take it (all cordoned)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fleet = await make_fleet(2, time_scale=1.0, metrics_listen="127.0.0.1:0")
+    try:
+        await generate(fleet, generate_request("ok", [*PREFIX, 1]))
+        assert await status_of(generate(fleet, generate_request("", [1, 2]))) == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        )
+        empty = generate_request("empty", [])
+        assert await status_of(generate(fleet, empty)) == grpc.StatusCode.INVALID_ARGUMENT
+        left = fleet.gateway.Generate(generate_request("left", [1, 2], max_tokens=2000))
+        await left.read()
+        left.cancel()
+        for engine in fleet.engines:
+            await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(engine)))
+        unserved = generate(fleet, generate_request("unserved", [1, 2]))
+        assert await status_of(unserved) == grpc.StatusCode.UNAVAILABLE
+
+        async def samples() -> dict[tuple[str, str], float]:
+            return {
+                (s.name, s.labels.get("outcome", "")): s.value
+                for f in text_string_to_metric_families(await scrape(fleet))
+                for s in f.samples
+                if s.name.startswith("kvplane_controller_request")
+            }
+
+        async def all_counted() -> bool:  # the client's cancel reaches the gateway after it
+            return (await samples())[("kvplane_controller_requests_total", "cancelled")] == 1
+
+        await eventually(all_counted)
+        counted = await samples()
+        outcomes = {o: v for (name, o), v in counted.items() if name.endswith("_total") and v}
+        assert outcomes == {"ok": 1, "invalid": 2, "cancelled": 1, "no_engine": 1}
+        assert counted[("kvplane_controller_request_seconds_count", "")] == 5
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> None:
     from vllm_grpc import vllm_grpc_pb2 as vpb
     from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc

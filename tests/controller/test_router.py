@@ -254,6 +254,28 @@ def test_ties_are_spread_at_random() -> None:
     assert router.explain(request(), engines, rng, 0).reason is Reason.TIE
 
 
+def test_a_softmax_temperature_weighs_engines_by_their_share_of_the_cost_spread() -> None:
+    """`temperature` > 0 samples every engine, each weighed exp(-(total - best) / (worst -
+    best) / temperature), as Dynamo's router does: scale-free, so at 1 the cold engines keep
+    e^-1 of the cached one's weight however large the gap (the cached one gets 1 / (1 + 2 /
+    e) = 58% of the requests), at 0.1 e^-10 (all of them here); equal engines share evenly.
+    Every such choice among several engines is a `tie` (the sample decided it)."""
+
+    def picks(temperature: float, engines: list[Candidate]) -> Counter[str]:
+        router = Router(KvplanePolicy(KvplaneWeights(temperature=temperature)))
+        rng = random.Random(3)
+        decisions = [router.explain(request(), engines, rng, 0) for _ in range(1000)]
+        assert {d.reason for d in decisions} == {Reason.TIE}
+        return Counter(d.engine_id for d in decisions)
+
+    one_cached = [cand("e0", 4), cand("e1"), cand("e2")]
+    warm = picks(1.0, one_cached)
+    assert 500 <= warm["e0"] <= 650 and min(warm["e1"], warm["e2"]) >= 150, warm
+    assert picks(0.1, one_cached) == {"e0": 1000}
+    even = picks(1.0, [cand(f"e{i}", 4) for i in range(3)])
+    assert min(even.values()) >= 250, even
+
+
 def test_shared_system_prefix_never_collapses_onto_one_engine() -> None:
     """Every prompt starts with the same 2-block system prefix, which only e0 holds at first.
     Engines learn the prefix as they serve it; nothing finishes (a burst)."""
