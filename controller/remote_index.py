@@ -75,13 +75,13 @@ def _keyed(key_space: ipb.KeySpace.ValueType, hash_seed: str | None) -> str:
     return f"{name} with {seed}"
 
 
-def _keyed_otherwise(
+def _declared_otherwise(
     keying: ipb.WorkerKeying, key_space: ipb.KeySpace.ValueType, hash_seed: str | None
 ) -> str | None:
-    """How the indexer keys `keying`'s worker when no prompt hashed in `key_space` with
-    `hash_seed` can match it there; None when one may: an engine's own hashes whose vLLM
-    algorithm its source does not declare may be in any key space (a kvplane engine's own
-    hashes are canonical keys, a vLLM engine's its algorithm's)."""
+    """How the indexer's source declares keying `keying`'s worker when no prompt hashed in
+    `key_space` with `hash_seed` can match it there; None when one may: an engine's own hashes
+    whose vLLM algorithm its source does not declare may be in any key space (a kvplane
+    engine's own hashes are canonical keys, a vLLM engine's its algorithm's)."""
     if not keying.HasField("key_space"):
         return None
     seed = keying.hash_seed if keying.HasField("hash_seed") else None
@@ -279,6 +279,23 @@ class RemoteIndex:
         reported otherwise, or an indexer that reports none)."""
         return self._keying_mismatch
 
+    def _keyed_otherwise(self, keying: ipb.WorkerKeying) -> str | None:
+        """How the indexer keys `keying`'s worker when no prompt the controller hashes can
+        match it there: as its source declares, or, whatever is declared, as shown by the
+        latest root block its engine stored (`root_block`: the key it is indexed under is not
+        what the controller's key space and seed make of its tokens). None when one may."""
+        declared = _declared_otherwise(keying, self._key_space, self._hash_seed)
+        if declared is not None or not keying.root_block.token_ids:
+            return declared
+        block = keying.root_block
+        (ours,) = self.prompt_keys(block.token_ids, len(block.token_ids), "", "")
+        if ours == block.key:
+            return None
+        return (
+            f"otherwise (its engine stored a prompt's first block under key {block.key}; "
+            f"the controller hashes its tokens to {ours})"
+        )
+
     def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
         """Keep `keying_mismatch` to what the indexer last reported of the workers of engines
         the fleet routes to: an ERROR when a mismatch is found (or changes), a line when it
@@ -287,7 +304,7 @@ class RemoteIndex:
             (k.worker_id, theirs)
             for k in keyings
             if self._routes(k.worker_address or k.worker_id)
-            and (theirs := _keyed_otherwise(k, self._key_space, self._hash_seed)) is not None
+            and (theirs := self._keyed_otherwise(k)) is not None
         ]
         mismatch = None
         if wrong:
