@@ -156,9 +156,10 @@ class KeyedBlock:
 @dataclass(slots=True)
 class RootBlockSeen:
     """The latest block an engine stored at the start of a prompt with no LoRA adapter, cache
-    salt or multimodal item, as indexed (None: none yet): hashing its tokens as a prompt
-    gives its key in the worker's key space only (GetIndexStats `keyings`, `root_block`).
-    Shared, like the counters, by the translators of one source (its ranks, a take-over's)."""
+    salt or multimodal item, as indexed (None: none since the last reset): hashing its tokens
+    as a prompt gives its key in the worker's key space only (GetIndexStats `keyings`,
+    `root_block`). Shared, like the counters, by the translators of one source (its ranks, a
+    take-over's)."""
 
     block: KeyedBlock | None = None
 
@@ -202,8 +203,10 @@ class WorkerTranslator:
         return self._batches(actions, seq)
 
     def reset(self, *, seq: int = 0) -> Batch:
-        """Forget everything and return the batch that clears this worker at every tier."""
+        """Forget everything (the root block seen too: a new engine process may hash with
+        another seed) and return the batch that clears this worker at every tier."""
         self._live.clear()
+        self.root_block.block = None
         self._groups.reset()
         actions = tuple(Action(ActionType.CLEAR_ALL_AT_TIER, t) for t in ALL_TIERS)
         return self._batch(actions, seq)
