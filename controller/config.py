@@ -27,6 +27,7 @@ from indexer.config import (
     ReplicaName,
     WriterLeaseSeconds,
 )
+from indexer.vllm_hash import VllmHashAlgo, unseeded_problem
 from indexer.zmq_decode import ArrayTail
 from kvplane.channels import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
 from kvplane.config import (
@@ -83,7 +84,8 @@ class IndexConfig(StrictModel):
     # The key space the remote indexer's workers are in (its sources' `hash:`): `canonical`
     # (kvplane engines, `hash: canonical` sources), or vLLM's own block hashes for `hash:
     # engine` sources fed by vLLM: `sha256` (vLLM's default) or `sha256_cbor`, with
-    # `remote_hash_seed` the engines' PYTHONHASHSEED (unset: vLLM's default seed).
+    # `remote_hash_seed` the engines' PYTHONHASHSEED (unset: vLLM's default seed; refused
+    # with `canonical`, which has no seed).
     remote_key_space: Literal["canonical", "sha256", "sha256_cbor"] = "canonical"
     remote_hash_seed: str | None = None
     # Dial the remote indexer with TLS ({ca_file, cert_file, key_file, server_name}; see
@@ -126,6 +128,12 @@ class IndexConfig(StrictModel):
                 f"set either remote (a kvplane indexer) or backend {self.backend!r}, not both"
             )
         check_redis_options(self.backend, "redis" in self.model_fields_set)
+        algo = None if self.remote_key_space == "canonical" else VllmHashAlgo(self.remote_key_space)
+        problem = unseeded_problem(
+            self.remote_hash_seed, algo, "remote_hash_seed", "remote_key_space"
+        )
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     def backend_options(self) -> dict[str, Any]:

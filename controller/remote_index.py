@@ -46,8 +46,9 @@ _KEY_SPACE_NAMES = {space: name for name, space in _KEY_SPACES.items()}
 
 # An indexer that sheds queries (RESOURCE_EXHAUSTED: more in flight than it takes) protects
 # itself, and the next query may well be answered: the index counts as not answering once
-# every query asked has been shed for this long (none answered since the first shed, and no
-# two sheds this far apart: a lone shed after a quiet time begins the shedding again).
+# queries have been shed for this long with none answered (at least two sheds, the first this
+# long ago, by the time of the next query or of the read of `unavailable`, however far apart
+# the queries were; a single shed never counts).
 SHEDDING_DEGRADES_AFTER_S = 10.0
 
 
@@ -74,18 +75,40 @@ def _keyed(key_space: ipb.KeySpace.ValueType, hash_seed: str | None) -> str:
     return f"{name} with {seed}"
 
 
-def _keyed_otherwise(
+def _declared_otherwise(
     keying: ipb.WorkerKeying, key_space: ipb.KeySpace.ValueType, hash_seed: str | None
 ) -> str | None:
-    """How the indexer keys `keying`'s worker when no prompt hashed in `key_space` with
-    `hash_seed` can match it there; None when one may: an engine's own hashes whose vLLM
-    algorithm its source does not declare may be in any key space (a kvplane engine's own
-    hashes are canonical keys, a vLLM engine's its algorithm's)."""
+    """How the indexer's source declares keying `keying`'s worker when no prompt hashed in
+    `key_space` with `hash_seed` can match it there; None when one may: an engine's own hashes
+    whose vLLM algorithm its source does not declare may be in any key space (a kvplane
+    engine's own hashes are canonical keys, a vLLM engine's its algorithm's)."""
     if not keying.HasField("key_space"):
         return None
     seed = keying.hash_seed if keying.HasField("hash_seed") else None
     theirs = _keyed(keying.key_space, seed)
     return None if theirs == _keyed(key_space, hash_seed) else theirs
+
+
+class _Shedding:
+    """The queries shed since the last one answered: when the first was, how many, and the
+    last one's failure."""
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.sheds = 0
+        self.failure = ""
+
+    def shed(self, failure: str) -> None:
+        self.sheds += 1
+        self.failure = failure
+
+    def lasting(self, now: float) -> str | None:
+        """The failure `unavailable` says at `now`: None until at least two queries were shed,
+        the first `SHEDDING_DEGRADES_AFTER_S` ago or more (none answered since)."""
+        shed_s = now - self.since
+        if self.sheds < 2 or shed_s < SHEDDING_DEGRADES_AFTER_S:
+            return None
+        return f"{self.failure} (every query shed for {shed_s:.0f} s)"
 
 
 class RemoteIndexError(KvplaneError):
@@ -120,8 +143,9 @@ class RemoteIndex:
     `kvplane.channels.RECONNECT_MAX_S` apart, so it is used again within about a second of
     its return.
     `unavailable` says whether the last call failed, without a call of its own (the
-    controller's Health reads it); a query shed (RESOURCE_EXHAUSTED) counts only once every
-    query asked has been shed for `SHEDDING_DEGRADES_AFTER_S`. `keying_mismatch` says whether
+    controller's Health reads it); a query shed (RESOURCE_EXHAUSTED) counts only once
+    queries have been shed, none answered, for `SHEDDING_DEGRADES_AFTER_S` (two sheds at
+    least: one alone never counts). `keying_mismatch` says whether
     the indexer's last stats reported a worker keyed otherwise than the prompts are hashed.
 
     An engine the controller saw restart (`resync_engine`) has its hits ignored until the
@@ -164,10 +188,8 @@ class RemoteIndex:
         self._pauses_ended = 0
         # Why the last call asked failed (None: it was answered, or none was asked yet).
         self._failure: str | None = None
-        # When the queries asked began to be shed, none answered since (None: not shed),
-        # and when the last was.
-        self._shedding_since: float | None = None
-        self._last_shed = 0.0
+        # The queries shed since the last one answered (None: the last was not shed).
+        self._shedding: _Shedding | None = None
         # Why no prompt can match some worker the indexer keys otherwise (None: none known).
         self._keying_mismatch: str | None = None
         # Engines restarted since the indexer last confirmed dropping their entries.
@@ -216,19 +238,15 @@ class RemoteIndex:
 
     def _failure_of(self, code: grpc.StatusCode, failure: str) -> str | None:
         """What `unavailable` says after a call failed with `code`: nothing for a refusal that
-        is an answer, nor for a query shed until the shedding has lasted
-        `SHEDDING_DEGRADES_AFTER_S` (only MatchTokens is ever shed)."""
+        is an answer, nor for a query shed (only MatchTokens is ever shed), which counts in
+        `_shedding` instead."""
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self._shedding_since = None
+            self._shedding = None
             return None if code in _ANSWERS else failure
-        now = self._clock()
-        if self._shedding_since is None or now - self._last_shed >= SHEDDING_DEGRADES_AFTER_S:
-            self._shedding_since = now
-        self._last_shed = now
-        shed_s = now - self._shedding_since
-        if shed_s < SHEDDING_DEGRADES_AFTER_S:
-            return None
-        return f"{failure} (every query shed for {shed_s:.0f} s)"
+        if self._shedding is None:
+            self._shedding = _Shedding(self._clock())
+        self._shedding.shed(failure)
+        return None
 
     def _answered(self) -> None:
         """A call was answered: the pause, if any, is over."""
@@ -246,9 +264,12 @@ class RemoteIndex:
         """`ReachableIndex.unavailable`: the last failure its calls met (every routed
         request's match and the controller's index-stats refresh ask it; None: the last was
         answered), never a call of its own."""
-        if self._failure is None:
+        failure = self._failure
+        if failure is None and self._shedding is not None:
+            failure = self._shedding.lasting(self._clock())
+        if failure is None:
             return None
-        return f"{self.described}: {self._failure}"
+        return f"{self.described}: {failure}"
 
     @property
     def keying_mismatch(self) -> str | None:
@@ -258,6 +279,23 @@ class RemoteIndex:
         reported otherwise, or an indexer that reports none)."""
         return self._keying_mismatch
 
+    def _keyed_otherwise(self, keying: ipb.WorkerKeying) -> str | None:
+        """How the indexer keys `keying`'s worker when no prompt the controller hashes can
+        match it there: as its source declares, or, whatever is declared, as shown by the
+        latest root block its engine stored (`root_block`: the key it is indexed under is not
+        what the controller's key space and seed make of its tokens). None when one may."""
+        declared = _declared_otherwise(keying, self._key_space, self._hash_seed)
+        if declared is not None or not keying.root_block.token_ids:
+            return declared
+        block = keying.root_block
+        (ours,) = self.prompt_keys(block.token_ids, len(block.token_ids), "", "")
+        if ours == block.key:
+            return None
+        return (
+            f"otherwise (its engine stored a prompt's first block under key {block.key}; "
+            f"the controller hashes its tokens to {ours})"
+        )
+
     def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
         """Keep `keying_mismatch` to what the indexer last reported of the workers of engines
         the fleet routes to: an ERROR when a mismatch is found (or changes), a line when it
@@ -266,7 +304,7 @@ class RemoteIndex:
             (k.worker_id, theirs)
             for k in keyings
             if self._routes(k.worker_address or k.worker_id)
-            and (theirs := _keyed_otherwise(k, self._key_space, self._hash_seed)) is not None
+            and (theirs := self._keyed_otherwise(k)) is not None
         ]
         mismatch = None
         if wrong:
@@ -313,7 +351,7 @@ class RemoteIndex:
         reply = await self._ask(
             lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
         )
-        self._shedding_since = None
+        self._shedding = None
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:
             if (m.worker_address or m.worker_id) in self.restarted:

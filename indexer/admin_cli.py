@@ -143,7 +143,9 @@ def stats(
         for k in data["keyings"]:
             keyed = k["key_space"] or "the engine's own hashes (no vllm_hash declared)"
             seed = "" if k["hash_seed"] is None else f", hash seed {k['hash_seed']!r}"
-            lines.append(f"  {k['worker_id']:<24} keyed {keyed}{seed}")
+            root = k.get("root_block")
+            seen = "" if not root else f"; its latest plain prompt root block: key {root['key']}"
+            lines.append(f"  {k['worker_id']:<24} keyed {keyed}{seed}{seen}")
         return "\n".join(lines)
 
     emit(_as_dict(response), output, render)

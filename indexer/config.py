@@ -41,7 +41,7 @@ from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES
 from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES
 from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
-from indexer.vllm_hash import VllmHashAlgo
+from indexer.vllm_hash import VllmHashAlgo, unseeded_problem
 from indexer.zmq_decode import ArrayTail
 from kvplane.config import (
     ClientTlsConfig,
@@ -158,8 +158,9 @@ class _SourceCommon(StrictModel):
             raise ValueError(
                 "vllm_hash is for hash: engine (a canonical source is keyed by kvplane)"
             )
-        if self.hash_seed is not None and self.vllm_hash is None:
-            raise ValueError("hash_seed needs vllm_hash (the vLLM algorithm it seeds)")
+        problem = unseeded_problem(self.hash_seed, self.vllm_hash, "hash_seed", "vllm_hash")
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -192,6 +192,9 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
         sources, leased = _served_sources(config, backend)
         # A backend that dropped or lost a worker's entries asks its source to rebuild them.
         by_worker = {s.worker_id: s for s in sources}
+        # The latest root block each source's engine stored (GetIndexStats `keyings`), one
+        # source per configured one.
+        root_blocks = {s.worker_id: s.translator.root_block for s in sources}
         connect_resync(backend, by_worker.get)
         servicer_box: list[KvIndexerServicer] = []
 
@@ -207,7 +210,9 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             max_concurrent_prefix_queries=config.max_concurrent_prefix_queries,
             ingest_counters=ingest_counters,
             source_of=by_worker.get,
-            keyings=[source_keying(s) for s in config.sources],
+            keyings=lambda: [
+                source_keying(c, root_blocks[c.worker()[0]].block) for c in config.sources
+            ],
         )
         servicer_box.append(kv_indexer)
         server, port = await create_server(

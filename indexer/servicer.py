@@ -34,7 +34,7 @@ from indexer.kv_wire import (
 from indexer.multimodal import MultimodalItem, block_item_ids, block_items
 from indexer.redis_client import IndexFullError
 from indexer.sources.resync import Resyncable, UnknownEngineError, resync_engine
-from indexer.translate import HashMode
+from indexer.translate import HashMode, KeyedBlock
 from indexer.validation import (
     IndexRequestError,
     ValidationKind,
@@ -185,7 +185,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         default_block_size: int,
         ingest_counters: Callable[[], IngestCounters] = IngestCounters,
         source_of: Callable[[str], Resyncable | None] = lambda worker_id: None,
-        keyings: Sequence[api.WorkerKeying] = (),
+        keyings: Callable[[], Sequence[api.WorkerKeying]] = tuple,
     ) -> None:
         self.backend = backend
         self.limiter = limiter
@@ -227,7 +227,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
                 stats,
                 num_batches_applied=counters.num_batches_applied,
                 num_events_dropped=counters.num_events_dropped,
-                keyings=self.keyings,
+                keyings=self.keyings(),
             )
         except Exception as exc:
             await _fail(context, exc)
@@ -281,10 +281,16 @@ _VLLM_ALGOS = {
 }
 
 
-def source_keying(source: ZmqSourceConfig | OpenEngineSourceConfig) -> api.WorkerKeying:
-    """How `source` keys its worker's blocks, as GetIndexStats reports it (`keyings`)."""
+def source_keying(
+    source: ZmqSourceConfig | OpenEngineSourceConfig, root_block: KeyedBlock | None = None
+) -> api.WorkerKeying:
+    """How `source` keys its worker's blocks, as GetIndexStats reports it (`keyings`): as
+    declared, and as the latest root block its engine stored was indexed (`RootBlockSeen`)."""
     worker_id, address = source.worker()
     keying = api.WorkerKeying(worker_id=worker_id, worker_address=address)
+    if root_block is not None:
+        keying.root_block.token_ids.extend(root_block.token_ids)
+        keying.root_block.key = root_block.key
     if source.hash is HashMode.CANONICAL:
         keying.key_space = api.KEY_SPACE_CANONICAL
     elif source.vllm_hash is not None:
@@ -360,11 +366,11 @@ def index_services(
     max_concurrent_prefix_queries: int,
     ingest_counters: Callable[[], IngestCounters] = IngestCounters,
     source_of: Callable[[str], Resyncable | None] = lambda worker_id: None,
-    keyings: Sequence[api.WorkerKeying] = (),
+    keyings: Callable[[], Sequence[api.WorkerKeying]] = tuple,
 ) -> tuple[list[Service], KvIndexerServicer, KvIndexServicer]:
     """Both servicers over one backend, as `kvplane.server.Service`s for `create_server`;
     `source_of(worker_id)`: the source of this process that feeds a worker, if any;
-    `keyings`: how the configured sources key their workers (`source_keying`)."""
+    `keyings()`: how the configured sources key their workers now (`source_keying`)."""
     limiter = PrefixQueryLimiter(max_concurrent_prefix_queries)
     kv_indexer = KvIndexerServicer(backend, limiter)
     kv_index = KvIndexServicer(

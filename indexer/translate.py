@@ -145,10 +145,30 @@ class _Live:
         return {group for (t, group) in self.copies if t == tier}
 
 
+@dataclass(frozen=True, slots=True)
+class KeyedBlock:
+    """One block's tokens and the key it is indexed under."""
+
+    token_ids: tuple[int, ...]
+    key: BlockKey
+
+
+@dataclass(slots=True)
+class RootBlockSeen:
+    """The latest block an engine stored at the start of a prompt with no LoRA adapter, cache
+    salt or multimodal item, as indexed (None: none since the last reset): hashing its tokens
+    as a prompt gives its key in the worker's key space only (GetIndexStats `keyings`,
+    `root_block`). Shared, like the counters, by the translators of one source (its ranks, a
+    take-over's)."""
+
+    block: KeyedBlock | None = None
+
+
 class WorkerTranslator:
     def __init__(self, options: TranslateOptions) -> None:
         self.options = options
         self.counters = TranslateCounters()
+        self.root_block = RootBlockSeen()
         self._live: dict[BlockKey, _Live] = {}  # by sfixed64 engine hash
         self._groups = CacheGroups(dict(enumerate(options.kv_cache_groups)))
 
@@ -183,8 +203,10 @@ class WorkerTranslator:
         return self._batches(actions, seq)
 
     def reset(self, *, seq: int = 0) -> Batch:
-        """Forget everything and return the batch that clears this worker at every tier."""
+        """Forget everything (the root block seen too: a new engine process may hash with
+        another seed) and return the batch that clears this worker at every tier."""
         self._live.clear()
+        self.root_block.block = None
         self._groups.reset()
         actions = tuple(Action(ActionType.CLEAR_ALL_AT_TIER, t) for t in ALL_TIERS)
         return self._batch(actions, seq)
@@ -207,6 +229,8 @@ class WorkerTranslator:
             self.counters.num_unresolved += 1
             return
         block_size = event.block_size or self.options.default_block_size or 0
+        if _starts_a_plain_prompt(event, block_size):
+            self.root_block.block = KeyedBlock(event.token_ids[:block_size], index_keys[0])
         reannounce = event.parent_block_hash is None
         parent = self._parent_key(event.parent_block_hash)
         slot = (tier, event.group_idx)
@@ -380,6 +404,24 @@ class WorkerTranslator:
     def _batches(self, runs: list[_Run], seq: int) -> list[Batch]:
         actions = [run.action() for run in runs]
         return [self._batch(chunk, seq) for chunk in split_actions(actions)]
+
+
+def _starts_a_plain_prompt(event: BlockStored, block_size: int) -> bool:
+    """Whether the event's first block starts a prompt (a nil parent: in the real vLLM
+    capture, every such block, re-announcements included, is its request's first) of the
+    first KV cache group, with its tokens, no LoRA adapter, and extra keys sent for each block,
+    all empty (no salt, no multimodal item: an event without them cannot tell)."""
+    return (
+        event.parent_block_hash is None
+        and event.group_idx == 0
+        and block_size > 0
+        and len(event.token_ids) == block_size * len(event.block_hashes)
+        and len(event.extra_keys) == len(event.block_hashes)
+        and not any(event.extra_keys)
+        and not event.lora_name
+        and event.lora_id is None
+        and not event.cache_salt
+    )
 
 
 def read_extra_keys(event: BlockStored) -> tuple[str | None, list[list[str] | None]]:

@@ -38,6 +38,22 @@ class VllmHashAlgo(enum.StrEnum):
     SHA256_CBOR = "sha256_cbor"
 
 
+def unseeded_problem(
+    hash_seed: str | None, algo: VllmHashAlgo | None, seed_setting: str, algo_setting: str
+) -> str | None:
+    """Why a hash seed given without the vLLM algorithm it seeds is refused (None: it is not):
+    kvplane's canonical keys have no seed, so it would be ignored, and a keying declared or
+    asked with it would not be the one in use. The settings are named as their config has
+    them."""
+    if hash_seed is None or algo is not None:
+        return None
+    algos = " or ".join(a.value for a in VllmHashAlgo)
+    return (
+        f"{seed_setting} needs {algo_setting} {algos} (the vLLM algorithm it seeds): "
+        "kvplane's canonical keys have no seed"
+    )
+
+
 def digest(algo: VllmHashAlgo, value: Any) -> bytes:
     """H(value): 32 bytes."""
     if algo is VllmHashAlgo.SHA256:

@@ -101,6 +101,7 @@ class LeasedSource:
         fresh = self._build(sink)
         fresh.counters = self._source.counters
         fresh.translator.counters = self._source.translator.counters
+        fresh.translator.root_block = self._source.translator.root_block
         self._source = fresh
         self._running = True
         try:

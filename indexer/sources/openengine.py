@@ -463,6 +463,7 @@ class OpenEngineSource:
                     continue
                 translator = WorkerTranslator(replace(self.translator.options, worker_id=worker_id))
                 translator.counters = self.translator.counters
+                translator.root_block = self.translator.root_block
             problem = advert_endpoint_problem(advert)
             if problem is not None:
                 log.warning(

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
@@ -31,6 +32,8 @@ from tests.controller.conftest import (
 )
 from tests.controller.test_fleet_events import scrape
 from tests.controller.test_processes import indexer_process
+from tests.indexer.fake_kv_publisher import FakeKvPublisher
+from tests.indexer.vllm_capture import live_messages
 from tests.polling import eventually
 from tests.redis_servers import RedisServer, free_port
 
@@ -245,6 +248,70 @@ async def test_health_is_degraded_while_the_remote_indexer_keys_workers_otherwis
         assert mismatch(gauge) == 0
     finally:
         await close_fleet(fleet)
+
+
+@pytest.mark.parametrize(
+    ("index", "ours"),
+    [
+        ({"remote_key_space": "sha256", "remote_hash_seed": "7"}, "sha256 with hash seed '7'"),
+        ({}, "canonical"),
+        ({"remote_key_space": "sha256"}, None),  # as the engine hashes: no mismatch
+    ],
+)
+async def test_a_worker_keyed_otherwise_than_declared_is_told_by_its_engines_blocks(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    index: dict[str, str],
+    ours: str | None,
+) -> None:
+    """The real vLLM 0.32.0 capture (vLLM's default hash seed), published on real ZMQ sockets
+    to a `kvplane indexer serve` whose `hash: engine` source declares no `vllm_hash` (nor
+    seed). The indexer reports the latest block the engine stored at the start of a plain
+    prompt (`root_block`: its tokens, its key), and the controller hashes those tokens as it
+    hashes prompts: asking with another seed (or in canonical keys), it finds another key,
+    and says so (Health DEGRADED naming both keys); asking as the engine hashes, it stays
+    READY. Before, a source that declared nothing was never checked: READY, every match 0."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    engine = await start_sim_engine("vllm")
+    address = f"127.0.0.1:{engine.port}"
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    sources = (
+        f"  - {{kind: zmq, worker_id: vllm-0, worker_address: '{address}', "
+        f"endpoint: '{publisher.endpoint}', replay_endpoint: '{publisher.replay_endpoint}', "
+        "topic: 'kv@', array_tail: vllm, hash: engine}\n"
+    )
+    remote = await indexer_process(tmp_path, [], processes, sources=sources)
+    fleet = await make_fleet(engines=[engine], index={"remote": remote, **index})
+    try:
+        await publisher.wait_subscribed()
+        first = live_messages()[0]  # a plain prompt's blocks, the first one its root
+        await publisher.publish(first.frames)
+
+        async def indexed() -> bool:
+            stats = await fleet.app.controller.index_stats()
+            return stats is not None and stats.num_blocks > 0
+
+        await eventually(indexed, 30, "the engine's blocks indexed")
+        await fleet.app.controller.index_stats()  # the keyings read with them
+        where = f"remote index at {remote}"
+        if ours is None:
+            await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+            return
+        message = await index_shown_as(
+            fleet,
+            pb.HEALTH_STATE_DEGRADED,
+            f"{where}: worker vllm-0 is keyed otherwise (",
+            answers=True,
+        )
+        assert "its engine stored a prompt's first block under key " in message, message
+        assert f"but the controller asks in {ours} " in message, message
+    finally:
+        await close_fleet(fleet)
+        await publisher.close()
+        context.term()
 
 
 async def test_kvplane_engines_followed_by_their_own_hashes_are_no_key_space_mismatch(

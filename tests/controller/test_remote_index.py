@@ -5,6 +5,7 @@ is found only when the controller hashes prompts in that space (`remote_key_spac
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -27,6 +28,7 @@ from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 from tests.controller.conftest import start_sim_engine
+from tests.controller.test_processes import KVPLANE
 from tests.partial_servicers import PartialKvIndex
 from tests.polling import eventually
 
@@ -87,6 +89,28 @@ def test_remote_key_space_is_a_config_choice() -> None:
     assert (config.index.remote_key_space, config.index.remote_hash_seed) == ("sha256_cbor", "7")
     with pytest.raises(ValueError, match="remote_key_space"):
         ControllerConfig.model_validate({"index": {"remote_key_space": "md5"}})
+
+
+def test_a_hash_seed_without_a_vllm_key_space_is_refused(tmp_path: Path) -> None:
+    """`kvplane controller serve` with `remote_hash_seed` and the canonical key space (the
+    default) exits naming both settings, as the indexer refuses `hash_seed` without
+    `vllm_hash`. Before, it started and ignored the seed: canonical keys have none, and the
+    operator who meant vLLM's key space was told nothing."""
+    config = tmp_path / "controller.yaml"
+    config.write_text(
+        "listen: 127.0.0.1:0\nengines: []\nindex: {remote: '127.0.0.1:1', remote_hash_seed: '7'}\n"
+    )
+    out = subprocess.run(
+        [*KVPLANE, "controller", "serve", "--config", str(config)],
+        capture_output=True,
+        timeout=60,
+    )
+    message = out.stderr.decode()
+    assert out.returncode == 1, message
+    assert (
+        "index: remote_hash_seed needs remote_key_space sha256 or sha256_cbor (the vLLM "
+        "algorithm it seeds): kvplane's canonical keys have no seed"
+    ) in message, message
 
 
 async def test_stats_of_a_remote_index_that_does_not_answer_fail_in_one_line() -> None:

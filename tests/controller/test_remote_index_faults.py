@@ -204,22 +204,33 @@ async def test_a_shed_query_leaves_the_index_answering_until_shedding_persists(
     """The indexer sheds a query (RESOURCE_EXHAUSTED: more prefix queries in flight than it
     takes, here one held by its Redis stopped): it answers, protecting itself, and the next
     query may well be answered, so the index still counts as answering (Health READY); only
-    when every query asked has been shed for `SHEDDING_DEGRADES_AFTER_S` does it not, and an
-    answered query ends that. Before, a single shed made the controller's Health DEGRADED
-    and `kvplane_controller_index_reachable` 0 until the next answered call. A shed a minute
-    before, no query asked between, is no shedding that lasted: the shedding begins again
-    (before, the next shed was taken for a minute of it, and degraded at once)."""
+    once queries have been shed, none answered, for `SHEDDING_DEGRADES_AFTER_S` does it not
+    (at the next query, or when Health reads it), and an answered query ends that. A single
+    shed never counts, however long ago. Before, a single shed made the controller's Health
+    DEGRADED until the next answered call; and after that, a controller asking less than
+    once every 10 s never degraded (its sheds 10 s apart each began the shedding again), nor
+    did one whose sheds had lasted 10 s by the time Health was read, no query since."""
     metrics = f"127.0.0.1:{free_port()}"
     settings = (
         f"max_concurrent_prefix_queries: 1\nmetrics_listen: {metrics}\nredis: {{timeout_s: 60.0}}\n"
     )
     target = await indexer_process(tmp_path, [], processes, backend=redis.url, settings=settings)
     now = [0.0]
-    remote = RemoteIndex(target, 5.0, clock=lambda: now[0])
+    # Three controllers' clients: one asking often, one rarely, one shed once.
+    often, rarely, once = (RemoteIndex(target, 5.0, clock=lambda: now[0]) for _ in range(3))
     holder = RemoteIndex(target, 60.0)
     assert redis.proc is not None
     redis.proc.send_signal(signal.SIGSTOP)
     held = asyncio.ensure_future(holder.match(TOKENS, 16, "", ""))
+    shed = "RESOURCE_EXHAUSTED: more than 1 concurrent prefix queries; retry later"
+
+    async def shed_query(remote: RemoteIndex) -> None:
+        with pytest.raises(KvplaneError, match=f"^remote index: {shed}$"):
+            await remote.match(TOKENS, 16, "", "")
+
+    def shed_for(seconds: int) -> str:
+        return f"remote index at {target}: {shed} (every query shed for {seconds} s)"
+
     try:
 
         async def query_held() -> bool:
@@ -227,27 +238,36 @@ async def test_a_shed_query_leaves_the_index_answering_until_shedding_persists(
             return "kvplane_indexer_prefix_queries_in_flight 1.0" in text
 
         await eventually(query_held, timeout_s=30, what="the holder's query in flight")
-        shed = "RESOURCE_EXHAUSTED: more than 1 concurrent prefix queries; retry later"
-        for now[0] in (-60.0, 0.0, SHEDDING_DEGRADES_AFTER_S / 2):
-            with pytest.raises(KvplaneError, match=f"^remote index: {shed}$"):
-                await remote.match(TOKENS, 16, "", "")
-            assert remote.unavailable is None
+        for now[0] in (0.0, SHEDDING_DEGRADES_AFTER_S / 2):
+            for remote in (often, rarely, once) if now[0] == 0 else (often,):
+                await shed_query(remote)
+                assert remote.unavailable is None
+        # Shed 5 s ago and now, none answered: not yet 10 s of shedding.
+        now[0] = SHEDDING_DEGRADES_AFTER_S - 1
+        assert often.unavailable is None
+        # Read by Health 10 s after the first shed, no query since: shedding that lasted.
         now[0] = SHEDDING_DEGRADES_AFTER_S
-        with pytest.raises(KvplaneError, match=f"^remote index: {shed}$"):
-            await remote.match(TOKENS, 16, "", "")
-        assert remote.unavailable == (
-            f"remote index at {target}: {shed} (every query shed for 10 s)"
-        ), remote.unavailable
+        assert often.unavailable == shed_for(10), often.unavailable
+        # The one asking every 12 s: its second shed finds 12 s of nothing but sheds.
+        now[0] = 12.0
+        assert rarely.unavailable is None
+        await shed_query(rarely)
+        assert rarely.unavailable == shed_for(12), rarely.unavailable
+        # One shed alone is no shedding that lasted, a minute later as at once.
+        now[0] = 60.0
+        assert once.unavailable is None
+        assert often.unavailable == shed_for(60), often.unavailable
 
         redis.proc.send_signal(signal.SIGCONT)
         await held
-        await remote.match(TOKENS, 16, "", "")
-        assert remote.unavailable is None
+        for remote in (often, rarely):
+            await remote.match(TOKENS, 16, "", "")
+            assert remote.unavailable is None
     finally:
         redis.proc.send_signal(signal.SIGCONT)
         held.cancel()
-        await remote.close()
-        await holder.close()
+        for remote in (often, rarely, once, holder):
+            await remote.close()
 
 
 def _scrape(url: str) -> str:

@@ -26,6 +26,7 @@ from typer.testing import CliRunner, Result
 from indexer.admin_cli import read_token_ids
 from indexer.batch import Action, ActionType, Batch, Component, Tier, to_sfixed64
 from indexer.index import PrefixIndex
+from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
 from indexer.sources.zmq import SourceCounters
@@ -169,7 +170,10 @@ sources:
         data = json.loads(stats.output)
         assert data["num_blocks"] == final_blocks + 2
         assert sorted(w["worker_id"] for w in data["workers"]) == ["ext", "w0"]
-        # How its source keys w0 (`ext` is fed from outside: its keys are its client's).
+        # How its source keys w0 (`ext` is fed from outside: its keys are its client's), and
+        # the latest plain prompt's first block, keyed as its tokens alone are canonically.
+        root = data["keyings"][0].pop("root_block")
+        assert root["key"] == block_keys(root["token_ids"], BLOCK_SIZE)[0], root
         assert data["keyings"] == [
             {
                 "worker_id": "w0",
@@ -179,7 +183,10 @@ sources:
             }
         ]
         table = runner.invoke(app, ["admin", "index", "--target", target, "stats"])
-        assert "  w0                       keyed KEY_SPACE_CANONICAL\n" in table.output
+        assert (
+            "  w0                       keyed KEY_SPACE_CANONICAL; its latest plain prompt root "
+            f"block: key {root['key']}\n"
+        ) in table.output, table.output
 
         tokens_file = tmp_path / "prompt.json"
         tokens_file.write_text(json.dumps(prompt))

@@ -18,7 +18,8 @@ from indexer.engine_events import (
     EngineEvent,
     EngineHash,
 )
-from indexer.translate import TranslateOptions, WorkerTranslator
+from indexer.translate import KeyedBlock, TranslateOptions, WorkerTranslator
+from indexer.vllm_hash import block_hashes
 from indexer.zmq_decode import decode_frames, decode_payload, decode_replay_reply
 from tests.indexer.vllm_capture import CAPTURE, TOPIC, live_messages, replay_replies
 
@@ -179,3 +180,29 @@ def test_all_blocks_cleared_comes_one_step_late_without_per_block_removals() -> 
     stored = events[1]
     assert isinstance(stored, BlockStored)
     assert set(translator.live_keys()) == {to_sfixed64(h) for h in stored.block_hashes}
+
+
+def test_every_plain_prompts_root_block_is_keyed_as_its_tokens_hash_alone() -> None:
+    """What a `root_block` in GetIndexStats `keyings` rests on: every block the capture stored
+    with a nil parent and no extra key (its full-mode re-announcements included) is its
+    request's first, so vLLM's hash of its tokens alone, with the engine's seed (the default
+    here), is its key, and the translator keeps it as the worker's root block."""
+    translator = _translator()
+    roots = 0
+    for _seq, _recv, events in _decoded():
+        for event in events:
+            translator.translate([event])
+            if not isinstance(event, BlockStored) or event.parent_block_hash is not None:
+                continue
+            if any(event.extra_keys):
+                continue  # a salted prompt: its root is not its tokens' alone
+            size = event.block_size or 0
+            tokens = event.token_ids[:size]
+            assert block_hashes(tokens, size)[0] == event.block_hashes[0]
+            assert translator.root_block.block == KeyedBlock(
+                tokens, to_sfixed64(event.block_hashes[0])
+            )
+            roots += 1
+    assert roots > 10
+    translator.reset()  # a new engine process, perhaps with another seed
+    assert translator.root_block.block is None

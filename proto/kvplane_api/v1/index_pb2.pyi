@@ -325,6 +325,7 @@ class WorkerKeying(_message.Message):
     WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
     KEY_SPACE_FIELD_NUMBER: _builtins.int
     HASH_SEED_FIELD_NUMBER: _builtins.int
+    ROOT_BLOCK_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     worker_address: _builtins.str
     key_space: Global___KeySpace.ValueType
@@ -337,6 +338,15 @@ class WorkerKeying(_message.Message):
     """vLLM key spaces: the engine's PYTHONHASHSEED value its source declares (`hash_seed`);
     unset: vLLM's default seed.
     """
+    @_builtins.property
+    def root_block(self) -> Global___KeyedBlock:
+        """What the worker's keys are, whatever is declared: the latest block its engine stored at
+        the start of a prompt with no LoRA adapter, cache salt or multimodal item (the event
+        sent extra keys for each block, all empty), as indexed. A router hashing its tokens as it
+        hashes prompts gets its key if and only if it keys as this worker is keyed (its key
+        space, and a vLLM engine's seed and algorithm). Unset: no such block seen yet.
+        """
+
     def __init__(
         self,
         *,
@@ -344,21 +354,51 @@ class WorkerKeying(_message.Message):
         worker_address: _builtins.str = ...,
         key_space: Global___KeySpace.ValueType | None = ...,
         hash_seed: _builtins.str | None = ...,
+        root_block: Global___KeyedBlock | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "_key_space", b"_key_space", "hash_seed", b"hash_seed", "key_space", b"key_space"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "_key_space", b"_key_space", "_root_block", b"_root_block", "hash_seed", b"hash_seed", "key_space", b"key_space", "root_block", b"root_block"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "_key_space", b"_key_space", "hash_seed", b"hash_seed", "key_space", b"key_space", "worker_address", b"worker_address", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "_key_space", b"_key_space", "_root_block", b"_root_block", "hash_seed", b"hash_seed", "key_space", b"key_space", "root_block", b"root_block", "worker_address", b"worker_address", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__hash_seed: _TypeAlias = _typing.Literal["hash_seed"]  # noqa: Y015
     _WhichOneofArgType__hash_seed: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed"]  # noqa: Y015
     _WhichOneofReturnType__key_space: _TypeAlias = _typing.Literal["key_space"]  # noqa: Y015
     _WhichOneofArgType__key_space: _TypeAlias = _typing.Literal["_key_space", b"_key_space"]  # noqa: Y015
+    _WhichOneofReturnType__root_block: _TypeAlias = _typing.Literal["root_block"]  # noqa: Y015
+    _WhichOneofArgType__root_block: _TypeAlias = _typing.Literal["_root_block", b"_root_block"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__hash_seed) -> _WhichOneofReturnType__hash_seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__key_space) -> _WhichOneofReturnType__key_space | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__root_block) -> _WhichOneofReturnType__root_block | None: ...
 
 Global___WorkerKeying: _TypeAlias = WorkerKeying  # noqa: Y015
+
+@_typing.final
+class KeyedBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One block's tokens (the block size)."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        key: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyedBlock: _TypeAlias = KeyedBlock  # noqa: Y015
 
 @_typing.final
 class DumpIndexRequest(_message.Message):
