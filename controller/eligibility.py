@@ -6,8 +6,10 @@ option it reports unsupported, is routed among those that take it; past every en
 limit, it is refused before any engine is asked, INVALID_ARGUMENT (as an engine refuses it),
 naming the limit and the largest the fleet has (an option every engine lacks, or a limit of
 engines that are all alike, is left to the engine to refuse, in its own words). What the
-fleet takes is what the engines finishing a Generate take (aggregated, decode): a prefill
-engine's limits bound its own hop only, since prefill engines alone serve none.
+fleet takes is what the engines finishing a Generate on the request's path take: on the
+aggregated path (taken while an aggregated engine is routable) the aggregated engines',
+else the aggregated and decode engines' (a prefill engine's limits bound its own hop only,
+since prefill engines alone serve none).
 
 What is checked (`ROUTED_LIMITS`, `ROUTED_OPTIONS`): the context (a prompt's tokens and the
 output it must produce, one token or `min_tokens`, within `max_context_length`, as an
@@ -18,11 +20,14 @@ no longer than its cache holds, another engine may not), both only where the gat
 the prompt's tokens (token ids, or a text prompt with a tokenizer; else, on a disaggregated
 fleet, the decode engine is chosen by the prompt's tokens the prefill engine told at its
 handoff: `Eligibility.with_prompt`, so a prompt is never handed to a decode engine too small
-for it), the number of outputs, the logprob candidates, and the options a request uses (text
-or token input, logprobs, guided decoding, priority, stop in output, cache salt, prefix
-cache bypass). Every hop's engine is checked alike. An engine that does not report a limit
-or an option may take any. `max_output_tokens` is not: an engine caps an output at its
-context (LENGTH).
+for it; and where an engine refuses such a prompt INVALID_ARGUMENT, maybe for its length,
+it goes to one taking a longer context: `Eligibility.past_refusal`), the number of
+outputs, the logprob candidates, and the options a request uses (text or token input,
+logprobs, guided decoding, priority, stop in output, cache salt, prefix cache bypass).
+Every hop's engine is checked alike. An engine that does not report a limit or an option
+may take any. `max_output_tokens` is not: an engine caps an output at its
+context (LENGTH). An OpenEngine Generate and a `vllm.Generate` are read alike
+(`needs_of`: each API's fields read into `_Asks`, judged by one set of rules, `_needs`).
 
 A pooling task (Embed, Classify, Score) is routed alike by its longest input, where the
 gateway knows its tokens (token ids, or text it tokenises), to an engine with the task whose
@@ -39,12 +44,13 @@ lacks passes with no look at its candidates."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from controller.registry import EngineRecord, EngineState, ModelFacts, Registry, RegistryMemo, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
+from vllm_grpc import vllm_grpc_pb2 as vpb
 
 CONTEXT_LIMIT = "max_context_length"
 # ModelInfo's limits (of controller.fleet's REQUEST_LIMITS, named here: controller.fleet
@@ -87,6 +93,17 @@ def limits_of(facts: ModelFacts) -> dict[str, int]:
     if facts.total_kv_blocks is not None and facts.block_size is not None:
         limits[KV_CACHE_LIMIT] = facts.total_kv_blocks * facts.block_size
     return limits
+
+
+def longest_context(facts: ModelFacts) -> int | None:
+    """The longest context (a prompt and the output it must produce) the engine of `facts`
+    takes: its `max_context_length`, but no more than its whole KV cache holds (a request's
+    KV is its context less its last token, `KV_CACHE_LIMIT`); None where it tells neither."""
+    limits = limits_of(facts)
+    ends = [limits[CONTEXT_LIMIT]] if CONTEXT_LIMIT in limits else []
+    if KV_CACHE_LIMIT in limits:
+        ends.append(limits[KV_CACHE_LIMIT] + 1)
+    return min(ends) if ends else None
 
 
 def input_context(facts: ModelFacts) -> int | None:
@@ -151,19 +168,66 @@ class RequestNeeds(NamedTuple):
 
 
 NO_NEEDS = RequestNeeds()
-# The needs of most requests: their input kind only (built once, not per request).
-_PLAIN = {
+# The option of each input kind (an OpenEngine Generate's `input`, a vllm.Generate's `prompt`).
+_INPUT_OPTIONS = {
+    "prompt": "supports_text_input",
+    "text": "supports_text_input",
+    "token_ids": "supports_token_ids_input",
+}
+# The needs of most OpenEngine requests: their input kind only (built once, not per request).
+_PLAIN: dict[str | None, RequestNeeds] = {
     None: NO_NEEDS,
-    "prompt": RequestNeeds(options=frozenset({"supports_text_input"})),
-    "token_ids": RequestNeeds(options=frozenset({"supports_token_ids_input"})),
+    **{kind: RequestNeeds(options=frozenset({o})) for kind, o in _INPUT_OPTIONS.items()},
 }
 
 
-def needs_of(request: pb.GenerateRequest) -> RequestNeeds:
-    """What an OpenEngine Generate asks (its context: `RequestNeeds.with_prompt`, once its
-    prompt's tokens are known). A request using no option but its input (most) is told at a
-    glance."""
-    which = request.WhichOneof("input")
+class _Asks(NamedTuple):
+    """What a Generate asks of the engine taking it, whichever API it came by (read only
+    where its model's engines differ), for the one set of rules (`_needs`)."""
+
+    input: str | None  # its input's kind (`_INPUT_OPTIONS`; None: none given)
+    num_sequences: int
+    # ("prompt" or "output", the top_n candidates asked: 0 for none) of each logprobs asked
+    logprobs: tuple[tuple[str, int], ...]
+    guided: bool
+    priority: bool
+    stop_in_output: bool
+    cache_salt: bool
+    bypass_prefix_cache: bool
+    min_tokens: int  # the output it must produce at least (0: none asked)
+
+
+def _needs(asks: _Asks) -> RequestNeeds:
+    """The limits and options (of ROUTED_LIMITS, ROUTED_OPTIONS) a request asking `asks`
+    needs of an engine."""
+    limits: list[tuple[str, int]] = []
+    options: set[str] = set()
+    if asks.input is not None:
+        options.add(_INPUT_OPTIONS[asks.input])
+    if asks.num_sequences > 1:
+        limits.append(("generation.max_num_sequences", asks.num_sequences))
+    for kind, top_n in asks.logprobs:
+        options.add(f"generation.{kind}_logprobs.supported")
+        if top_n:
+            limits.append((f"generation.{kind}_logprobs.max_top_n", top_n))
+    for asked, option in (
+        (asks.guided, "generation.guided_decoding.supported"),
+        (asks.priority, "generation.supports_priority"),
+        (asks.stop_in_output, "generation.supports_stop_in_output"),
+        (asks.cache_salt, "generation.supports_cache_salt"),
+        (asks.bypass_prefix_cache, "generation.supports_prefix_cache_bypass"),
+    ):
+        if asked:
+            options.add(option)
+    return RequestNeeds(tuple(limits), frozenset(options), max(1, asks.min_tokens))
+
+
+def needs_of(request: pb.GenerateRequest | vpb.GenerateRequest) -> RequestNeeds:
+    """What a Generate asks, an OpenEngine one or a `vllm.Generate` (its context:
+    `RequestNeeds.with_prompt`, once its prompt's tokens are known). An OpenEngine request
+    using no option but its input (most) is told at a glance."""
+    if isinstance(request, vpb.GenerateRequest):
+        return _needs(_vllm_asks(request))
     sampling, stopping, kv = request.sampling, request.stopping, request.kv
     if not (
         request.HasField("response")
@@ -175,31 +239,53 @@ def needs_of(request: pb.GenerateRequest) -> RequestNeeds:
         or kv.bypass_prefix_cache
         or kv.HasField("cache_salt")
     ):
-        return _PLAIN[which]
-    limits: list[tuple[str, int]] = []
-    options: set[str] = set()
-    if which is not None:
-        options.add("supports_text_input" if which == "prompt" else "supports_token_ids_input")
-    if sampling.num_sequences > 1:
-        limits.append(("generation.max_num_sequences", sampling.num_sequences))
-    response = request.response
+        return _PLAIN[request.WhichOneof("input")]
+    return _needs(
+        _Asks(
+            input=request.WhichOneof("input"),
+            num_sequences=sampling.num_sequences,
+            logprobs=_logprobs_asked(request.response, "return_{}_logprobs", "selection"),
+            guided=request.HasField("guided") and request.guided.WhichOneof("guide") is not None,
+            priority=request.HasField("priority"),
+            stop_in_output=stopping.include_stop_in_output,
+            cache_salt=kv.HasField("cache_salt"),
+            bypass_prefix_cache=kv.bypass_prefix_cache,
+            min_tokens=stopping.min_tokens,
+        )
+    )
+
+
+def _logprobs_asked(response: Any, flag: str, selection: str) -> tuple[tuple[str, int], ...]:
+    """("prompt" or "output", the top_n candidates asked: 0 for none) of each logprobs a
+    request's `response` options ask for, in its API's names: the flag asking for them
+    (`flag`, "{}" the kind) and the oneof of its candidates' selection (`selection`)."""
+    asked = []
     for kind in ("prompt", "output"):
-        if getattr(response, f"return_{kind}_logprobs"):
-            options.add(f"generation.{kind}_logprobs.supported")
+        if getattr(response, flag.format(kind)):
             candidates = getattr(response, f"{kind}_candidates")
-            if candidates.WhichOneof("selection") == "top_n":
-                limits.append((f"generation.{kind}_logprobs.max_top_n", candidates.top_n))
-    if request.HasField("guided") and request.guided.WhichOneof("guide") is not None:
-        options.add("generation.guided_decoding.supported")
-    if request.HasField("priority"):
-        options.add("generation.supports_priority")
-    if stopping.include_stop_in_output:
-        options.add("generation.supports_stop_in_output")
-    if kv.HasField("cache_salt"):
-        options.add("generation.supports_cache_salt")
-    if kv.bypass_prefix_cache:
-        options.add("generation.supports_prefix_cache_bypass")
-    return RequestNeeds(tuple(limits), frozenset(options), max(1, stopping.min_tokens))
+            top_n = candidates.top_n if candidates.WhichOneof(selection) == "top_n" else 0
+            asked.append((kind, top_n))
+    return tuple(asked)
+
+
+def _vllm_asks(request: vpb.GenerateRequest) -> _Asks:
+    """What a `vllm.Generate` asks, as the engine reads it (engine/server/vllm_servicer.py:
+    `num_sequences` 0 is 1; candidates only with their logprobs, a `top_n` of 0 none;
+    `json_object` false no structured output; `priority` 0 none; an empty `cache_salt`
+    none)."""
+    decoding = request.decoding
+    structured = decoding.WhichOneof("structured_output")
+    return _Asks(
+        input=request.WhichOneof("prompt"),
+        num_sequences=request.sampling.num_sequences,
+        logprobs=_logprobs_asked(request.response, "{}_logprobs", "select"),
+        guided=structured is not None and (structured != "json_object" or decoding.json_object),
+        priority=request.priority != 0,
+        stop_in_output=request.stopping.include_stop_strings,
+        cache_salt=bool(request.kv.cache_salt),
+        bypass_prefix_cache=request.kv.bypass_prefix_cache,
+        min_tokens=request.stopping.min_new_tokens,
+    )
 
 
 def unmet(facts: ModelFacts, needs: RequestNeeds) -> str | None:
@@ -256,18 +342,23 @@ def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds
 
 
 def generating_facts(
-    records: Iterable[EngineRecord], model: str | None, finishing: bool = False
+    records: Iterable[EngineRecord],
+    model: str | None,
+    finishing: bool = False,
+    role: Role | None = None,
 ) -> list[ModelFacts]:
-    """The facts of `model` on each read, compatible engine generating it (routable or not);
-    with `finishing`, of those that finish a Generate themselves, its output theirs: not a
-    PREFILL engine (prefill engines alone serve no Generate: a request past every decode
-    engine's context is served by none, whatever the prefill engines take)."""
+    """The facts of `model` on each read, compatible engine generating it (routable or not),
+    of `role` (None: any); with `finishing`, of those that finish a Generate themselves, its
+    output theirs: not a PREFILL engine (prefill engines alone serve no Generate: a request
+    past every decode engine's context is served by none, whatever the prefill engines
+    take)."""
     return [
         facts
         for r in records
         if r.identity is not None
         and r.state is not EngineState.INCOMPATIBLE
         and r.identity.serves(model)
+        and (role is None or r.identity.role is role)
         and not (finishing and r.identity.role is Role.PREFILL)
         and (facts := r.identity.facts_of(model)).generates
     ]
@@ -299,39 +390,78 @@ class Eligibility:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self._bounds: RegistryMemo[str | None, _Bounds] = RegistryMemo(registry)
+        # Per path (`_of`): the aggregated path's, and every role's.
+        self._bounds: dict[Role | None, RegistryMemo[str | None, _Bounds]] = {
+            Role.AGGREGATED: RegistryMemo(registry),
+            None: RegistryMemo(registry),
+        }
 
-    def _of(self, model: str | None) -> _Bounds:
-        bounds = self._bounds.get(model)
+    def _of(self, model: str | None, role: Role | None) -> _Bounds:
+        """The bounds over the engines of `model` a request on the path of `role` may go to
+        (`Controller.plan`'s): Role.AGGREGATED, aggregated engines alone (a request goes
+        there while one is routable, never to a decode engine: a limit only a decode engine
+        has is none of its path's); None, every role (a disaggregated request, taken while
+        no aggregated engine is routable: one that would take it is out of routing)."""
+        memo = self._bounds[role]
+        bounds = memo.get(model)
         if bounds is None:
             records = self.registry.records()
-            serving = generating_facts(records, model)
-            finishing = generating_facts(records, model, finishing=True)
-            bounds = self._bounds.put(model, bounds_of(serving, finishing))
+            serving = generating_facts(records, model, role=role)
+            finishing = generating_facts(records, model, finishing=True, role=role)
+            bounds = memo.put(model, bounds_of(serving, finishing))
         return bounds
 
     def candidates(
         self,
         model: str | None,
+        role: Role | None,
         candidates: tuple[Candidate, ...],
-        request: pb.GenerateRequest | None,
+        request: pb.GenerateRequest | vpb.GenerateRequest | None,
         prompt_tokens: int | None,
     ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
-        """Those of `candidates` (engines serving `model`) that take the request (`request`:
-        an OpenEngine Generate's options, None for none; `prompt_tokens`: its prompt's
-        tokens, None when not known), and what it needs (NO_NEEDS where the model's engines
-        are alike: it is not read then). BeyondFleetError when it is past a limit of every
-        engine generating the model, routable or not (one that takes it but takes no traffic
-        now leaves none: the caller's UNAVAILABLE). An option every engine lacks does not
-        count: any engine refuses it, in its own words (`this engine has no tokenizer: send
-        token_ids`)."""
-        bounds = self._of(model)
+        """Those of `candidates` (engines serving `model`, on the path of `role`: `_of`)
+        that take the request (`request`: an OpenEngine Generate or a vllm.Generate, None for
+        neither; `prompt_tokens`: its prompt's tokens, None when not known), and what it
+        needs (NO_NEEDS where the path's engines are alike: it is not read then).
+        BeyondFleetError when it is past a limit of every engine of the path generating the
+        model, routable or not (one that takes it but takes no traffic now leaves none: the
+        caller's UNAVAILABLE). An option every such engine lacks does not count: any engine
+        refuses it, in its own words (`this engine has no tokenizer: send token_ids`)."""
+        bounds = self._of(model, role)
         if bounds.alike:
             return candidates, NO_NEEDS
         needs = NO_NEEDS if request is None else needs_of(request)
         if prompt_tokens is not None:
             needs = needs.with_prompt(prompt_tokens)
         return self._taking(model, bounds, candidates, needs)
+
+    def past_refusal(
+        self,
+        model: str | None,
+        role: Role | None,
+        candidates: tuple[Candidate, ...],
+        needs: RequestNeeds,
+        refused_by: str,
+    ) -> tuple[tuple[Candidate, ...], RequestNeeds] | None:
+        """After the engine `refused_by` refused a request of `needs` INVALID_ARGUMENT, its
+        prompt's tokens not known here (a text prompt not tokenised): where that may be the
+        prompt's length, past the engine's `longest_context`, those of `candidates` that take
+        a longer context than it, and the needs that says (a context of one token more, at
+        least). None where it cannot help: the path's engines alike (any would refuse it
+        alike), the engine telling no limit, or no engine of the path taking a longer
+        context (the refusal stands: its own words name the largest limit)."""
+        bounds = self._of(model, role)
+        record = self.registry.by_engine_id(refused_by)
+        if bounds.alike or record is None or record.identity is None:
+            return None
+        longest = longest_context(record.identity.facts_of(model))
+        if longest is None:
+            return None
+        needs = needs.with_prompt(longest + 1 - needs.min_output_tokens)
+        try:
+            return self._taking(model, bounds, candidates, needs)
+        except BeyondFleetError:
+            return None
 
     def with_prompt(
         self,
@@ -345,7 +475,7 @@ class Eligibility:
         `prompt_tokens` long, as a prefill engine told at its handoff: a decode engine whose
         context or KV cache cannot hold it is not chosen. BeyondFleetError as `candidates`,
         and when none of `candidates` takes it, naming what each lacks."""
-        bounds = self._of(model)
+        bounds = self._of(model, None)
         if bounds.alike:
             return candidates
         needs = needs.with_prompt(prompt_tokens)
@@ -383,13 +513,15 @@ class Eligibility:
                 out.append(candidate)
         return tuple(out), needs
 
-    def lacking(self, model: str | None, needs: RequestNeeds, lora_name: str = "") -> str:
-        """What each engine taking traffic for `model` (holding the LoRA adapter `lora_name`,
-        when one is named) lacks for a request of `needs` ("": none lacks anything): why
-        routing found none to take it, though one not taking traffic now would. Those that
-        take it but do not hold the adapter are named as such: the adapter narrowed the
-        candidates to those that do not take it."""
-        routable = self.registry.routable(model, generating=True)
+    def lacking(
+        self, model: str | None, role: Role | None, needs: RequestNeeds, lora_name: str = ""
+    ) -> str:
+        """What each engine of `role` (None: any) taking traffic for `model` (holding the
+        LoRA adapter `lora_name`, when one is named) lacks for a request of `needs` ("": none
+        lacks anything): why routing found none to take it, though one not taking traffic
+        now would. Those that take it but do not hold the adapter are named as such: the
+        adapter narrowed the candidates to those that do not take it."""
+        routable = self.registry.routable(model, role, generating=True)
         holding = [r for r in routable if not lora_name or r.holds_lora(lora_name)]
         told = _lacks(holding, model, needs)
         if not told:

@@ -18,13 +18,12 @@ from dataclasses import fields
 
 from controller.eligibility import (
     CONTEXT_LIMIT,
-    KV_CACHE_LIMIT,
     ROUTED_LIMITS,
     ROUTED_OPTIONS,
     bounds_of,
     generating_facts,
     largest_input_context,
-    limits_of,
+    longest_context,
 )
 from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts
 
@@ -123,13 +122,9 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
 
 def _served_context(facts: ModelFacts) -> dict[str, int]:
     """The longest context the engine of `facts` serves (`CONTEXT_LIMIT`, where it reports it
-    or its KV cache): its `max_context_length`, but no more than its whole KV cache holds (a
-    request's KV is its context less its last token, `KV_CACHE_LIMIT`)."""
-    limits = limits_of(facts)
-    ends = [limits[CONTEXT_LIMIT]] if CONTEXT_LIMIT in limits else []
-    if KV_CACHE_LIMIT in limits:
-        ends.append(limits[KV_CACHE_LIMIT] + 1)
-    return {CONTEXT_LIMIT: min(ends)} if ends else {}
+    or its KV cache: `longest_context`)."""
+    longest = longest_context(facts)
+    return {} if longest is None else {CONTEXT_LIMIT: longest}
 
 
 def _largest(served: Iterable[dict[str, int]], path: str) -> int | None:

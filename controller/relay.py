@@ -43,7 +43,11 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
   UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure,
   naming the engine unless it refuses the request itself (`pass_status`; `retries_elsewhere`:
-  the policy, which the gateway's pooling tasks follow too);
+  the policy, which the gateway's pooling tasks follow too); an engine's INVALID_ARGUMENT
+  before anything was relayed, for a request whose prompt's tokens the gateway did not know
+  (a text prompt not tokenised here), goes to an engine taking a longer context than that
+  engine's, where one does (the refusal may be of the prompt's length:
+  `Controller.past_refusal`), UNAVAILABLE when only engines out of routing do;
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
@@ -441,15 +445,27 @@ _WHOLE_REQUEST = _Stage()
 class _Retry(Exception):
     """The engine failed before anything was relayed; try another one."""
 
-    def __init__(self, reason: str, failure: Any, engine: str, *, counted: bool = True) -> None:
+    def __init__(
+        self,
+        reason: str,
+        failure: Any,
+        engine: str,
+        *,
+        counted: bool = True,
+        excluded: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__(reason)
         # What the client gets if no other engine can take the request: the refusing
         # response or the AioRpcError, of `engine`.
         self.failure = failure
         self.engine = engine
         # False: a re-route (the engine no longer holds the request's LoRA adapter,
-        # `Relay.adapter_left`), not the one retry of a failed request.
+        # `Relay.adapter_left`; its context is too short for the prompt), not the one retry
+        # of a failed request.
         self.counted = counted
+        # Engines that would refuse it as `engine` did, left out of its next route with
+        # those tried (no longer a context than `engine`'s: `Controller.past_refusal`).
+        self.excluded = excluded
 
 
 class _SessionLost(Exception):
@@ -1329,6 +1345,7 @@ class Relay:
                 if error is not None and error.engine_fault:
                     await self.report(engine, error.message)
                 retry = exc if exc.counted else retry or exc
+                tried |= exc.excluded
             except _Refused as exc:
                 yield await self._failed(
                     surface, request, stage, exc.cause, engine=engine, context=context
@@ -1353,6 +1370,7 @@ class Relay:
                     if verdict.retry is not None:
                         again = verdict.retry
                         retry = again if again.counted else retry or again
+                        tried |= again.excluded
                         continue
                     cause = verdict.failure.cause
                 yield await self._failed(
@@ -1433,6 +1451,29 @@ class Relay:
             return _Verdict(
                 failure, _Retry(failure.described, failure.answer, engine, counted=False)
             )
+        if (
+            failure.cause.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and not plan.tokenized
+            and not stage.carries_session
+        ):
+            # Its prompt's length unknown here, maybe past this engine's context or KV
+            # cache: to an engine taking a longer context, where there is one.
+            try:
+                shorter = self.controller.past_refusal(plan, engine)
+            except NoEngineAvailableError as exc:  # only engines out of routing take more
+                unavailable = gateway_failure(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"engine {engine} refused the request ({failure.described}), maybe for "
+                    f"its prompt's length; {exc}",
+                )
+                return _Verdict(HopFailure(unavailable, retryable=False))
+            if shorter is not None:
+                log.info("request %s: engine %s refused it (%s); sending it to one taking a "
+                         "longer context", request_id, engine, failure.described)  # fmt: skip
+                rerouted = _Retry(
+                    failure.described, failure.answer, engine, counted=False, excluded=shorter
+                )
+                return _Verdict(failure, rerouted)
         if retry is None and failure.retryable:
             log.info("request %s: engine %s failed before the first response (%s); retrying "
                      "elsewhere", request_id, engine, failure.described)  # fmt: skip

@@ -43,6 +43,7 @@ from indexer.size_gauges import refresh_wait_s
 from indexer.sources.resync import connect_resync
 from kvplane.tokenize import tokenize_all_off_loop
 from openengine.v1 import openengine_pb2 as pb
+from vllm_grpc import vllm_grpc_pb2 as vpb
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,10 @@ class PromptInput(NamedTuple):
     truncate_prompt_tokens: int = 0
     # `kv.bypass_prefix_cache`: the engine reads no cached prefix for it (RouteRequest.reads_cache).
     bypass_prefix_cache: bool = False
-    # The OpenEngine Generate it came as (None: another front end, admin route): what it
+    # The Generate it came as, OpenEngine's or vllm.Generate's (None: admin route): what it
     # asks of the engine taking it, read where its model's engines differ
     # (controller.eligibility: only engines that take it are candidates).
-    generate_request: pb.GenerateRequest | None = None
+    generate_request: pb.GenerateRequest | vpb.GenerateRequest | None = None
 
 
 class Plan(NamedTuple):
@@ -85,6 +86,9 @@ class Plan(NamedTuple):
     # What it asks of the engine taking it (its candidates take it: controller.eligibility;
     # NO_NEEDS where its model's engines are alike).
     needs: RequestNeeds = NO_NEEDS
+    # The role of the engines it may go to (`Controller.plan`'s; None: any, a disaggregated
+    # request's prefill and decode engines).
+    role: Role | None = Role.AGGREGATED
 
 
 class Controller:
@@ -241,6 +245,7 @@ class Controller:
         # context only where its tokens are known.
         eligible, needs = self.eligibility.candidates(
             query.model or None,
+            role,
             view.candidates,
             query.generate_request,
             num_tokens if tokens is not None else None,
@@ -255,7 +260,7 @@ class Controller:
             self._session_of(query),
             reads_cache=not query.bypass_prefix_cache,
         )
-        return Plan(request, view, tokenized, query.model, query.lora_name, needs)
+        return Plan(request, view, tokenized, query.model, query.lora_name, needs, role)
 
     def _session_of(self, query: PromptInput) -> str | None:
         """The router's session key of the request: its session per model, a request naming
@@ -359,8 +364,28 @@ class Controller:
         """Each engine serving the plan's model and its state, and, of those taking traffic,
         what each lacks for the request (`Eligibility.lacking`)."""
         why = self.fleet.registry.why_unavailable(plan.model)
-        lacking = self.eligibility.lacking(plan.model or None, plan.needs, plan.lora_name)
+        model = plan.model or None
+        lacking = self.eligibility.lacking(model, plan.role, plan.needs, plan.lora_name)
         return f"{why}; {lacking}" if lacking else why
+
+    def past_refusal(self, plan: Plan, engine: str) -> frozenset[str] | None:
+        """After `engine` refused the plan's request INVALID_ARGUMENT before anything was
+        relayed, its prompt's tokens not known here (`plan.tokenized` False): where the
+        refusal may be for the prompt's length and an engine of its path takes a longer
+        context (`Eligibility.past_refusal`), the plan's candidates that do not (excluded
+        from its next route: the request goes to one that does); None where none does (the
+        refusal stands). NoEngineAvailableError when only engines out of routing do, naming
+        what each taking traffic lacks."""
+        found = self.eligibility.past_refusal(
+            plan.model or None, plan.role, plan.view.candidates, plan.needs, engine
+        )
+        if found is None:
+            return None
+        taking, needs = found
+        if not taking:
+            raise NoEngineAvailableError(self._why_unavailable(plan._replace(needs=needs)))
+        kept = {c.engine_id for c in taking}
+        return frozenset(c.engine_id for c in plan.view.candidates if c.engine_id not in kept)
 
     @contextmanager
     def _counting_refusal(self) -> Iterator[None]:

@@ -15,6 +15,9 @@ What this API changes on the way:
   metadata: the request has no metadata map.
 - `truncate_prompt_tokens`: the engine keeps the prompt's last N tokens, so the router
   matches those against the index (a prompt as sent would share no prefix with them).
+- The engines it may go to are those that take what it asks, as for an OpenEngine Generate
+  (controller.eligibility's `needs_of` reads either API by the same rules: its sequences,
+  logprob candidates, options, `min_new_tokens` within the context and the KV cache).
 - The response has no cached-token count: usage records the prompt tokens only
   (`prompt_info.num_prompt_tokens`), not the router's prediction against the engine's.
 - A request aborted before any engine accepted it (while planned, say) ends as the bundled
@@ -209,4 +212,5 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
             session_key=session_key,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
             bypass_prefix_cache=request.kv.bypass_prefix_cache,
+            generate_request=request,
         )

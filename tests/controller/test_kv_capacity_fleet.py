@@ -45,7 +45,8 @@ SMALL, LARGE, PREFILL = 8, 64, 128
 LONG_TEXT = "hello world " * 60
 
 
-async def _engine(name: str, role: EngineRoleName, num_kv_blocks: int) -> EngineApp:
+async def builtin_engine(name: str, role: EngineRoleName, num_kv_blocks: int) -> EngineApp:
+    """A torch engine on the builtin model of `role`, its cache `num_kv_blocks` blocks."""
     return await start_engine(
         EngineConfig(
             model="builtin",
@@ -63,9 +64,9 @@ async def _engine(name: str, role: EngineRoleName, num_kv_blocks: int) -> Engine
 async def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
     monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
     engines = [
-        await _engine("p0", EngineRoleName.prefill, PREFILL),
-        await _engine("small", EngineRoleName.decode, SMALL),
-        await _engine("large", EngineRoleName.decode, LARGE),
+        await builtin_engine("p0", EngineRoleName.prefill, PREFILL),
+        await builtin_engine("small", EngineRoleName.decode, SMALL),
+        await builtin_engine("large", EngineRoleName.decode, LARGE),
     ]
     # Past 100 characters a text prompt is not tokenised here: its size is first known at the
     # prefill engine's handoff.
@@ -76,7 +77,7 @@ async def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
         await close_fleet(fleet)
 
 
-def _text_request(request_id: str, text: str) -> pb.GenerateRequest:
+def text_request(request_id: str, text: str) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=request_id, model="builtin", prompt=text)
     request.stopping.max_tokens = 4
     return request
@@ -89,21 +90,21 @@ async def test_a_prompt_only_the_larger_decode_engine_holds_is_decoded_there(
     small one (the large one cordoned: the small one takes it, eligible)."""
     large = fleet.address(fleet.engines[2])
     for i in range(4):
-        reply, route = await generate_routed(fleet, _text_request(f"long{i}", f"{i} {LONG_TEXT}"))
+        reply, route = await generate_routed(fleet, text_request(f"long{i}", f"{i} {LONG_TEXT}"))
         assert reply[-1].WhichOneof("event") == "finished", reply[-1]
         assert reply[-1].usage.prompt_tokens > SMALL * 16
         assert route is not None and route["engine"] == large, route
     fleet.app.controller.fleet.registry.set_cordoned(large, True)
     small = fleet.address(fleet.engines[1])
     for i in range(2):
-        reply, route = await generate_routed(fleet, _text_request(f"short{i}", f"hi {i}"))
+        reply, route = await generate_routed(fleet, text_request(f"short{i}", f"hi {i}"))
         assert reply[-1].WhichOneof("event") == "finished"
         assert route is not None and route["engine"] == small, route
 
 
 async def test_a_prompt_no_decode_engine_holds_is_refused_at_the_handoff(fleet: Fleet) -> None:
     """1440 tokens: within the prefill engine's cache, past both decode engines'."""
-    call = fleet.gateway.Generate(_text_request("huge", LONG_TEXT * 3))
+    call = fleet.gateway.Generate(text_request("huge", LONG_TEXT * 3))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         [r async for r in call]
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

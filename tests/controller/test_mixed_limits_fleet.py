@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from controller.fleet import CAPABILITY_FLAGS, REQUEST_LIMITS
-from controller.route_report import ROUTE_METADATA_KEY
+from controller.route_report import ROUTE_METADATA_KEY, read_route
 from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -28,6 +28,8 @@ from tests.controller.fronted_engine import start_fronted_engine
 from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_lora_fleet_intent import adapter, on
+from vllm_grpc import vllm_grpc_pb2 as vpb
+from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -206,3 +208,116 @@ def test_a_pooling_inputs_limit_is_the_context_unless_the_kv_cache_bounds_it() -
     assert takes_input(model_bound, 64) and not takes_input(model_bound, 65)
     pooling = ModelFacts(generates=False, tasks=frozenset({"embed"}), limits=((CONTEXT_LIMIT, 65),))
     assert input_context(pooling) == 65 and takes_input(pooling, None)
+
+
+async def test_a_vllm_generate_goes_only_to_an_engine_that_takes_what_it_asks() -> None:
+    """Round robin between an engine of 2 sequences and a short context and one of 8 and a
+    long context: a vllm.Generate of 4 sequences, or of a minimum output past the short
+    context, goes to the second and is served; one of 16 sequences is refused before any
+    engine is asked, naming the largest. vllm.Generate was routed by its context alone:
+    every other one was refused by the first engine ("num_sequences 4 is more than this
+    engine's max_num_seqs 2", "a minimum of 100 new tokens does not fit")."""
+    few = await start_sim_engine("few", max_num_seqs=2, max_model_len=SHORT)
+    many = await start_sim_engine("many", max_num_seqs=8, max_model_len=LONG)
+    fleet = await make_fleet(engines=[few, many], router={"policy": "round_robin"})
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+
+    def request(request_id: str, sequences: int, min_tokens: int) -> vpb.GenerateRequest:
+        return vpb.GenerateRequest(
+            request_id=request_id,
+            model="sim",
+            token_ids=vpb.TokenIds(ids=[7] * 50),
+            sampling=vpb.RandomSampling(num_sequences=sequences),
+            stopping=vpb.StoppingCriteria(max_new_tokens=100, min_new_tokens=min_tokens),
+        )
+
+    try:
+        for i, (sequences, min_tokens) in enumerate([(4, 0), (4, 0), (1, 100), (1, 100)]):
+            call = stub.GenerateStream(request(f"v{i}", sequences, min_tokens))
+            chunks = [r async for r in call]
+            ended = [c.outputs.index for c in chunks if c.outputs.HasField("finish_info")]
+            assert sorted(ended) == list(range(sequences)), chunks[-1]
+            route = read_route(await call.trailing_metadata())
+            assert route is not None and route["engine"] == fleet.address(many), route
+            assert route["retried"] is False, route
+        call = stub.GenerateStream(request("past", 16, 0))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in call]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        details = caught.value.details() or ""
+        assert "generation.max_num_sequences 16; the largest" in details and "is 8" in details
+        trailing = await call.trailing_metadata() or ()
+        assert ROUTE_METADATA_KEY not in [k for k, _ in trailing]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_the_aggregated_path_refuses_past_its_own_engines_limits() -> None:
+    """Aggregated engines of a short and a middle context beside a long-context decode
+    engine: requests take the aggregated path while an aggregated engine is routable, so a
+    prompt past the middle context is refused before any engine is asked, INVALID_ARGUMENT
+    naming it as the largest; one within it is served there. The decode engine's context
+    counted toward the refusal: the prompt failed UNAVAILABLE ("those taking traffic do not
+    take the request"), worth retrying by its status, which it never was while an
+    aggregated engine was up."""
+    middle = 2 * SHORT
+    engines = [
+        await start_sim_engine("a0", max_model_len=SHORT),
+        await start_sim_engine("a1", max_model_len=middle),
+        await start_sim_engine("d0", role="decode", max_model_len=LONG),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        call = fleet.gateway.Generate(generate_request("past", [5] * 300, max_tokens=4))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in call]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        details = caught.value.details() or ""
+        assert "max_context_length 301; the largest" in details, details
+        assert f"takes is {middle}" in details, details
+        trailing = await call.trailing_metadata() or ()
+        assert ROUTE_METADATA_KEY not in [k for k, _ in trailing]
+        reply, route = await generate_routed(fleet, generate_request("in", [5] * 200))
+        assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+        assert route is not None and route["engine"] == fleet.address(engines[1]), route
+    finally:
+        await close_fleet(fleet)
+
+
+def test_a_vllm_generate_needs_what_the_same_openengine_generate_needs() -> None:
+    """Both APIs are read by one set of rules: a vllm.Generate asking what an OpenEngine
+    Generate asks (in its own fields) needs the same of an engine; its defaults (0 sequences,
+    priority 0, no salt, `json_object` false) ask nothing."""
+    from controller.eligibility import needs_of
+
+    openengine = pb.GenerateRequest(
+        prompt="hi",
+        sampling=pb.SamplingParams(num_sequences=4),
+        stopping=pb.StoppingOptions(min_tokens=3, include_stop_in_output=True),
+        response=pb.ResponseOptions(
+            return_prompt_logprobs=True,
+            return_output_logprobs=True,
+            output_candidates=pb.CandidateTokenSelection(top_n=5),
+        ),
+        kv=pb.KvOptions(bypass_prefix_cache=True, cache_salt="s"),
+        guided=pb.GuidedDecoding(regex="a+"),
+        priority=2,
+    )
+    vllm = vpb.GenerateRequest(
+        text="hi",
+        sampling=vpb.RandomSampling(num_sequences=4),
+        stopping=vpb.StoppingCriteria(min_new_tokens=3, include_stop_strings=True),
+        response=vpb.ResponseOptions(
+            prompt_logprobs=True,
+            output_logprobs=True,
+            output_candidates=vpb.CandidateTokens(top_n=5),
+        ),
+        kv=vpb.KVCacheParameters(bypass_prefix_cache=True, cache_salt="s"),
+        decoding=vpb.DecodingParameters(regex="a+"),
+        priority=-2,
+    )
+    assert needs_of(vllm) == needs_of(openengine)
+    plain = vpb.GenerateRequest(
+        token_ids=vpb.TokenIds(ids=[1]), decoding=vpb.DecodingParameters(json_object=False)
+    )
+    assert needs_of(plain) == needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))

@@ -1,0 +1,113 @@
+"""Aggregated engines of one model that differ in their KV cache (engine config
+`num_kv_blocks`: so in the context they take), real torch engines on the builtin model behind
+a controller that does not tokenise a text prompt (past `tokenize_max_chars`), so the gateway
+cannot tell a text prompt's size before an engine does: a prompt the small engine refuses
+for its size ("does not fit the KV cache", INVALID_ARGUMENT) is sent to the large one and
+served, on OpenEngine Generate and vllm.Generate alike; one past every engine's cache ends
+with the large engine's refusal, naming the largest cache; and with the large engine out of
+routing, UNAVAILABLE naming it. The small engine's refusal used to end the request, though
+the large engine would have served it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controller.route_report import read_route
+from engine.config import EngineRoleName
+from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from tests.controller.test_gateway import generate_routed
+from tests.controller.test_kv_capacity_fleet import (
+    LARGE,
+    LONG_TEXT,
+    SMALL,
+    builtin_engine,
+    text_request,
+)
+from vllm_grpc import vllm_grpc_pb2 as vpb
+from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
+    """An engine whose cache holds 128 tokens beside one whose cache holds 1024 (LONG_TEXT:
+    480 tokens, between the two). Past 100 characters a text prompt is not tokenised here;
+    round robin sends every other request to the small engine first."""
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
+    aggregated = EngineRoleName.aggregated
+    engines = [
+        await builtin_engine("small", aggregated, SMALL),
+        await builtin_engine("large", aggregated, LARGE),
+    ]
+    fleet = await make_fleet(
+        engines=engines, tokenize_max_chars=100, router={"policy": "round_robin"}
+    )
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_prompt_the_small_engine_refuses_is_served_by_the_large_one(
+    fleet: Fleet,
+) -> None:
+    """Every request finishes on the large engine, those sent to the small one first retried
+    from it; vllm.Generate alike."""
+    small, large = (fleet.address(e) for e in fleet.engines)
+    retried = []
+    for i in range(4):
+        reply, route = await generate_routed(fleet, text_request(f"long{i}", f"{i} {LONG_TEXT}"))
+        assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+        assert reply[-1].usage.prompt_tokens > SMALL * 16
+        assert route is not None and route["engine"] == large, route
+        retried.append(route.get("retried_from"))
+    assert [small] in retried, retried
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+    for i in range(2):
+        request = vpb.GenerateRequest(
+            request_id=f"vllm{i}",
+            model="builtin",
+            text=f"{i} {LONG_TEXT}",
+            stopping=vpb.StoppingCriteria(max_new_tokens=4),
+        )
+        call = stub.GenerateStream(request)
+        chunks = [r async for r in call]
+        assert chunks[-1].outputs.HasField("finish_info"), chunks[-1]
+        vllm_route = read_route(await call.trailing_metadata())
+        assert vllm_route is not None and vllm_route["engine"] == large, vllm_route
+
+
+async def test_a_prompt_past_every_engine_ends_with_the_largest_engines_refusal(
+    fleet: Fleet,
+) -> None:
+    """1440 tokens, past both caches: INVALID_ARGUMENT, in the large engine's words (its
+    cache of 64 blocks), whichever engine round robin chose first."""
+    for i in range(2):
+        call = fleet.gateway.Generate(text_request(f"huge{i}", LONG_TEXT * 3))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in call]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = caught.value.details() or ""
+        assert "does not fit the KV cache" in details and f"{LARGE} blocks" in details, details
+
+
+async def test_with_the_large_engine_out_of_routing_the_prompt_is_unavailable(
+    fleet: Fleet,
+) -> None:
+    """The large engine cordoned: the small engine's refusal is not the request's last word
+    (the large engine takes it once it is back), so UNAVAILABLE, naming both."""
+    small, large = (fleet.address(e) for e in fleet.engines)
+    fleet.app.controller.fleet.registry.set_cordoned(large, True)
+    call = fleet.gateway.Generate(text_request("cordoned", LONG_TEXT))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
+    details = caught.value.details() or ""
+    assert f"engine {small} refused the request" in details, details
+    assert "large cordoned" in details, details
+    assert f"small max_context_length {SMALL * 16 + 1} < {SMALL * 16 + 2}" in details, details
