@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from controller.registry import EngineRecord, EngineState, ModelFacts, Registry, RegistryMemo, Role
+from controller.registry import EngineRecord, ModelFacts, Registry, RegistryMemo, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
@@ -256,18 +256,17 @@ def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds
 
 
 def generating_facts(
-    records: Iterable[EngineRecord], model: str | None, finishing: bool = False
+    serving: Iterable[EngineRecord], model: str | None, finishing: bool = False
 ) -> list[ModelFacts]:
-    """The facts of `model` on each read, compatible engine generating it (routable or not);
-    with `finishing`, of those that finish a Generate themselves, its output theirs: not a
-    PREFILL engine (prefill engines alone serve no Generate: a request past every decode
-    engine's context is served by none, whatever the prefill engines take)."""
+    """The facts of `model` on each read engine of `serving` (those that may serve it,
+    routable or not: `Registry.may_serve_records`) that generates it; with `finishing`, of
+    those that finish a Generate themselves, its output theirs: not a PREFILL engine
+    (prefill engines alone serve no Generate: a request past every decode engine's context
+    is served by none, whatever the prefill engines take)."""
     return [
         facts
-        for r in records
+        for r in serving
         if r.identity is not None
-        and r.state is not EngineState.INCOMPATIBLE
-        and r.identity.serves(model)
         and not (finishing and r.identity.role is Role.PREFILL)
         and (facts := r.identity.facts_of(model)).generates
     ]
@@ -302,13 +301,13 @@ class Eligibility:
         self._bounds: RegistryMemo[str | None, _Bounds] = RegistryMemo(registry)
 
     def _of(self, model: str | None) -> _Bounds:
-        bounds = self._bounds.get(model)
-        if bounds is None:
-            records = self.registry.records()
-            serving = generating_facts(records, model)
-            finishing = generating_facts(records, model, finishing=True)
-            bounds = self._bounds.put(model, bounds_of(serving, finishing))
-        return bounds
+        def bounds() -> _Bounds:
+            serving = self.registry.may_serve_records(model)
+            return bounds_of(
+                generating_facts(serving, model), generating_facts(serving, model, finishing=True)
+            )
+
+        return self._bounds.get(model, bounds)
 
     def candidates(
         self,
