@@ -41,35 +41,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
 from controller.registry import EngineRecord, ModelFacts, Registry, RegistryMemo, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 
 CONTEXT_LIMIT = "max_context_length"
-# ModelInfo's limits (of controller.fleet's REQUEST_LIMITS, named here: controller.fleet
-# imports fleet_view, which imports this module) that routing honours per engine: the
-# context and generation's. Not `max_output_tokens` (an engine caps an output at its
-# context), nor a pooling task's (a pooling task is routed by its inputs' context only:
-# `takes_input`).
-ROUTED_LIMITS = (
-    CONTEXT_LIMIT,
-    "generation.max_num_sequences",
-    "generation.prompt_logprobs.max_top_n",
-    "generation.output_logprobs.max_top_n",
+# ModelInfo's limits (REQUEST_LIMITS) that routing honours per engine: the context and
+# generation's. Not `max_output_tokens` (an engine caps an output at its context), nor a
+# pooling task's (a pooling task is routed by its inputs' context only: `takes_input`).
+ROUTED_LIMITS = tuple(
+    path for path in REQUEST_LIMITS if path == CONTEXT_LIMIT or path.startswith("generation.")
 )
-# ModelInfo's flags (of CAPABILITY_FLAGS) of the request options routing honours per engine:
+# ModelInfo's flags (CAPABILITY_FLAGS) of the request options routing honours per engine:
 # the input kinds and generation's options (not multimodal input, nor a pooling task's).
-ROUTED_OPTIONS = (
-    "supports_text_input",
-    "supports_token_ids_input",
-    "generation.prompt_logprobs.supported",
-    "generation.output_logprobs.supported",
-    "generation.guided_decoding.supported",
-    "generation.supports_priority",
-    "generation.supports_stop_in_output",
-    "generation.supports_cache_salt",
-    "generation.supports_prefix_cache_bypass",
+ROUTED_OPTIONS = tuple(
+    flag
+    for flag in CAPABILITY_FLAGS
+    if flag in ("supports_text_input", "supports_token_ids_input") or flag.startswith("generation.")
 )
 
 

@@ -99,16 +99,11 @@ from controller.eligibility import (
     largest_input_context,
     takes_input,
 )
-from controller.fleet import (
-    CAPABILITY_FLAGS,
-    KV_BLOCK_SIZE_ATTRIBUTE,
-    KV_TOKEN_ATTRIBUTES,
-    Fleet,
-    field_holder,
-)
+from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, Fleet
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_facts, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
+from controller.model_info import CAPABILITY_FLAGS, field_holder
 from controller.outcomes import (
     ENGINE_METADATA_KEY,
     MODEL_METADATA_KEY,
