@@ -3,9 +3,11 @@ it (a subprocess): what the one line on stderr says of the port."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import threading
@@ -195,3 +197,58 @@ def test_a_tls_service_that_is_not_grpc_is_said_so(tls_service: str, pki: Path) 
         f"kvplane: error: {tls_service}: UNAVAILABLE: the server does not speak gRPC (a TLS "
         "service without HTTP/2: another listens there?)"
     )
+
+
+def test_a_host_that_does_not_resolve_is_said_so() -> None:
+    """gRPC's resolver said it at length: "errors resolving nope.invalid:8100:
+    [field:hostname lookup error:address lookup failed for nope.invalid:8100: Domain name not
+    found]". Now the host does not resolve, why, and which option names it."""
+    target = "nope.invalid:8100"  # .invalid never resolves (RFC 2606)
+    said = _failed_with(_admin(target, "health"))
+    assert said.startswith(f"kvplane: error: {target}: UNAVAILABLE: the host does not resolve ("), (
+        said
+    )
+    assert said.endswith(") (a misspelt host? give --target HOST:PORT)"), said
+    assert "lookup" not in said and "resolving" not in said, said
+
+
+@pytest.fixture
+def resetting_listener() -> Iterator[str]:
+    """A port that resets each connection once the client speaks (a firewall's, a service
+    dropping what it does not read)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return  # closed: the test is over
+            # No lingering: close sends a reset, not a FIN.
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            with contextlib.suppress(OSError):
+                connection.recv(1)
+            connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join()
+
+
+def test_a_connection_reset_in_the_tls_handshake_is_said_so(
+    resetting_listener: str, pki: Path
+) -> None:
+    """Over TLS it was gRPC's words as they are: "failed to connect to all addresses; last
+    error: UNAVAILABLE: ipv4:...: Handshake read failed (recvmsg:Connection reset by peer
+    (104))"; now as the reset of a plaintext connection is said."""
+    said = _failed_with(_admin(resetting_listener, "--tls-ca", str(pki / "ca.pem"), "health"))
+    assert said.startswith(
+        f"kvplane: error: {resetting_listener}: UNAVAILABLE: the server reset the connection in "
+        "the TLS handshake (recvmsg:Connection reset by peer"
+    ), said
+    assert "failed to connect" not in said, said
