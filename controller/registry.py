@@ -810,17 +810,14 @@ class Registry:
         """The name of the model that `model` names on the engines serving it: itself, or
         for one of its aliases (`served_model_aliases`) the model it stands for, as the first
         engine whose GetModelInfo said so tells; None when none did."""
-        return self._served_name_memo.get(
-            model,
-            lambda: next(
-                (
-                    served
-                    for r in self._may_serve(model)
-                    if r.identity is not None and (served := r.identity.facts_of(model).served_name)
-                ),
-                None,
-            ),
-        )
+        return self._served_name_memo.get(model, lambda: self._scan_served_name(model))
+
+    def _scan_served_name(self, model: str) -> str | None:
+        """`served_name`, from every engine."""
+        for r in self._may_serve(model):
+            if r.identity is not None and (served := r.identity.facts_of(model).served_name):
+                return served
+        return None
 
     def default_model(self, *, generating: bool = False) -> str | None:
         """The model the compatible engines serve a request naming none: each its first
