@@ -11,8 +11,9 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -150,13 +151,9 @@ def test_a_controller_without_a_call_is_said_older_not_another_kind(older_contro
         assert _failed_with(_admin(older_controller, *command)) == says, command
 
 
-@pytest.fixture
-def tls_service(pki: Path) -> Iterator[str]:
-    """A TLS service that is not gRPC (OpenSSL's, as a TLS proxy's or an HTTPS server's port):
-    it offers no HTTP/2, and resets a plaintext client's connection (the bytes it did not
-    read)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(pki / "server.pem", pki / "server.key")
+@contextmanager
+def _accepting(handle: Callable[[socket.socket], object]) -> Iterator[str]:
+    """A port (its address) whose every connection `handle` takes, in a thread of its own."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -165,12 +162,8 @@ def tls_service(pki: Path) -> Iterator[str]:
                 connection, _ = listener.accept()
             except OSError:
                 return  # closed: the test is over
-            with connection:
-                try:
-                    with context.wrap_socket(connection, server_side=True) as secured:
-                        secured.recv(1)
-                except (ssl.SSLError, OSError):
-                    pass
+            with connection, contextlib.suppress(OSError):
+                handle(connection)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -180,6 +173,22 @@ def tls_service(pki: Path) -> Iterator[str]:
         listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
         listener.close()
         thread.join()
+
+
+@pytest.fixture
+def tls_service(pki: Path) -> Iterator[str]:
+    """A TLS service that is not gRPC (OpenSSL's, as a TLS proxy's or an HTTPS server's port):
+    it offers no HTTP/2, and resets a plaintext client's connection (the bytes it did not
+    read)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki / "server.pem", pki / "server.key")
+
+    def handshake(connection: socket.socket) -> None:
+        with context.wrap_socket(connection, server_side=True) as secured:
+            secured.recv(1)
+
+    with _accepting(handshake) as address:
+        yield address
 
 
 def test_a_tls_service_that_is_not_grpc_is_said_so(tls_service: str, pki: Path) -> None:
@@ -216,28 +225,14 @@ def test_a_host_that_does_not_resolve_is_said_so() -> None:
 def resetting_listener() -> Iterator[str]:
     """A port that resets each connection once the client speaks (a firewall's, a service
     dropping what it does not read)."""
-    listener = socket.create_server(("127.0.0.1", 0))
 
-    def serve() -> None:
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return  # closed: the test is over
-            # No lingering: close sends a reset, not a FIN.
-            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            with contextlib.suppress(OSError):
-                connection.recv(1)
-            connection.close()
+    def reset(connection: socket.socket) -> None:
+        # No lingering: close sends a reset, not a FIN.
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.recv(1)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        listener.shutdown(socket.SHUT_RDWR)
-        listener.close()
-        thread.join()
+    with _accepting(reset) as address:
+        yield address
 
 
 def test_a_connection_reset_in_the_tls_handshake_is_said_so(
