@@ -27,7 +27,8 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from controller.config import KvEventsMode
-from controller.fleet import SERVING_STATES, generates
+from controller.fleet import SERVING_STATES
+from controller.model_info import generates
 from controller.outcomes import ENGINE_METADATA_KEY, lora_model_metadata, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import typer
 
 from controller.admin_cli import DEFAULT_TARGET, TARGET_KIND, TokensFileOpt
-from controller.fleet import generates
+from controller.model_info import generates
 from controller.route_report import read_route
 from indexer.admin_cli import read_token_ids
 from indexer.validation import MAX_UINT32

@@ -46,36 +46,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from controller.registry import EngineRecord, EngineState, ModelFacts, Registry, RegistryMemo, Role
+from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
+from controller.registry import EngineRecord, ModelFacts, Registry, RegistryMemo, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
 CONTEXT_LIMIT = "max_context_length"
-# ModelInfo's limits (of controller.fleet's REQUEST_LIMITS, named here: controller.fleet
-# imports fleet_view, which imports this module) that routing honours per engine: the
-# context and generation's. Not `max_output_tokens` (an engine caps an output at its
-# context), nor a pooling task's (a pooling task is routed by its inputs' context only:
-# `takes_input`).
-ROUTED_LIMITS = (
-    CONTEXT_LIMIT,
-    "generation.max_num_sequences",
-    "generation.prompt_logprobs.max_top_n",
-    "generation.output_logprobs.max_top_n",
+# ModelInfo's limits (REQUEST_LIMITS) that routing honours per engine: the context and
+# generation's. Not `max_output_tokens` (an engine caps an output at its context), nor a
+# pooling task's (a pooling task is routed by its inputs' context only: `takes_input`).
+ROUTED_LIMITS = tuple(
+    path for path in REQUEST_LIMITS if path == CONTEXT_LIMIT or path.startswith("generation.")
 )
-# ModelInfo's flags (of CAPABILITY_FLAGS) of the request options routing honours per engine:
+# ModelInfo's flags (CAPABILITY_FLAGS) of the request options routing honours per engine:
 # the input kinds and generation's options (not multimodal input, nor a pooling task's).
-ROUTED_OPTIONS = (
-    "supports_text_input",
-    "supports_token_ids_input",
-    "generation.prompt_logprobs.supported",
-    "generation.output_logprobs.supported",
-    "generation.guided_decoding.supported",
-    "generation.supports_priority",
-    "generation.supports_stop_in_output",
-    "generation.supports_cache_salt",
-    "generation.supports_prefix_cache_bypass",
+ROUTED_OPTIONS = tuple(
+    flag
+    for flag in CAPABILITY_FLAGS
+    if flag in ("supports_text_input", "supports_token_ids_input") or flag.startswith("generation.")
 )
 
 
@@ -342,22 +332,20 @@ def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds
 
 
 def generating_facts(
-    records: Iterable[EngineRecord],
+    serving: Iterable[EngineRecord],
     model: str | None,
     finishing: bool = False,
     role: Role | None = None,
 ) -> list[ModelFacts]:
-    """The facts of `model` on each read, compatible engine generating it (routable or not),
-    of `role` (None: any); with `finishing`, of those that finish a Generate themselves, its
-    output theirs: not a PREFILL engine (prefill engines alone serve no Generate: a request
-    past every decode engine's context is served by none, whatever the prefill engines
-    take)."""
+    """The facts of `model` on each read engine of `serving` (those that may serve it,
+    routable or not: `Registry.may_serve_records`) that generates it, of `role` (None: any);
+    with `finishing`, of those that finish a Generate themselves, its output theirs: not a
+    PREFILL engine (prefill engines alone serve no Generate: a request past every decode
+    engine's context is served by none, whatever the prefill engines take)."""
     return [
         facts
-        for r in records
+        for r in serving
         if r.identity is not None
-        and r.state is not EngineState.INCOMPATIBLE
-        and r.identity.serves(model)
         and (role is None or r.identity.role is role)
         and not (finishing and r.identity.role is Role.PREFILL)
         and (facts := r.identity.facts_of(model)).generates
@@ -402,14 +390,15 @@ class Eligibility:
         there while one is routable, never to a decode engine: a limit only a decode engine
         has is none of its path's); None, every role (a disaggregated request, taken while
         no aggregated engine is routable: one that would take it is out of routing)."""
-        memo = self._bounds[role]
-        bounds = memo.get(model)
-        if bounds is None:
-            records = self.registry.records()
-            serving = generating_facts(records, model, role=role)
-            finishing = generating_facts(records, model, finishing=True, role=role)
-            bounds = memo.put(model, bounds_of(serving, finishing))
-        return bounds
+
+        def bounds() -> _Bounds:
+            serving = self.registry.may_serve_records(model)
+            return bounds_of(
+                generating_facts(serving, model, role=role),
+                generating_facts(serving, model, finishing=True, role=role),
+            )
+
+        return self._bounds[role].get(model, bounds)
 
     def candidates(
         self,

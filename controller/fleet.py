@@ -60,10 +60,9 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import grpc
-from google.protobuf.message import Message
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.event_following import EventFollowing, FollowingState
@@ -71,6 +70,7 @@ from controller.event_lag import MAX_CLOCK_LEAD_S, MAX_PLAUSIBLE_LAG_S, event_la
 from controller.fleet_view import FLEET_VIEW_KEY
 from controller.hops import FRONTS_METADATA_KEY, metadata_values, via_interceptors
 from controller.lora_intent import LoraIntent, LoraSpec
+from controller.model_info import model_facts, reported
 from controller.outcomes import lora_model_metadata
 from controller.registry import (
     DuplicateEngineError,
@@ -183,100 +183,6 @@ _NO_HIT = PrefixHit()
 _LORA_CALLS_UNANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # While an index cannot answer, every routed request meets the failure: warn this often.
 BLIND_WARNING_INTERVAL_S = 10.0
-
-# The pooling tasks, as ModelInfo.tasks names their capabilities.
-POOLING_TASKS = ("embed", "classify", "score")
-# ModelInfo's limits of a request (its optional counts, by path): an engine refuses one past
-# them.
-REQUEST_LIMITS = (
-    "max_context_length",
-    "max_output_tokens",
-    "generation.max_num_sequences",
-    "generation.prompt_logprobs.max_top_n",
-    "generation.output_logprobs.max_top_n",
-    # A pooling task's, of the engines that have the task (`ModelFacts.constrains`).
-    "tasks.embed.max_batch_size",
-    "tasks.embed.max_output_values_per_item",
-    "tasks.classify.max_batch_size",
-    "tasks.classify.max_output_values_per_item",
-    "tasks.score.max_groups",
-    "tasks.score.max_candidates_per_group",
-    "tasks.score.max_output_values_per_candidate",
-    "tasks.score.max_label_token_ids",
-)
-# ModelInfo's flags of request options (its optional bools, by path) that an engine refuses
-# a request using when it reports false. `supports_lora` is not one: a request naming an
-# adapter is routed to engines holding it.
-CAPABILITY_FLAGS = (
-    "supports_text_input",
-    "supports_token_ids_input",
-    "supports_multimodal",
-    "generation.prompt_logprobs.supported",
-    "generation.output_logprobs.supported",
-    "generation.guided_decoding.supported",
-    "generation.supports_priority",
-    "generation.supports_stop_in_output",
-    "generation.supports_cache_salt",
-    "generation.supports_prefix_cache_bypass",
-    "tasks.embed.supports_priority",
-    "tasks.embed.supports_normalization",
-    "tasks.embed.supports_dimension_override",
-    "tasks.classify.supports_priority",
-    "tasks.score.supports_priority",
-    "tasks.score.supports_label_token_scoring",
-    "tasks.score.supports_instruction",
-)
-
-
-def field_holder(model: Message, flag: str) -> tuple[Message | None, str]:
-    """The message of `model` holding the field at path `flag` (of CAPABILITY_FLAGS or
-    REQUEST_LIMITS; None: a message on its way is absent) and the field's name."""
-    *path, name = flag.split(".")
-    holder: Message | None = model
-    for part in path:
-        holder = getattr(holder, part) if holder is not None and holder.HasField(part) else None
-    return holder, name
-
-
-def reported(model: Message, path: str) -> Any:
-    """The value at `path` (of CAPABILITY_FLAGS or REQUEST_LIMITS) in `model`; None when it,
-    or a message on its way, is absent (not reported)."""
-    holder, name = field_holder(model, path)
-    return getattr(holder, name) if holder is not None and holder.HasField(name) else None
-
-
-def unsupported(model: pb.ModelInfo) -> frozenset[str]:
-    """The CAPABILITY_FLAGS GetModelInfo reports false (absent: not reported)."""
-    return frozenset(flag for flag in CAPABILITY_FLAGS if reported(model, flag) is False)
-
-
-def supported_tasks(model: pb.ModelInfo) -> frozenset[str]:
-    """The pooling tasks GetModelInfo says the model supports."""
-    return frozenset(name for name in POOLING_TASKS if getattr(model.tasks, name).supported)
-
-
-def generates(model: pb.ModelInfo) -> bool:
-    """Whether GetModelInfo says the engine generates. The seed's GenerationCapabilities has
-    no `supported` flag: an engine that advertises tasks and leaves `generation` out says it
-    does not (a kvplane engine with `runner: pooling`); advertising neither: unknown, routed."""
-    return model.HasField("generation") or not supported_tasks(model)
-
-
-def model_facts(model: pb.ModelInfo) -> ModelFacts:
-    """What the controller keeps of one model's GetModelInfo (absent scalars stay unknown)."""
-    return ModelFacts(
-        block_size=reported(model, "kv_block_size"),
-        total_kv_blocks=reported(model, "total_kv_blocks"),
-        supports_lora=reported(model, "supports_lora"),
-        tasks=supported_tasks(model),
-        generates=generates(model),
-        limits=tuple(
-            (path, value) for path in REQUEST_LIMITS if (value := reported(model, path)) is not None
-        ),
-        max_running_requests=reported(model, "max_running_requests"),
-        unsupported=unsupported(model),
-        served_name=model.served_model_name,
-    )
 
 
 def _names(adapters: Sequence[LoraSpec] | None) -> frozenset[str] | None:

@@ -25,28 +25,34 @@ from controller.eligibility import (
     largest_input_context,
     longest_context,
 )
-from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts
+from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts, Registry
 
 FLEET_VIEW_KEY = "kvplane-fleet-view"
 
 
-def fleet_view(records: Iterable[EngineRecord]) -> str:
+def fleet_view(registry: Registry) -> str:
     """The digest of what the fleet's engines (those read and not incompatible, as
     GetEngineInfo lists them) tell of themselves, one by one (any of them may answer
     GetModelInfo) and summed up per model (`fleet_facts`: an engine like the others joining
     moves the sums only)."""
     read = [
-        r for r in records if r.identity is not None and r.state is not EngineState.INCOMPATIBLE
+        r.identity
+        for r in registry.records()
+        if r.identity is not None and r.state is not EngineState.INCOMPATIBLE
     ]
-    described = sorted({_described(r.identity) for r in read if r.identity is not None})
-    models = sorted({m for r in read if r.identity is not None for m in r.identity.models})
-    summed = [f"fleet {model}:{_facts_text(fleet_facts(read, model))}" for model in models]
+    described = sorted({_described(identity) for identity in read})
+    models = sorted({m for identity in read for m in identity.models})
+    summed = [
+        f"fleet {model}:{_facts_text(fleet_facts(registry.may_serve_records(model), model))}"
+        for model in models
+    ]
     return hashlib.sha256("\n".join(described + summed).encode()).hexdigest()[:16]
 
 
 def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
-    """The fleet's facts of `model` over the engines serving it (read, compatible; routable
-    or not: a request may be routed to any of them), as the gateway's GetModelInfo answers
+    """The fleet's facts of `model` over the read engines of `records` (those that may serve
+    it, routable or not: `Registry.may_serve_records`; a request may be routed to any of
+    them), as the gateway's GetModelInfo answers
     them: each request limit (REQUEST_LIMITS) the smallest any reports, so that a request
     within them is not refused wherever it goes, but one routing honours per engine
     (controller.eligibility) the largest (the context of each no more than its KV cache
@@ -61,13 +67,7 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     supported when an engine generating it says so (False when every one says not). None
     where none reports it."""
     records = list(records)
-    serving = [
-        r.identity.facts_of(model)
-        for r in records
-        if r.identity is not None
-        and r.state is not EngineState.INCOMPATIBLE
-        and r.identity.serves(model)
-    ]
+    serving = [r.identity.facts_of(model) for r in records if r.identity is not None]
     # Where routing honours an engine's limit or option (ROUTED_LIMITS, ROUTED_OPTIONS: a
     # Generate goes only to an engine that takes it), the largest any engine finishing a
     # Generate takes (not a prefill engine's: alone, it serves none), and an option

@@ -99,16 +99,11 @@ from controller.eligibility import (
     largest_input_context,
     takes_input,
 )
-from controller.fleet import (
-    CAPABILITY_FLAGS,
-    KV_BLOCK_SIZE_ATTRIBUTE,
-    KV_TOKEN_ATTRIBUTES,
-    Fleet,
-    field_holder,
-)
+from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, Fleet
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_facts, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
+from controller.model_info import CAPABILITY_FLAGS, field_holder
 from controller.outcomes import (
     ENGINE_METADATA_KEY,
     MODEL_METADATA_KEY,
@@ -682,14 +677,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         """Whether the engines serving `model` with `task` (routable or not) take inputs of
         different lengths (`input_context`), so that routing reads a request's. Kept until
         the registry changes: with engines alike, a request costs no scan of them."""
-        reads = self._reads_inputs_memo.get((model, task))
-        if reads is None:
+
+        def reads() -> bool:
             serving = self.controller.fleet.registry.may_serve_records(model)
-            tasked = _tasked_facts(serving, model, task)
-            reads = self._reads_inputs_memo.put(
-                (model, task), len({input_context(f) for f in tasked}) > 1
-            )
-        return reads
+            return len({input_context(f) for f in _tasked_facts(serving, model, task)}) > 1
+
+        return self._reads_inputs_memo.get((model, task), reads)
 
     async def _task_engine(
         self,
@@ -1530,7 +1523,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         reply.attributes["engines"] = str(len(records))
         reply.attributes["routable_engines"] = str(sum(r.routable for r in records))
         # A controller fronting this one reads its identity again when this moves.
-        reply.attributes[FLEET_VIEW_KEY] = fleet_view(records)
+        reply.attributes[FLEET_VIEW_KEY] = fleet_view(self.controller.fleet.registry)
         return reply
 
     def _block_size_of(self, record: EngineRecord) -> int:
@@ -1668,7 +1661,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # is among them (a ring of controllers, `controller.hops`).
         fronted = sorted(self.controller.fleet.registry.fronted_controller_ids())
         # And the fleet view this answer is of: GetLoad's telling it moved is compared with it.
-        view = (FLEET_VIEW_KEY, fleet_view(records))
+        view = (FLEET_VIEW_KEY, fleet_view(self.controller.fleet.registry))
         context.set_trailing_metadata([(FRONTS_METADATA_KEY, i) for i in fronted] + [view])
         return pb.EngineInfo(
             engine_name=CONTROLLER_ENGINE_NAME,
@@ -1742,7 +1735,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         await _require_model(self.controller, request.model, context)
         registry = self.controller.fleet.registry
         records = registry.routable(request.model)
-        fleet = fleet_facts(registry.records(), request.model)
+        fleet = fleet_facts(registry.may_serve_records(request.model), request.model)
         # A generating engine answers where one serves the model: a pooling-only one's answer
         # has no `generation`, which says the model is not generated (a controller fronting
         # this one, reading it, would refuse the model's Generates until its view moved).

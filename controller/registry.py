@@ -548,23 +548,24 @@ _V = TypeVar("_V")
 class RegistryMemo(Generic[_K, _V]):
     """Values derived from a registry's engines, kept until its next change (`version`),
     `ROUTABLE_MEMO_SIZE` at most (a request may name any model: the memo must not grow with
-    what clients send). `get` says None for a key not derived since the change."""
+    what clients send)."""
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self._values: dict[_K, _V] = {}
         self._version = registry.version
 
-    def get(self, key: _K) -> _V | None:
+    def get(self, key: _K, derive: Callable[[], _V]) -> _V:
+        """The value of `key`: `derive()`, unless it was derived since the registry's last
+        change (a value may be None: it is kept as any other)."""
         if self._version != self._registry.version:
             self._values.clear()
             self._version = self._registry.version
-        return self._values.get(key)
-
-    def put(self, key: _K, value: _V) -> _V:
+        if key in self._values:
+            return self._values[key]
         if len(self._values) >= ROUTABLE_MEMO_SIZE:
             self._values.clear()
-        self._values[key] = value
+        value = self._values[key] = derive()
         return value
 
 
@@ -599,18 +600,21 @@ class Registry:
         self.version = 0
         # Told of each such change (`on_change`), within it.
         self._on_change: list[Callable[[], None]] = []
-        # `routable` without a LoRA adapter or cordons, by (model, role, generating), as of
-        # `_memo_version`: every request asks it, and at hundreds of engines testing each
-        # engine again for each request cost as much as routing it.
-        self._routable_memo: dict[tuple[str | None, Role | None, bool], list[EngineRecord]] = {}
-        # `base_models` by (generating, lora), as of `_memo_version` too: a request naming no
-        # model asks it twice (its model check, its session key), each time a scan of every
-        # engine and a sort.
-        self._base_models_memo: dict[tuple[bool, bool], tuple[str, ...]] = {}
-        # `served_name` by model, as of `_memo_version` too: asked by every text prompt of a
-        # model the controller has no tokenizer of its own for.
-        self._served_name_memo: dict[str, str | None] = {}
-        self._memo_version = -1
+        # `routable` without a LoRA adapter or cordons, by (model, role, generating), kept
+        # until the next change: every request asks it, and at hundreds of engines testing
+        # each engine again for each request cost as much as routing it.
+        self._routable_memo: RegistryMemo[
+            tuple[str | None, Role | None, bool], tuple[EngineRecord, ...]
+        ] = RegistryMemo(self)
+        # `base_models` by (generating, lora), kept until the next change too: a request
+        # naming no model asks it twice (its model check, its session key), each time a scan
+        # of every engine and a sort.
+        self._base_models_memo: RegistryMemo[tuple[bool, bool], tuple[str, ...]] = RegistryMemo(
+            self
+        )
+        # `served_name` by model, kept until the next change too: asked by every text prompt
+        # of a model the controller has no tokenizer of its own for.
+        self._served_name_memo: RegistryMemo[str, str | None] = RegistryMemo(self)
         # The latest time a poll or a request's outcome was recorded at: what a held-down
         # engine's error is written as of when the cap holds it out between its own polls.
         self._now_s = 0.0
@@ -746,24 +750,11 @@ class Registry:
         `generating`, only those that generate (a Generate: not pooling-only engines)."""
         if lora_name or cordoned:
             return list(self._routable(model, role, lora_name, cordoned, generating))
-        self._drop_stale_memos()
-        key = (model, role, generating)
-        records = self._routable_memo.get(key)
-        if records is None:
-            if len(self._routable_memo) >= ROUTABLE_MEMO_SIZE:
-                self._routable_memo.clear()
-            records = self._routable_memo[key] = list(
-                self._routable(model, role, lora_name, cordoned, generating)
-            )
+        records = self._routable_memo.get(
+            (model, role, generating),
+            lambda: tuple(self._routable(model, role, lora_name, cordoned, generating)),
+        )
         return list(records)
-
-    def _drop_stale_memos(self) -> None:
-        """Forget what was derived from the engines before the registry's last change."""
-        if self._memo_version != self.version:
-            self._routable_memo.clear()
-            self._base_models_memo.clear()
-            self._served_name_memo.clear()
-            self._memo_version = self.version
 
     def any_routable(
         self, model: str | None = None, role: Role | None = None, *, generating: bool = False
@@ -819,21 +810,14 @@ class Registry:
         """The name of the model that `model` names on the engines serving it: itself, or
         for one of its aliases (`served_model_aliases`) the model it stands for, as the first
         engine whose GetModelInfo said so tells; None when none did."""
-        self._drop_stale_memos()
-        if model in self._served_name_memo:
-            return self._served_name_memo[model]
-        name = next(
-            (
-                served
-                for r in self._may_serve(model)
-                if r.identity is not None and (served := r.identity.facts_of(model).served_name)
-            ),
-            None,
-        )
-        if len(self._served_name_memo) >= ROUTABLE_MEMO_SIZE:
-            self._served_name_memo.clear()
-        self._served_name_memo[model] = name
-        return name
+        return self._served_name_memo.get(model, lambda: self._scan_served_name(model))
+
+    def _scan_served_name(self, model: str) -> str | None:
+        """`served_name`, from every engine."""
+        for r in self._may_serve(model):
+            if r.identity is not None and (served := r.identity.facts_of(model).served_name):
+                return served
+        return None
 
     def default_model(self, *, generating: bool = False) -> str | None:
         """The model the compatible engines serve a request naming none: each its first
@@ -859,11 +843,9 @@ class Registry:
         `lora`, only engines that may take LoRA adapters (not `supports_lora: false`): the
         base models an adapter loaded on the whole fleet would be attached to. Engines whose
         models are not known yet are left out. Kept until the registry changes."""
-        self._drop_stale_memos()
-        key = (generating, lora)
-        models = self._base_models_memo.get(key)
-        if models is None:
-            models = self._base_models_memo[key] = self._scan_base_models(generating, lora)
+        models = self._base_models_memo.get(
+            (generating, lora), lambda: self._scan_base_models(generating, lora)
+        )
         return list(models)
 
     def _scan_base_models(self, generating: bool, lora: bool) -> tuple[str, ...]:

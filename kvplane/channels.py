@@ -569,6 +569,8 @@ def setting_hint(
         return f" (a server requiring a token? give {settings.token})"
     if settings.address is not None and _refused(details):
         return f" (nothing listens there: start the server, or give {settings.address})"
+    if settings.address is not None and _UNRESOLVED.match(details):
+        return f" (a misspelt host? give {settings.address})"
     return _tls_hint(channels, details, settings)
 
 
@@ -661,8 +663,17 @@ _SILENT_TO_HANDSHAKE = "Handshake read failed (Endpoint closing)"
 # What gRPC says of a server that resets the connection on the client's first bytes, as an
 # OpenSSL TLS server (a TLS proxy's port, say) does with plaintext: a hang-up too.
 _RESET = re.compile(r"recvmsg:Connection reset by peer\b")
+# The same as the TLS handshake begins: "Handshake read failed (recvmsg:Connection reset by
+# peer (104))" (a server that is not TLS, or a firewall, dropping the client's hello).
+_HANDSHAKE_RESET = re.compile(r"Handshake read failed \((recvmsg:Connection reset by peer\b.*)\)$")
 # What gRPC says of a TLS server that does not offer HTTP/2 (ALPN): a TLS service, not gRPC.
 _NO_ALPN = "Cannot check peer: missing selected ALPN property"
+# What gRPC says of a target whose host does not resolve, by resolver: "errors resolving
+# nope.invalid:8100: [field:hostname lookup error:address lookup failed for
+# nope.invalid:8100: Domain name not found]" (its own), "DNS resolution failed for
+# nope.invalid:8100: C-ares status is not ARES_SUCCESS qtype=A name=nope.invalid
+# is_balancer=0: Domain name not found" (c-ares): the reason last.
+_UNRESOLVED = re.compile(r"^(?:errors resolving|DNS resolution failed for) .*: ([^:\]]+)\]?$")
 
 
 def plain_details(details: str) -> str:
@@ -671,8 +682,12 @@ def plain_details(details: str) -> str:
     server certificate's names do not include the host dialled", "the server closed the
     connection (Socket closed)", "the server answers HTTP/1, not gRPC (a /metrics address?)",
     "the server does not speak gRPC (another service listens there?)" (a Redis; over TLS, a
-    server without HTTP/2), "the server reset the connection (...)", "the server took the
-    connection but did not answer (...)"; any other details as they are."""
+    server without HTTP/2), "the server reset the connection (...)" (also "... in the TLS
+    handshake (...)"), "the server took the connection but did not answer (...)", "the host
+    does not resolve (Domain name not found)"; any other details as they are."""
+    unresolved = _UNRESOLVED.match(details)
+    if unresolved is not None:
+        return f"the host does not resolve ({unresolved.group(1)})"
     connect = _CONNECT_FAILED.search(details)
     if connect is None:
         return details
@@ -692,6 +707,9 @@ def plain_details(details: str) -> str:
         return f"the server closed the connection ({HUNG_UP})"
     if _RESET.match(cause):
         return f"the server reset the connection ({cause})"
+    handshake_reset = _HANDSHAKE_RESET.match(cause)
+    if handshake_reset is not None:
+        return f"the server reset the connection in the TLS handshake ({handshake_reset.group(1)})"
     if cause.startswith(_NO_ALPN):
         return (
             "the server does not speak gRPC (a TLS service without HTTP/2: another listens there?)"

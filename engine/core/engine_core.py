@@ -13,14 +13,13 @@ it ends normally with its prompt computed, the prompt blocks a decode engine can
 full blocks before the one holding the last prompt token) are held under that id by a scratch
 block table (ref-counted, so never evicted) until `release_kv_session`; `read_kv_session`
 copies their bytes out. A DECODE engine puts pulled blocks into its prefix cache with
-`import_kv_blocks` just before adding the request they belong to, so that admission finds them
-as ordinary prefix hits. Both go through the block manager's own verbs (`allocate` of the
-cached prefix or new blocks, `cache_blocks`, `free`) under a scratch sequence id. When the pool
-has no room for them then (busy with running sequences), `import_or_hold_kv_blocks` holds the
-pulled bytes instead (host memory, up to a bound) and the scheduler imports them as it admits
-the request, in its FCFS turn, once its blocks and first chunk fit (`HeldKv`): the request
-reports them cached rather than computing its prompt again. Ended before admission, it drops
-them.
+`import_or_hold_kv_blocks` just before adding the request they belong to, so that admission
+finds them as ordinary prefix hits. Both go through the block manager's own verbs (`allocate`
+of the cached prefix or new blocks, `cache_blocks`, `free`) under a scratch sequence id. When
+the pool has no room for them then (busy with running sequences), it holds the pulled bytes
+instead (host memory, up to a bound) and the scheduler imports them as it admits the request,
+in its FCFS turn, once its blocks and first chunk fit (`HeldKv`): the request reports them
+cached rather than computing its prompt again. Ended before admission, it drops them.
 
 Guided decoding (`engine.core.guided`, `guided_vocab`): each guided output carries its guide
 state; when it samples, the batch gives the runner the token ids its guide allows (EOS only
@@ -477,42 +476,32 @@ class EngineCore:
         self.block_manager.free(held.seq_id)
         return True
 
-    def import_kv_blocks(
-        self,
-        token_ids: PySequence[int],
-        blocks: PySequence[KvBlockBytes],
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> int:
-        """Put KV computed elsewhere into the prefix cache: `blocks[i]` holds the KV of full
-        block i of `token_ids` (a prompt about to be added). Blocks already cached here are
-        kept (allocate takes them as hits); the others get new blocks, written by the runner,
-        then cached (recording BlockStored) and freed, evictable as any cached prefix. Returns
-        how many blocks were written; 0 when the pool has no room (the request then computes
-        its prompt, unless `import_or_hold_kv_blocks` holds them for its admission). Hits
-        never cover the last prompt token: a block holding it is neither used nor imported."""
-        return self._import(token_ids, blocks, lora_name=lora_name, cache_salt=cache_salt) or 0
-
     def import_or_hold_kv_blocks(
         self, request: EngineRequest, blocks: PySequence[KvBlockBytes], *, max_held_bytes: int
     ) -> KvImportOutcome:
-        """`import_kv_blocks` for `request`, about to be added; when the pool has no room now,
-        hold the blocks (their bytes, while all the requests' held bytes stay within
-        `max_held_bytes`) for the scheduler to import as it admits the request: "held".
-        Beyond the bound (or for a request whose id is in use already) they are "dropped", a
-        warning saying which, and the request computes its prompt. "unused":
-        nothing to import (cached here already, or no full block before the last token), or
-        no room and a request that bypasses the prefix cache."""
+        """Put KV computed elsewhere into the prefix cache: `blocks[i]` holds the KV of full
+        block i of `request`'s prompt (the request about to be added). Blocks already cached
+        here are kept (allocate takes them as hits); the others get new blocks, written by
+        the runner, then cached (recording BlockStored) and freed, evictable as any cached
+        prefix: "imported". Hits never cover the last prompt token: a block holding it is
+        neither used nor imported. When the pool has no room now, hold the blocks (their
+        bytes, while all the requests' held bytes stay within `max_held_bytes`) for the
+        scheduler to import as it admits the request: "held". Beyond the bound (or for a
+        request whose id is in use already) they are "dropped", a warning saying which, and
+        the request computes its prompt. "unused": nothing to import (cached here already,
+        or no full block before the last token), or no room and a request that bypasses the
+        prefix cache. A write the runner refuses raises its error, nothing cached."""
         token_ids = request.prompt_token_ids
         lora_name, cache_salt = request.lora_name, request.cache_salt
+        # Whole blocks, never the one holding the last prompt token (its KV is recomputed).
+        num_blocks = max(0, min(len(blocks), (len(token_ids) - 1) // self.block_size))
+        blocks = blocks[:num_blocks]
         written = self._import(token_ids, blocks, lora_name=lora_name, cache_salt=cache_salt)
         if written is not None:
             return "imported" if written else "unused"
         if request.bypass_prefix_cache:
             return "unused"  # it would not read them
-        num_blocks = min(len(blocks), (len(token_ids) - 1) // self.block_size)
-        num_bytes = sum(len(block) for block in blocks[:num_blocks])
+        num_bytes = sum(len(block) for block in blocks)
         if request.request_id in self._held_imports or request.request_id in self._requests:
             logger.warning(
                 "request %s: its %d pulled KV blocks dropped: its id is in use already (a "
@@ -529,7 +518,7 @@ class EngineCore:
             return "dropped"
         self._held_imports[request.request_id] = _HeldImport(
             token_ids,
-            blocks[:num_blocks],
+            blocks,
             lora_name,
             cache_salt,
             num_blocks * self.block_size,
@@ -574,11 +563,12 @@ class EngineCore:
         lora_name: str | None,
         cache_salt: str | None,
     ) -> int | None:
-        """`import_kv_blocks`, None when the pool has no room."""
+        """Import `blocks`, the first full blocks of `token_ids` (`import_or_hold_kv_blocks`,
+        which counts them): how many were written; None when the pool has no room."""
         bm = self.block_manager
         size = bm.block_size
-        num_blocks = min(len(blocks), (len(token_ids) - 1) // size)
-        if num_blocks <= 0 or not bm.enable_prefix_caching:
+        num_blocks = len(blocks)
+        if num_blocks == 0 or not bm.enable_prefix_caching:
             return 0
         num_tokens = num_blocks * size
         if not bm.can_allocate(token_ids, num_tokens, lora_name=lora_name, cache_salt=cache_salt):

@@ -14,7 +14,7 @@ engine, which attaches the session and generates. Here:
   endpoint, block size and layout when the ref's attributes name them), pulls the session and
   checks what arrives against the request; the engine thread then imports the blocks into the
   prefix cache in the same command that adds the request (`PulledSession.importer`,
-  `EngineCore.import_kv_blocks`), so admission finds them as ordinary prefix hits.
+  `EngineCore.import_or_hold_kv_blocks`), so admission finds them as ordinary prefix hits.
 
 This module holds the protocol's shared parts (`KvNamespace`, `check_fit`,
 `blocks_per_chunk`) and the PREFILL side.

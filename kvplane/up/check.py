@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from controller.fleet import generates
+from controller.model_info import generates
 from kvplane.channels import INSECURE, ClientChannels
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc

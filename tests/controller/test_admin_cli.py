@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner, Result
 
+from controller import admin_cli
 from controller.admin_cli import ControllerRequiredError
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig
@@ -328,14 +329,22 @@ async def test_info_names_the_model_as_requests_must() -> None:
         await engine.close()
 
 
-async def test_the_group_target_lasts_one_invocation(fleet: Fleet) -> None:
+async def test_the_group_target_lasts_one_invocation(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`admin --target T` reaches T for that command only; the next invocation in the same
-    process (the group settings once lived in module globals) goes to the default target."""
-    engine = fleet.address(fleet.engines[0])
-    assert (await cli("--target", engine, "health")).exit_code == 0
-    later = await cli("health")
+    process (the group settings once lived in module globals) goes to the default target:
+    here a port bound but not listening (127.0.0.1:8100 may be taken where tests run, and a
+    server there answered `health`)."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))  # held, not listening: a connection is refused
+        default = f"127.0.0.1:{unused.getsockname()[1]}"
+        monkeypatch.setattr(admin_cli, "DEFAULT_TARGET", default)
+        engine = fleet.address(fleet.engines[0])
+        assert (await cli("--target", engine, "health")).exit_code == 0
+        later = await cli("health")
     assert later.exit_code == 1
-    assert str(later.exception).startswith("127.0.0.1:8100: UNAVAILABLE")
+    assert str(later.exception).startswith(f"{default}: UNAVAILABLE")
 
 
 @pytest.mark.parametrize(

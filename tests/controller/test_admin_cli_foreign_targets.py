@@ -3,14 +3,17 @@ it (a subprocess): what the one line on stderr says of the port."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -148,13 +151,9 @@ def test_a_controller_without_a_call_is_said_older_not_another_kind(older_contro
         assert _failed_with(_admin(older_controller, *command)) == says, command
 
 
-@pytest.fixture
-def tls_service(pki: Path) -> Iterator[str]:
-    """A TLS service that is not gRPC (OpenSSL's, as a TLS proxy's or an HTTPS server's port):
-    it offers no HTTP/2, and resets a plaintext client's connection (the bytes it did not
-    read)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(pki / "server.pem", pki / "server.key")
+@contextmanager
+def _accepting(handle: Callable[[socket.socket], object]) -> Iterator[str]:
+    """A port (its address) whose every connection `handle` takes, in a thread of its own."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -163,12 +162,8 @@ def tls_service(pki: Path) -> Iterator[str]:
                 connection, _ = listener.accept()
             except OSError:
                 return  # closed: the test is over
-            with connection:
-                try:
-                    with context.wrap_socket(connection, server_side=True) as secured:
-                        secured.recv(1)
-                except (ssl.SSLError, OSError):
-                    pass
+            with connection, contextlib.suppress(OSError):
+                handle(connection)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -178,6 +173,22 @@ def tls_service(pki: Path) -> Iterator[str]:
         listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
         listener.close()
         thread.join()
+
+
+@pytest.fixture
+def tls_service(pki: Path) -> Iterator[str]:
+    """A TLS service that is not gRPC (OpenSSL's, as a TLS proxy's or an HTTPS server's port):
+    it offers no HTTP/2, and resets a plaintext client's connection (the bytes it did not
+    read)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki / "server.pem", pki / "server.key")
+
+    def handshake(connection: socket.socket) -> None:
+        with context.wrap_socket(connection, server_side=True) as secured:
+            secured.recv(1)
+
+    with _accepting(handshake) as address:
+        yield address
 
 
 def test_a_tls_service_that_is_not_grpc_is_said_so(tls_service: str, pki: Path) -> None:
@@ -195,3 +206,44 @@ def test_a_tls_service_that_is_not_grpc_is_said_so(tls_service: str, pki: Path) 
         f"kvplane: error: {tls_service}: UNAVAILABLE: the server does not speak gRPC (a TLS "
         "service without HTTP/2: another listens there?)"
     )
+
+
+def test_a_host_that_does_not_resolve_is_said_so() -> None:
+    """gRPC's resolver said it at length: "errors resolving nope.invalid:8100:
+    [field:hostname lookup error:address lookup failed for nope.invalid:8100: Domain name not
+    found]". Now the host does not resolve, why, and which option names it."""
+    target = "nope.invalid:8100"  # .invalid never resolves (RFC 2606)
+    said = _failed_with(_admin(target, "health"))
+    assert said.startswith(f"kvplane: error: {target}: UNAVAILABLE: the host does not resolve ("), (
+        said
+    )
+    assert said.endswith(") (a misspelt host? give --target HOST:PORT)"), said
+    assert "lookup" not in said and "resolving" not in said, said
+
+
+@pytest.fixture
+def resetting_listener() -> Iterator[str]:
+    """A port that resets each connection once the client speaks (a firewall's, a service
+    dropping what it does not read)."""
+
+    def reset(connection: socket.socket) -> None:
+        # No lingering: close sends a reset, not a FIN.
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.recv(1)
+
+    with _accepting(reset) as address:
+        yield address
+
+
+def test_a_connection_reset_in_the_tls_handshake_is_said_so(
+    resetting_listener: str, pki: Path
+) -> None:
+    """Over TLS it was gRPC's words as they are: "failed to connect to all addresses; last
+    error: UNAVAILABLE: ipv4:...: Handshake read failed (recvmsg:Connection reset by peer
+    (104))"; now as the reset of a plaintext connection is said."""
+    said = _failed_with(_admin(resetting_listener, "--tls-ca", str(pki / "ca.pem"), "health"))
+    assert said.startswith(
+        f"kvplane: error: {resetting_listener}: UNAVAILABLE: the server reset the connection in "
+        "the TLS handshake (recvmsg:Connection reset by peer"
+    ), said
+    assert "failed to connect" not in said, said

@@ -6,13 +6,16 @@ advertises the largest context (routing honours each engine's)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from controller.fleet import CAPABILITY_FLAGS, REQUEST_LIMITS
+from controller.eligibility import ROUTED_LIMITS, ROUTED_OPTIONS
+from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
 from controller.route_report import ROUTE_METADATA_KEY, read_route
 from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
@@ -113,10 +116,19 @@ async def test_health_is_starting_while_the_only_engine_starts() -> None:
 
 
 def test_what_routing_honours_is_of_what_model_info_tells() -> None:
-    from controller.eligibility import ROUTED_LIMITS, ROUTED_OPTIONS  # (fails alone on old code)
-
     assert set(ROUTED_LIMITS) <= set(REQUEST_LIMITS)
     assert set(ROUTED_OPTIONS) <= set(CAPABILITY_FLAGS)
+
+
+@pytest.mark.parametrize(
+    "module", ["controller.eligibility", "controller.fleet_view", "controller.fleet"]
+)
+def test_the_modules_routing_reads_model_info_through_import_first(module: str) -> None:
+    """Routing's limits and options are drawn from the lists GetModelInfo is read by
+    (controller.model_info), which once lived in controller.fleet: eligibility could not
+    import them (fleet imports fleet_view, which imports eligibility) and kept copies. Each
+    module imports first in a fresh process: no cycle among them."""
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
 
 
 async def test_model_info_tells_the_fleets_block_size_and_name_whichever_engine_answers() -> None:

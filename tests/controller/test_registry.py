@@ -26,6 +26,7 @@ from controller.registry import (
     ModelRequiredError,
     PollFailure,
     Registry,
+    RegistryMemo,
     Role,
     UnknownEngineError,
     agreed_block_size,
@@ -721,7 +722,36 @@ def test_the_routable_listings_kept_do_not_grow_with_the_models_requests_name() 
     _ready(registry, "h:1", dataclasses.replace(identity("e1"), models=(), model_facts=()))
     for n in range(3 * ROUTABLE_MEMO_SIZE):
         assert [r.address for r in registry.routable(f"model-{n}", generating=True)] == ["h:1"]
-    assert len(registry._routable_memo) <= ROUTABLE_MEMO_SIZE
+
+
+def test_what_is_derived_from_the_engines_is_kept_until_a_change_and_bounded() -> None:
+    """A RegistryMemo (the registry's routable listings and served names, the gateway's
+    bounds per model) derives a value once until the registry changes, None as any other
+    (a model no engine names), and keeps ROUTABLE_MEMO_SIZE values at most: a request may
+    name any model."""
+    registry = Registry()
+    memo: RegistryMemo[str, str | None] = RegistryMemo(registry)
+    derived: list[str] = []
+
+    def value(key: str) -> str | None:
+        def derive() -> str | None:
+            derived.append(key)
+            return None if key == "unnamed" else key.upper()
+
+        return memo.get(key, derive)
+
+    assert [value("a"), value("a"), value("unnamed"), value("unnamed")] == ["A", "A", None, None]
+    assert derived == ["a", "unnamed"]
+    registry.add("h:1")  # a change
+    assert value("a") == "A" and derived == ["a", "unnamed", "a"]
+    keys = [f"model-{n}" for n in range(3 * ROUTABLE_MEMO_SIZE)]
+    for key in keys:
+        value(key)
+    derived.clear()
+    assert value(keys[-1]) == keys[-1].upper() and derived == []  # the latest is kept
+    for key in keys:
+        value(key)
+    assert len(keys) - len(derived) <= ROUTABLE_MEMO_SIZE
 
 
 def flapping_registry(policy: HoldDownPolicy, steady: int = 1) -> Registry:

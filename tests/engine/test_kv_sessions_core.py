@@ -12,6 +12,7 @@ from engine.core.api import (
     EngineRequest,
     FinishReason,
     KvBlockBytes,
+    KvImportOutcome,
     RequestOutput,
     SamplingParams,
     SchedulerConfig,
@@ -178,10 +179,19 @@ def test_read_kv_session_copies_the_held_blocks_bytes() -> None:
         core.read_kv_session("nope", 0, 1)
 
 
+def pulled(
+    core: EngineCore, prompt: tuple[int, ...], blocks: list[KvBlockBytes]
+) -> KvImportOutcome:
+    """`blocks` pulled for a request of `prompt`, put into `core` as the engine thread does
+    just before adding the request ("d"), with no room to hold them."""
+    request = EngineRequest("d", prompt, SamplingParams(max_tokens=3))
+    return core.import_or_hold_kv_blocks(request, blocks, max_held_bytes=0)
+
+
 def test_imported_blocks_are_prefix_hits_of_the_request_and_stored_events() -> None:
     runner = BytesRunner()
     core = EngineCore(runner)
-    assert core.import_kv_blocks(PROMPT, [b"k0", b"k1"]) == 2
+    assert pulled(core, PROMPT, [b"k0", b"k1"]) == "imported"
     events = core.take_kv_events()
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert len(stored) == 1 and stored[0].token_ids == PROMPT[:8]
@@ -190,16 +200,18 @@ def test_imported_blocks_are_prefix_hits_of_the_request_and_stored_events() -> N
     outputs = run(core, EngineRequest("d", PROMPT, SamplingParams(max_tokens=3)))
     assert outputs[-1].usage is not None and outputs[-1].usage.cached_prompt_tokens == 8
     # Blocks already cached are not written again.
-    assert core.import_kv_blocks(PROMPT, [b"x0", b"x1"]) == 0
+    assert pulled(core, PROMPT, [b"x0", b"x1"]) == "unused"
     assert b"x0" not in runner.data.values()
     core.block_manager.check_invariants()
 
 
 def test_an_import_never_covers_the_block_of_the_last_prompt_token() -> None:
-    core = EngineCore(BytesRunner())
+    runner = BytesRunner()
+    core = EngineCore(runner)
     aligned = PROMPT[:8]  # block 1 holds the last token: recomputed, not imported
-    assert core.import_kv_blocks(aligned, [b"k0", b"k1"]) == 1
+    assert pulled(core, aligned, [b"k0", b"k1"]) == "imported"
     assert core.block_manager.count_hit_tokens(aligned) == 4
+    assert list(runner.data.values()) == [b"k0"]
 
 
 def test_an_import_without_room_or_with_a_failing_write_changes_nothing() -> None:
@@ -207,12 +219,12 @@ def test_an_import_without_room_or_with_a_failing_write_changes_nothing() -> Non
     core = EngineCore(runner)
     core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=50)))
     core.step()  # holds all 4 blocks
-    assert core.import_kv_blocks(PROMPT, [b"k0", b"k1"]) == 0
+    assert pulled(core, PROMPT, [b"k0", b"k1"]) == "dropped"
     core.abort("busy")
     core.take_kv_events()
     runner.fail_writes = True
     with pytest.raises(ValueError, match=r"^bad block$"):  # the runner's own error, passed on
-        core.import_kv_blocks(PROMPT, [b"k0", b"k1"])
+        pulled(core, PROMPT, [b"k0", b"k1"])
     assert core.block_manager.count_hit_tokens(PROMPT) == 0
     assert not [e for e in core.take_kv_events() if isinstance(e, BlockStored)]
     assert core.block_manager.num_used_blocks == 0
@@ -305,8 +317,9 @@ def test_a_session_moves_from_a_prefill_core_to_a_decode_core() -> None:
     table = prefill_core.block_manager.block_table(prefill_core._kv_sessions["s1"].seq_id)
     prefill_runner.write_kv_blocks(table, [b"k0", b"k1"])
     data = memoryview(prefill_core.read_kv_session("s1", 0, 2))
-    decode_core.import_kv_blocks(PROMPT, [data[:2], data[2:]])  # as the puller passes them
     request = EngineRequest("d", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    blocks = [data[:2], data[2:]]  # as the puller passes them
+    assert decode_core.import_or_hold_kv_blocks(request, blocks, max_held_bytes=0) == "imported"
     decoded = run(decode_core, request)
     alone = run(EngineCore(BytesRunner()), request)
     assert [o.new_token_ids for o in decoded] == [o.new_token_ids for o in alone]

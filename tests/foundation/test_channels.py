@@ -6,7 +6,7 @@ only as a duration, which a test would have to time."""
 
 from __future__ import annotations
 
-from kvplane.channels import INSECURE, MAX_RECONNECT_BACKOFF_MS, ClientChannels
+from kvplane.channels import INSECURE, MAX_RECONNECT_BACKOFF_MS, ClientChannels, plain_details
 from kvplane.config import ClientTlsConfig
 
 BACKOFF = "grpc.max_reconnect_backoff_ms"
@@ -49,3 +49,16 @@ def test_a_clients_own_options_replace_the_defaults_and_the_earlier_ones() -> No
         "grpc.http2.ping_timeout_ms": 2_500,
         "grpc.http2.max_pings_without_data": 0,
     }
+
+
+def test_a_host_that_does_not_resolve_is_said_so_whichever_resolver_said_it() -> None:
+    """gRPC's own resolver and c-ares (GRPC_DNS_RESOLVER=ares on some builds) word it
+    differently, each at length; both become one short reason."""
+    said_by = (
+        "errors resolving nope.invalid:8100: [field:hostname lookup error:address lookup failed "
+        "for nope.invalid:8100: Domain name not found]",
+        "DNS resolution failed for nope.invalid:8100: C-ares status is not ARES_SUCCESS "
+        "qtype=A name=nope.invalid is_balancer=0: Domain name not found",
+    )
+    for details in said_by:
+        assert plain_details(details) == "the host does not resolve (Domain name not found)"
