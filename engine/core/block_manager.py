@@ -11,7 +11,8 @@ Invariants (checked by `check_invariants`, kept on every change):
   (see Duplicates);
 - a key stays cached while a sequence holds a copy of it: a table's first `num_cached_blocks`
   blocks each hold their key, cached or standing by for it;
-- the KV events recorded so far, replayed in order, give exactly the keys of `_cached`.
+- the KV events recorded so far (those held for scheduled blocks included), replayed in order,
+  give exactly the keys of `_cached`.
 
 Free list. An O(1) doubly linked list over block ids (arrays `_prev`/`_next`, sentinel at index
 `num_blocks`), so that a prefix hit can take a cached block out of the middle in O(1).
@@ -26,13 +27,26 @@ is. A hit is checked against the stored token ids, parent key and namespace, so 
 collision can never serve the wrong KV; the check is made once per stored block and token list
 (`_Lookup`: admission asks about the same list repeatedly, and a waiting head at every step).
 
-Duplicates. Two sequences that compute the same block at once both hold its KV; the first to
-finish it caches it, the second copy stays private (one BlockStored per key, as the index counts
-blocks, not copies) but stands by: were the cached copy evicted while the second is still held,
-the second takes the key over, with no event, and the key stays cached. vLLM caches both copies
-(block tables are append-only there too) and keeps the hash until its last copy goes; without the
-standby, the key would be lost while a running sequence still holds its KV, and that sequence's
-next blocks would be stored under a parent no longer cached (unreachable by any prefix match).
+Duplicates. Two sequences that compute the same block at once both hold its KV; the first
+scheduled to fill it caches it, the second copy stays private (one BlockStored per key, as the
+index counts blocks, not copies) but stands by: were the cached copy evicted while the second
+is still held, the second takes the key over, with no event, and the key stays cached. vLLM
+caches both copies (block tables are append-only there too) and keeps the hash until its last
+copy goes; without the standby, the key would be lost while a running sequence still holds its
+KV, and that sequence's next blocks would be stored under a parent no longer cached
+(unreachable by any prefix match).
+
+Scheduled blocks. As vLLM v1 (`allocate_slots` caches the full blocks a scheduled chunk
+covers), the scheduler caches a block as soon as it schedules the chunk that fills it
+(`cache_blocks(scheduled=True)`), before its KV is written: a sequence admitted later in the
+same step (another request with the same prefix, another output of the same request) takes it
+as a prefix hit, and reads it in the same forward pass, whose every layer writes the step's
+keys and values before attention reads them. Nothing but that pass may write those blocks:
+between the scheduling and the pass no block is allocated (so none of them is evicted). Their
+BlockStored events are held until the pass has run (`commit_scheduled`), with every event
+recorded after them, so the events stay in order and never announce KV that is not written;
+if the pass fails (`discard_scheduled`), the blocks leave the cache unannounced, and the
+sequences that took them as hits are told to compute them.
 
 Full prompt hits. The runner needs the logits of the last prompt token, so a hit never covers
 it: at most `(num_prompt_tokens - 1) // block_size` blocks are reused (a block-aligned prompt
@@ -129,6 +143,11 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         self._tables: dict[int, _Table] = {}
         self._events: list[KvEvent] = []
+        # While the step being scheduled has cached blocks its forward pass is still to write
+        # (`cache_blocks(scheduled=True)`): those blocks, and every event recorded since the
+        # first of them, in order, flagged when it is their BlockStored (see Scheduled blocks).
+        self._scheduled: list[int] = []
+        self._held_events: list[tuple[KvEvent, bool]] = []
         self._lookup: _Lookup | None = None
         self._cache_version = 0  # bumped whenever a key enters, leaves or moves in `_cached`
         # Private copies of cached keys, held by the sequences that computed them second: key ->
@@ -380,7 +399,7 @@ class BlockManager:
             self._ref_counts[block_id] = 1
             table.block_ids.append(block_id)
         if evicted:
-            self._events.append(BlockRemoved(tuple(evicted), self.medium))
+            self._record(BlockRemoved(tuple(evicted), self.medium))
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's table; its cached blocks stay cached (evictable), the others are
@@ -395,13 +414,18 @@ class BlockManager:
         """The sequence's physical block ids (a live list: read, never modify)."""
         return self._tables[seq_id].block_ids
 
-    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
-        """Record that the KV of `token_ids[:num_computed]` is computed: every newly full block
-        gets its key and enters the prefix cache (one BlockStored for the run of new blocks)."""
+    def cache_blocks(
+        self, seq_id: int, token_ids: Sequence[int], num_tokens: int, *, scheduled: bool = False
+    ) -> None:
+        """Cache the full blocks of `token_ids[:num_tokens]`: every newly full block gets its
+        key and enters the prefix cache (one BlockStored for the run of new blocks). Their KV
+        is written already (an import), or, `scheduled`, by the forward pass of the step being
+        scheduled: they are prefix hits at once, their events are held until that pass has
+        run (`commit_scheduled`, or `discard_scheduled` when it fails; see Scheduled blocks)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[seq_id]
-        num_full = min(num_computed // self.block_size, len(table.block_ids))
+        num_full = min(num_tokens // self.block_size, len(table.block_ids))
         if num_full <= table.num_cached_blocks:
             return
         size = self.block_size
@@ -420,6 +444,8 @@ class BlockManager:
             key = table.block_keys[i]
             parent = table.block_keys[i - 1] if i > 0 else None
             content = _CachedBlock(parent, tuple(token_ids[i * size : (i + 1) * size]), ns)
+            if scheduled:
+                self._scheduled.append(block_id)
             if key in self._cached:
                 # Another sequence computed the same block first: this copy stays private, a
                 # standby for the cached one (see Duplicates).
@@ -432,18 +458,79 @@ class BlockManager:
             self._contents[block_id] = content
             stored.append(i)
         table.num_cached_blocks = num_full
-        self._record_stored(table, stored)
+        self._record_stored(table, stored, scheduled)
 
-    def _record_stored(self, table: _Table, indexes: list[int]) -> None:
+    def _record_stored(self, table: _Table, indexes: list[int], scheduled: bool) -> None:
         """One BlockStored per run of consecutive block indexes."""
         run: list[int] = []
         for i in indexes:
             if run and i != run[-1] + 1:
-                self._events.append(self._stored_event(table, run))
+                self._record(self._stored_event(table, run), scheduled)
                 run = []
             run.append(i)
         if run:
-            self._events.append(self._stored_event(table, run))
+            self._record(self._stored_event(table, run), scheduled)
+
+    def _record(self, event: KvEvent, scheduled: bool = False) -> None:
+        """Record an event; `scheduled`: the BlockStored of scheduled blocks. Held, with every
+        later one, while scheduled blocks await their forward pass (events stay in order)."""
+        if scheduled or self._held_events:
+            self._held_events.append((event, scheduled))
+        else:
+            self._events.append(event)
+
+    def commit_scheduled(self) -> None:
+        """The step's forward pass has run: the KV of its scheduled blocks is written, and their
+        events (and those held behind them) can be taken."""
+        self._events.extend(event for event, _ in self._held_events)
+        self._held_events.clear()
+        self._scheduled.clear()
+
+    def discard_scheduled(self) -> dict[int, int]:
+        """The step's forward pass did not run (it raised): its scheduled blocks hold no KV.
+        They leave the prefix cache, with no event (their BlockStored was never taken; a key
+        cached before, whose cached copy was evicted this step for a scheduled standby, is
+        taken over by a written standby or removed), and scheduled standbys are dropped.
+        Returns, for each table that holds one among its cached blocks, how many of its tokens
+        stay cached (the blocks before the first such): a sequence that took them as prefix
+        hits must compute them again."""
+        blocks, self._scheduled = self._scheduled, []
+        held, self._held_events = self._held_events, []
+        self._events.extend(event for event, scheduled in held if not scheduled)
+        new_keys = {
+            key
+            for event, scheduled in held
+            if scheduled and isinstance(event, BlockStored)
+            for key in event.block_keys
+        }
+        for block_id in blocks:  # first, so that none of them takes a key over below
+            if block_id in self._standby_key:
+                self._drop_standby(block_id)
+        removed: list[BlockKey] = []
+        for block_id in blocks:
+            key = self._keys[block_id]
+            if key is None:
+                continue
+            del self._cached[key]
+            self._keys[block_id] = None
+            self._contents[block_id] = None
+            if not self._take_over(key) and key not in new_keys:
+                removed.append(key)
+            if self._ref_counts[block_id] == 0:  # its writer is gone: it holds nothing now
+                self._unlink(block_id)
+                self._link_after(self.num_blocks, block_id)
+        self._cache_version += 1
+        if removed:
+            self._record(BlockRemoved(tuple(removed), self.medium))
+        discarded = set(blocks)
+        kept: dict[int, int] = {}
+        for seq_id, table in self._tables.items():
+            for i in range(table.num_cached_blocks):
+                if table.block_ids[i] in discarded:
+                    table.num_cached_blocks = i
+                    kept[seq_id] = i * self.block_size
+                    break
+        return kept
 
     def _stored_event(self, table: _Table, indexes: list[int]) -> BlockStored:
         first = indexes[0]
@@ -469,6 +556,8 @@ class BlockManager:
     # ---------------------------------------------------------------- events and resets
 
     def take_events(self) -> list[KvEvent]:
+        """The events recorded so far, but those held for scheduled blocks (see Scheduled
+        blocks)."""
         events, self._events = self._events, []
         return events
 
@@ -481,7 +570,7 @@ class BlockManager:
         self._cache_version += 1
         self._keys = [None] * self.num_blocks
         self._contents = [None] * self.num_blocks
-        self._events.append(AllBlocksCleared(self.medium))
+        self._record(AllBlocksCleared(self.medium))
         return True
 
     def drop_lora_blocks(self, lora_name: str) -> int:
@@ -507,7 +596,7 @@ class BlockManager:
                 self._link_after(self.num_blocks, block_id)
         if dropped:
             self._cache_version += 1
-            self._events.append(BlockRemoved(tuple(dropped), self.medium))
+            self._record(BlockRemoved(tuple(dropped), self.medium))
             for table in self._tables.values():
                 if table.namespace.lora_name == lora_name:
                     table.num_cached_blocks = 0  # its holder keeps them, uncached
@@ -576,6 +665,9 @@ class BlockManager:
             assert self._ref_counts[block_id] > 0 and self._keys[block_id] is None
             assert key in self._cached, f"standby {block_id} of a key not cached"
         assert sum(map(len, self._standby.values())) == len(self._standby_key)
+        for block_id in self._scheduled:
+            assert self._keys[block_id] is not None or block_id in self._standby_key
+        assert self._scheduled or not self._held_events, "events held for no scheduled block"
         # What the standbys are for: a key stays cached while a sequence holds a copy of it,
         # the cached block or a standby of the key (for the one the sequence holds there).
         for table in self._tables.values():

@@ -3,9 +3,11 @@ at a time.
 
 EngineCore is synchronous and single-threaded: `add_request`, `abort`, `step` and friends must be
 called from one thread (`engine.core.engine_loop.EngineLoop` runs them in a dedicated one; it is
-re-exported here). A step: schedule -> `runner.execute(batch)` -> mark the computed tokens
-(caching newly full blocks, which records KV events) -> for every sequence that sampled, stop
-checks and text deltas -> `RequestOutput`s. Time comes from the `clock` passed in (a virtual clock
+re-exported here). A step: schedule (which caches the full blocks the step's chunks fill, so
+that a sequence admitted after them in the same step hits them) -> `runner.execute(batch)` ->
+release the KV events of those blocks (or, if the pass failed, take them out of the cache) ->
+mark the computed tokens -> for every sequence that sampled, stop checks and text deltas ->
+`RequestOutput`s. Time comes from the `clock` passed in (a virtual clock
 in replay), so the same core runs live and simulated.
 
 KV sessions (disaggregated serving). A PREFILL engine's request carries `kv_session_id`: when
@@ -126,7 +128,10 @@ class _RequestState:
         return Usage(
             prompt_tokens=len(self.request.prompt_token_ids),
             completion_tokens=sum(len(o.sequence.output_token_ids) for o in self.outputs),
-            cached_prompt_tokens=self.outputs[0].sequence.num_cached_tokens or 0,
+            # Output 0 computes the prompt; the others, admitted in the same step, take its
+            # blocks as prefix hits. vLLM's final output is made by the output that ends the
+            # request, typically a later one: its hits.
+            cached_prompt_tokens=max(o.sequence.num_cached_tokens or 0 for o in self.outputs),
         )
 
 
@@ -603,29 +608,36 @@ class EngineCore:
         started_s = self.clock()
         sched = self.scheduler.schedule(started_s)
         outputs: list[RequestOutput] = []
-        for seq in sched.out_of_capacity:
-            out = self._outputs_by_seq[seq.seq_id]
-            state = self._requests[seq.request_id]
-            outputs.append(
-                self._finish(
-                    state,
-                    out,
-                    FinishReason.LENGTH,
-                    None,
-                    out.stop.finish(),
-                    message="KV cache full",
+        try:
+            for seq in sched.out_of_capacity:
+                out = self._outputs_by_seq[seq.seq_id]
+                state = self._requests[seq.request_id]
+                outputs.append(
+                    self._finish(
+                        state,
+                        out,
+                        FinishReason.LENGTH,
+                        None,
+                        out.stop.finish(),
+                        message="KV cache full",
+                    )
                 )
-            )
-        if not sched.scheduled:
-            self._last_prefill_batch = self._last_decode_batch = 0
-            return StepResult(outputs, None, len(sched.preempted))
-        batch, dead_ends = self._build_batch(sched.scheduled)
-        num_decode = batch.num_decode_sequences
-        self._last_decode_batch = num_decode
-        self._last_prefill_batch = len(batch.sequences) - num_decode
-        if on_pass_start is not None:
-            on_pass_start()
-        results = {r.seq_id: r for r in self.runner.execute(batch)}
+            if not sched.scheduled:
+                self._last_prefill_batch = self._last_decode_batch = 0
+                return StepResult(outputs, None, len(sched.preempted))
+            batch, dead_ends = self._build_batch(sched.scheduled)
+            num_decode = batch.num_decode_sequences
+            self._last_decode_batch = num_decode
+            self._last_prefill_batch = len(batch.sequences) - num_decode
+            if on_pass_start is not None:
+                on_pass_start()
+            results = {r.seq_id: r for r in self.runner.execute(batch)}
+        except BaseException:
+            # The pass did not run: the blocks it was to fill hold no KV (the block manager's
+            # Scheduled blocks); the caller fails the requests (`EngineLoop`).
+            self.scheduler.discard_step()
+            raise
+        self.block_manager.commit_scheduled()
         duration_s = self.clock() - started_s
         for work, scheduled in zip(sched.scheduled, batch.sequences, strict=True):
             if work.sequence.seq_id not in self._outputs_by_seq:
@@ -817,9 +829,7 @@ class EngineCore:
         self, work: ScheduledWork, scheduled: ScheduledSequence, result: SequenceResult | None
     ) -> RequestOutput | None:
         seq = work.sequence
-        seq.num_computed_tokens += work.num_new_tokens
-        if seq.caches_blocks:
-            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        seq.num_computed_tokens += work.num_new_tokens  # its full blocks are cached (scheduler)
         state = self._requests[seq.request_id]
         out = self._outputs_by_seq[seq.seq_id]
         if result is None:

@@ -20,6 +20,11 @@ Each step (`schedule`) spends a token budget (`max_num_batched_tokens`):
    while the pool was full) is admitted once the pool holds those blocks and its first chunk
    after them; they are imported then, and count as its prefix hits.
 
+A scheduled chunk's full blocks enter the prefix cache at once (`BlockManager.cache_blocks`,
+Scheduled blocks), as in vLLM v1: a sequence admitted later in the same step finds them as
+prefix hits, and the forward pass computes them for both. If that pass fails, `discard_step`
+takes them back out.
+
 Waiting order: larger priority first, FCFS within a priority (one FIFO per level, so picking
 is O(number of levels)). No starvation: with `aging_s` set, a sequence's effective priority
 grows by one level per `aging_s` seconds since its arrival, so any sequence eventually outranks
@@ -168,6 +173,7 @@ class Scheduler:
                 break
             else:
                 bm.append(seq.seq_id, target)
+                self._cache_scheduled(seq, target)
                 out.scheduled.append(ScheduledWork(seq, num_new))
                 kept.append(seq)
                 budget -= num_new
@@ -223,6 +229,7 @@ class Scheduler:
             self._pop(seq)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
+            self._cache_scheduled(seq, num_cached + num_new)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             out.num_cached_tokens += num_cached
@@ -230,6 +237,25 @@ class Scheduler:
             out.scheduled.append(ScheduledWork(seq, num_new))
             budget -= num_new
         return budget
+
+    def _cache_scheduled(self, seq: Sequence, num_tokens: int) -> None:
+        """Its chunk is scheduled: the full blocks of its first `num_tokens` tokens are
+        prefix hits from now on, for the sequences admitted after it in this very step too."""
+        if seq.caches_blocks:
+            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, num_tokens, scheduled=True)
+
+    def discard_step(self) -> list[Sequence]:
+        """The forward pass of the last `schedule` did not run (it raised): the blocks its
+        chunks were to fill leave the prefix cache, and the sequences that took some of them as
+        prefix hits are preempted (returned), to compute them when admitted again. The others
+        compute the chunk again at the next step."""
+        kept = self.block_manager.discard_scheduled()
+        out = SchedulerOutput()
+        for seq in self.running[::-1]:  # each goes to its queue's front: keep their order
+            if kept.get(seq.seq_id, seq.num_computed_tokens) < seq.num_computed_tokens:
+                self.running.remove(seq)
+                self._preempt(seq, out)
+        return out.preempted
 
     def _can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         request = seq.request

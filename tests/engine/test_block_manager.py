@@ -239,6 +239,67 @@ def test_a_duplicate_still_held_keeps_the_key_cached_when_the_first_copy_is_evic
     bm.check_invariants()
 
 
+def scheduled_with_a_same_step_hit(prompt: list[int]) -> BlockManager:
+    """Sequence 1 is scheduled to compute `prompt`; sequence 2, admitted after it in the same
+    step, takes its full blocks (but the last token's) as hits."""
+    bm = BlockManager(8, 2)
+    bm.allocate(1, prompt, len(prompt))
+    bm.cache_blocks(1, prompt, len(prompt), scheduled=True)
+    hits = (len(prompt) - 1) // 2 * 2
+    assert bm.count_hit_tokens(prompt) == hits
+    assert bm.allocate(2, list(prompt), len(prompt)) == hits
+    bm.cache_blocks(2, prompt, len(prompt), scheduled=True)  # nothing new: its hits are cached
+    return bm
+
+
+def test_a_scheduled_block_is_a_hit_at_once_and_announced_once_its_pass_has_run() -> None:
+    # vLLM v1 caches a block when the chunk that fills it is scheduled: a sequence admitted
+    # later in the same step hits it (the forward pass writes it before attention reads it).
+    prompt = [1, 2, 3, 4, 5]
+    bm = scheduled_with_a_same_step_hit(prompt)
+    assert bm.take_events() == []  # held until the pass has run
+    bm.commit_scheduled()
+    (stored,) = bm.take_events()
+    assert isinstance(stored, BlockStored) and stored.block_keys == tuple(block_keys(prompt, 2))
+    bm.check_invariants()
+
+
+def test_a_failed_step_takes_its_scheduled_blocks_back_out_unannounced() -> None:
+    prompt = [1, 2, 3, 4, 5]
+    bm = scheduled_with_a_same_step_hit(prompt)
+    bm.allocate(3, [7, 7, 7], 3)  # an event recorded behind the held ones stays
+    bm.cache_blocks(3, [7, 7, 7], 3)
+    # The pass raised: no block of it holds KV. The sequence that hit them keeps none.
+    assert bm.discard_scheduled() == {1: 0, 2: 0}
+    assert bm.count_hit_tokens(prompt) == 0
+    assert bm.cached_keys() == set(block_keys([7, 7], 2))
+    assert replay(bm.take_events()) == bm.cached_keys()
+    bm.check_invariants()
+    bm.free(2)
+    bm.free(1)
+    bm.check_invariants()
+
+
+def test_a_failed_step_removes_a_key_its_unwritten_standby_took_over() -> None:
+    # A key cached (and announced) before the step; a sequence computes it again in the step
+    # (its copy a standby), and the announced copy is evicted: the standby takes the key over.
+    # If the pass fails, that copy holds no KV: the key is removed, and said so.
+    bm = BlockManager(4, 2)
+    prompt = [1, 2, 9]
+    bm.allocate(1, prompt, 3)
+    bm.cache_blocks(1, prompt, 3)
+    (key,) = replay(bm.take_events())
+    bm.allocate(2, prompt, 3, use_cache=False)
+    bm.cache_blocks(2, prompt, 3, scheduled=True)  # its copy stands by
+    bm.free(1)
+    bm.allocate(3, [7, 7, 7], 3)  # evicts the announced copy: the standby takes over
+    assert bm.cached_keys() == {key}
+    assert bm.discard_scheduled() == {2: 0}
+    assert bm.cached_keys() == set()
+    assert bm.take_events() == [BlockRemoved((key,), Medium.GPU)]
+    bm.check_invariants()
+
+
 def test_reset_prefix_cache_refused_while_blocks_are_used() -> None:
     bm = BlockManager(4, 2)
     bm.allocate(1, [1, 2, 3], 3)
@@ -271,6 +332,11 @@ PREFIXES: tuple[list[int], ...] = ([], [1, 1, 2, 2], [1, 1, 2, 3], [3, 3, 3, 3, 
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    """Steps as the scheduler makes them: chunks are scheduled (their full blocks cached at
+    once, hits for the sequences admitted after them in the same step), then the step's forward
+    pass writes every chunk's tokens into the fake KV store before any hit is read, or fails
+    and writes nothing. A hit must always read its own tokens."""
+
     seqs = Bundle("seqs")
 
     def __init__(self) -> None:
@@ -282,17 +348,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.computed: dict[int, int] = {}
         self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token written there
         self.replayed: set[int] = set()
+        # The step being scheduled: each sequence's chunk [start, end).
+        self.chunks: dict[int, tuple[int, int]] = {}
         # The last token list refused for lack of blocks: retried like a waiting head, with the
         # same list object, after the cache changed under it.
         self.refused: tuple[list[int], str | None] | None = None
 
-    def _write(self, seq_id: int, start: int, end: int) -> None:
-        table = self.bm.block_table(seq_id)
-        for pos in range(start, end):
-            block = table[pos // BLOCK_SIZE]
-            self.slots[(block, pos % BLOCK_SIZE)] = self.tokens[seq_id][pos]
-        self.computed[seq_id] = end
-        self.bm.cache_blocks(seq_id, self.tokens[seq_id], end)
+    def _schedule(self, seq_id: int, start: int, end: int) -> None:
+        self.chunks[seq_id] = (start, end)
+        self.bm.cache_blocks(seq_id, self.tokens[seq_id], end, scheduled=True)
 
     @rule(
         target=seqs,
@@ -342,16 +406,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert hit == expected
         self.tokens[seq_id] = tokens
         self.namespace[seq_id] = salt
-        table = self.bm.block_table(seq_id)
-        for pos in range(hit):  # the reused KV really holds this prefix
-            assert self.slots[(table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] == tokens[pos]
-        self._write(seq_id, hit, num)
+        self.computed[seq_id] = hit
+        self._schedule(seq_id, hit, num)
         return seq_id
 
     @precondition(lambda self: bool(self.tokens))
     @rule(seq=seqs, more=st.integers(1, 5), generated=st.lists(st.integers(0, 3), max_size=3))
     def extend(self, seq: int | None, more: int, generated: list[int]) -> None:
-        if seq not in self.tokens:
+        if seq not in self.tokens or seq in self.chunks:
             return
         self.tokens[seq].extend(generated)
         target = min(len(self.tokens[seq]), self.computed[seq] + more)
@@ -360,12 +422,44 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.append(seq, target)
             return
         self.bm.append(seq, target)
-        self._write(seq, self.computed[seq], target)
+        self._schedule(seq, self.computed[seq], target)
+
+    @rule()
+    def run_step(self) -> None:
+        """The forward pass: every layer writes the step's tokens, then attention reads."""
+        for seq_id, (start, end) in self.chunks.items():
+            table = self.bm.block_table(seq_id)
+            for pos in range(start, end):
+                block = table[pos // BLOCK_SIZE]
+                self.slots[(block, pos % BLOCK_SIZE)] = self.tokens[seq_id][pos]
+        for seq_id, (start, _) in self.chunks.items():  # what attention reads: its own tokens
+            table = self.bm.block_table(seq_id)
+            for pos in range(start):
+                slot = (table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+                assert self.slots.get(slot) == self.tokens[seq_id][pos]
+        for seq_id, (_, end) in self.chunks.items():
+            self.computed[seq_id] = end
+        self.chunks.clear()
+        self.bm.commit_scheduled()
+
+    @rule()
+    def fail_step(self) -> None:
+        """The forward pass raises: nothing is written. A sequence that hit blocks of the
+        step is preempted (the scheduler's `discard_step`), the others stay as they were."""
+        kept = self.bm.discard_scheduled()
+        for seq_id, num_kept in kept.items():
+            if num_kept < self.computed[seq_id]:
+                self._forget(seq_id)
+        self.chunks.clear()
 
     @rule(seq=consumes(seqs))
     def free(self, seq: int | None) -> None:
-        if seq not in self.tokens:
-            return
+        """Finished, aborted or preempted: between steps, or while scheduling one a sequence
+        not scheduled in it (the scheduler preempts only those)."""
+        if seq in self.tokens and seq not in self.chunks:
+            self._forget(seq)
+
+    def _forget(self, seq: int) -> None:
         self.bm.free(seq)
         del self.tokens[seq], self.computed[seq], self.namespace[seq]
 
@@ -382,8 +476,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def events_replay_to_the_cached_set(self) -> None:
-        replay(self.bm.take_events(), self.replayed)
-        assert self.replayed == self.bm.cached_keys()
+        """Between steps, the events announce exactly the cached keys (never a block whose
+        KV a failed step did not write)."""
+        if not self.chunks:
+            replay(self.bm.take_events(), self.replayed)
+            assert self.replayed == self.bm.cached_keys()
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -1,7 +1,8 @@
 """The block manager against vLLM's prefix-cache rules (`vllm_prefix_cache.py`): the same
-hypothesis-generated schedules (admissions with prefix hits, chunked prefill, two sequences
-computing the same prefix at once, decodes filling blocks, finishes, aborts and preemptions,
-resets) drive both, and their KV events and prefix hits must agree.
+hypothesis-generated schedules (steps of admissions with prefix hits, the blocks scheduled
+earlier in the same step included, chunked prefill, two sequences computing the same prefix at
+once, decodes filling blocks, finishes, aborts and preemptions, resets) drive both, and their KV
+events (taken after each step's forward pass) and prefix hits must agree.
 
 - Under eviction pressure against the model with kvplane's two intended departures from vLLM
   (uncached blocks freed to the front, one cached copy per key with standby copies): the
@@ -62,6 +63,7 @@ class _Differential(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}  # tokens the sequence has blocks for
         self.computed: dict[int, int] = {}
+        self.in_step: set[int] = set()  # the sequences scheduled in the step not yet run
         self.live: set[object] = set()  # keys the events so far leave cached (ours)
         self.vllm_keys: set[object] = set()  # keys vLLM's events so far stored
 
@@ -87,23 +89,24 @@ class _Differential(RuleBasedStateMachine):
         seq_id = self.next_id
         self.next_id += 1
         cached = self.bm.allocate(seq_id, tokens, num, cache_salt=salt, use_cache=use_cache)
+        self.bm.cache_blocks(seq_id, tokens, num, scheduled=True)  # as the scheduler does
         assert cached == self.vllm.allocate(seq_id, tokens, num, salt, use_cache)
         self.tokens[seq_id], self.slots[seq_id], self.computed[seq_id] = tokens, num, cached
+        self.in_step.add(seq_id)
         return seq_id
 
-    @rule(seq=seqs)
-    def compute(self, seq: int | None) -> None:
-        """The pass that was given slots runs: their KV is written."""
-        if seq not in self.tokens:
-            return
-        self.computed[seq] = self.slots[seq]
-        self.bm.cache_blocks(seq, self.tokens[seq], self.computed[seq])
-        self.vllm.computed(seq, self.computed[seq])
+    @rule()
+    def run_step(self) -> None:
+        """The step's forward pass runs: the KV of every scheduled chunk is written."""
+        for seq in self.in_step:
+            self.computed[seq] = self.slots[seq]
+        self.in_step.clear()
+        self.bm.commit_scheduled()
 
     @rule(seq=seqs, more=st.integers(1, 5), sampled=st.integers(0, 3))
     def schedule_next(self, seq: int | None, more: int, sampled: int) -> None:
         """The next chunk of a prefill, or a decode of the token just sampled."""
-        if seq not in self.tokens or self.computed[seq] < self.slots[seq]:
+        if seq not in self.tokens or seq in self.in_step:
             return
         tokens = self.tokens[seq]
         if self.computed[seq] == len(tokens):
@@ -113,13 +116,17 @@ class _Differential(RuleBasedStateMachine):
         assert fits == self.vllm.can_grow(seq, target)
         if fits:
             self.bm.append(seq, target)
-            self.vllm.grow(seq, target)
+            self.bm.cache_blocks(seq, tokens, target, scheduled=True)
+            self.vllm.schedule(seq, target)
             self.slots[seq] = target
+            self.in_step.add(seq)
 
     @rule(seq=consumes(seqs))
     def free(self, seq: int | None) -> None:
-        """Finished, aborted (maybe mid-prefill) or preempted: the same at the block level."""
-        if seq not in self.tokens:
+        """Finished, aborted (maybe mid-prefill) or preempted: the same at the block level.
+        Between steps, or while scheduling one a sequence not scheduled in it (the
+        scheduler preempts only those)."""
+        if seq not in self.tokens or seq in self.in_step:
             return
         self.bm.free(seq)
         self.vllm.free(seq)
@@ -132,6 +139,9 @@ class _Differential(RuleBasedStateMachine):
     @invariant()
     def same_events_and_cache(self) -> None:
         self.bm.check_invariants()
+        assert self.bm.cached_keys() == self.vllm.cached_keys()
+        if self.in_step:
+            return  # the events of the step's blocks are taken after its forward pass
         ours = flatten(self.bm.take_events())
         theirs, self.vllm.events = self.vllm.events, []
         if not self.KVPLANE_DEPARTURES:

@@ -600,11 +600,11 @@ def test_engine_core_end_to_end_reproduces_vllm_outputs() -> None:
     tokenizer = load_tokenizer(TINY_LLAMA)
     assert all(texts[k] == finished_text(tokenizer, v) for k, v in outputs.items())
     assert core.load().num_running == 0
-    # The workload exercised preemption (recomputed sequences still match) and prefix hits; a
-    # request run alone hits the cache exactly as much as in vLLM.
+    # The workload exercised preemption (recomputed sequences still match) and prefix hits;
+    # every request hits the cache exactly as much as in vLLM, one admitted in the same step
+    # as the request computing its prefix too (vLLM caches a block when its chunk is scheduled).
     assert num_preempted >= 1
-    alone = [r for r in requests if r["batch_members"] == 1]
-    assert [cached[r["vllm_request_id"]] for r in alone] == [r["num_cached_tokens"] for r in alone]
+    assert cached == {r["vllm_request_id"]: r["num_cached_tokens"] for r in requests}
     assert sum(cached.values()) >= 1000
 
 

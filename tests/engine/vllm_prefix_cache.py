@@ -10,9 +10,12 @@ code; block keys are kvplane's canonical keys (the hash function is not what is 
 - a request's prefix hits are its leading full blocks whose keys are cached (the first copy of
   each), never the block holding its last token (its logits are needed), stopping at the first
   miss; a hit block on the free queue leaves it, and its reference count grows;
-- when the tokens of full blocks are computed, each newly full block gets its key and is cached:
+- when a chunk is scheduled (`allocate_slots`: a new request's hits and first chunk, or a
+  running one's next chunk), each newly full block it covers gets its key and is cached at once,
+  before the forward pass writes its KV, so a request admitted later in the same step hits it:
   one `BlockStored` per call for the run of new blocks, even for a key already cached in another
   block (vLLM does not de-duplicate: both copies are cached, and each gets its `BlockRemoved`);
+  the events are published after the step's forward pass (`update_from_output`);
 - freeing a request (finished, aborted, preempted) drops one reference from each of its blocks,
   last block first; blocks left unreferenced go to the back of the queue, cached or not, and
   cached ones stay cached (evictable), so the least recently freed is evicted first and a chain's
@@ -116,7 +119,7 @@ class VllmPrefixCache:
     def allocate(
         self, rid: int, tokens: Sequence[int], num_tokens: int, salt: str | None, use_cache: bool
     ) -> int:
-        """The number of cached tokens."""
+        """Hits, then `schedule` of its first chunk; returns the number of cached tokens."""
         hits = self.hit_blocks(tokens, salt) if use_cache else []
         request = self.requests[rid] = _Request(tokens, salt)
         for block in hits:
@@ -125,8 +128,14 @@ class VllmPrefixCache:
             self.refs[block] += 1
             request.blocks.append(block)
         request.num_cached = len(hits)
-        self.grow(rid, max(num_tokens, len(hits) * self.block_size))
+        self.schedule(rid, max(num_tokens, len(hits) * self.block_size))
         return len(hits) * self.block_size
+
+    def schedule(self, rid: int, num_tokens: int) -> None:
+        """`allocate_slots`: slots for the request's tokens up to `num_tokens`, whose full
+        blocks are cached now (the forward pass that writes them comes later in the step)."""
+        self.grow(rid, num_tokens)
+        self._cache(rid, num_tokens)
 
     def can_grow(self, rid: int, num_tokens: int) -> bool:
         return self._blocks_for(num_tokens) - len(self.requests[rid].blocks) <= len(self.queue)
@@ -153,11 +162,10 @@ class VllmPrefixCache:
             del self.copies[key]
         self.events.append(("removed", key))
 
-    def computed(self, rid: int, num_computed: int) -> None:
-        """The KV of the request's first `num_computed` tokens is written."""
+    def _cache(self, rid: int, num_tokens: int) -> None:
         request = self.requests[rid]
         size = self.block_size
-        num_full = min(num_computed // size, len(request.blocks))
+        num_full = min(num_tokens // size, len(request.blocks))
         keys = self._keys(request.tokens[: num_full * size], request.salt)
         for i in range(request.num_cached, num_full):
             block, key = request.blocks[i], keys[i]
