@@ -410,9 +410,9 @@ def _computed_share(role: EngineRole, state: _PoolState) -> float:
     the queued prompts' hits taken to be those of the admitted ones (all of them until a pass
     is reported, or while no engine reports its hits). The hits take no new block where
     running requests hold them (a shared prefix: in the engine's used blocks already); hits
-    on evictable blocks (a finished turn's) are taken into use uncounted, but under KV
-    pressure such blocks are the ones evicted, and the prompts then compute them: the share
-    measured at admission rises."""
+    on evictable blocks (a finished turn's, a preempted sequence's own) are taken into use
+    uncounted, but under KV pressure such blocks are mostly the ones evicted, and the
+    prompts then compute them: the share measured at admission rises."""
     share = state.computed.share
     if role is EngineRole.DECODE or share is None:
         return 1.0
