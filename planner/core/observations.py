@@ -57,16 +57,16 @@ class EngineLoad:
     def kv_usage(self) -> float:
         return self.used_kv_blocks / self.total_kv_blocks if self.total_kv_blocks else 0.0
 
-    @property
-    def kv_demand(self) -> float:
-        """KV in use plus what the queued prompts will need, in this engine's caches (can
-        exceed 1: a saturated engine's usage stops at 1, its demand does not)."""
+    def kv_demand(self, queued_new_share: float) -> float:
+        """KV in use plus what the queued prompts will take into use, in this engine's caches
+        (can exceed 1: a saturated engine's usage stops at 1, its demand does not), of which
+        `queued_new_share` of the waiting tokens take blocks not in use now (the rest: prefix
+        hits on blocks running requests hold, counted in `used_kv_blocks` already)."""
         if not self.total_kv_blocks:
             return 0.0
         capacity_tokens = self.total_kv_blocks * self.kv_block_size
-        return (self.used_kv_blocks * self.kv_block_size + self.waiting_prefill_tokens) / (
-            capacity_tokens
-        )
+        queued_tokens = self.waiting_prefill_tokens * queued_new_share
+        return (self.used_kv_blocks * self.kv_block_size + queued_tokens) / capacity_tokens
 
 
 IDLE = EngineLoad(0, 0, 0, 0, 0)

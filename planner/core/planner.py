@@ -16,8 +16,8 @@ Each tick, per configured pool (engines of other pools are left alone):
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
    per second; the backlog is what the engines will compute of their queued prompts:
    `_prefill_backlog`, its growth at this tick's share computed) and feed the forecast;
-   keep running means of the prompt length, of the passes a request decodes for and of the
-   share of admitted prompt tokens computed (not found cached).
+   keep running means of the prompt length and of the passes a request decodes for, and the
+   share of admitted prompt tokens computed (not found cached), weighted by the tokens.
 4. Size (`planner.core.capacity`): engines needed at the SLA targets for the forecast load
    plus `forecast_error_headroom` times the forecast's mean absolute error, by the bounds of
    the pool's role (`planner.core.roles`: what its engines report, else its configured role;
@@ -63,8 +63,30 @@ from planner.core.roles import PoolRole, pool_role
 
 log = logging.getLogger(__name__)
 
-# Weight of a tick's measured mean prompt length (and decode length) in its running mean.
+# Weight of a tick's measured mean prompt length (and decode length) in its running mean;
+# 1 - it, what a tick's tokens weigh in `_TokenShare` against the next's.
 _PROMPT_ALPHA = 0.2
+
+
+@dataclass(slots=True)
+class _TokenShare:
+    """A share of tokens over the ticks that measured any, weighted by their tokens: the
+    parts and the wholes summed, each earlier tick's worth 1 - `_PROMPT_ALPHA` of the next's
+    (the running means' window), so that a tick of one short prompt moves it as little as
+    its tokens weigh."""
+
+    part: float = 0.0
+    whole: float = 0.0
+
+    def add(self, part: float, whole: float) -> None:
+        keep = 1.0 - _PROMPT_ALPHA
+        self.part = keep * self.part + part
+        self.whole = keep * self.whole + whole
+
+    @property
+    def share(self) -> float | None:
+        """None until a tick measured any token."""
+        return self.part / self.whole if self.whole else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +120,8 @@ class _PoolState:
     mean_prompt_tokens: float | None = None
     mean_decode_passes: float | None = None
     # Of the prompt tokens the pool's engines admitted, the share they computed (the rest
-    # the prefix cache held): None until a pass admitted or computed any.
-    computed_share: float | None = None
+    # the prefix cache held), weighted by the tokens.
+    computed: _TokenShare = field(default_factory=_TokenShare)
     last_up_s: float | None = None
     last_scale_s: float | None = None
     # (time, engines wanted with the scale-down headroom) over the stabilisation window.
@@ -283,9 +305,7 @@ class Planner:
                 state.mean_decode_passes, decoded_tokens / prefill_seqs
             )
         if computed_tokens + cached_tokens:
-            state.computed_share = _running_mean(
-                state.computed_share, computed_tokens / (computed_tokens + cached_tokens)
-            )
+            state.computed.add(computed_tokens, computed_tokens + cached_tokens)
         role = self._role(pool, state, engines)
         active = [e for e in engines if e.state is not EngineState.STARTING]
         queued = sum(_queued_tokens(e, role, state) for e in active)
@@ -297,7 +317,7 @@ class Planner:
         # moved (the first cache hits told) is no queue filling or draining.
         growth = (queued - last_queued) * _computed_share(role, state)
         arrivals = max(0.0, (computed_tokens + growth) / (now_s - last_s))
-        kv_demand = sum(e.load.kv_demand for e in active)
+        kv_demand = sum(e.load.kv_demand(_computed_share(role, state)) for e in active)
         state.forecast.update(arrivals, now_s)
         state.kv_forecast.update(kv_demand, now_s)
         cap = self.config.capacity
@@ -380,15 +400,23 @@ def _queued_tokens(engine: EngineObservation, role: EngineRole, state: _PoolStat
 
 
 def _computed_share(role: EngineRole, state: _PoolState) -> float:
-    """Of `_queued_tokens`, the share the engines of a pool of `role` will compute. A decode
-    engine's are all computed. Any other engine computes of its queued prompts the share its
-    pool computed of the prompts it admitted (the rest was cached: FORWARD_PASS's
-    num_cached_tokens): an estimate, the queued prompts' hits taken to be those of the
-    admitted ones (all of them until a pass is reported, or while no engine reports its
-    hits)."""
-    if role is EngineRole.DECODE or state.computed_share is None:
+    """Of `_queued_tokens`, the share the engines of a pool of `role` will compute, and of
+    their waiting tokens, the share that takes KV blocks not in use now (`EngineLoad.kv_demand`).
+
+    A decode engine's are all computed, and its queued prompts' pulled KV waits in its prefix
+    cache as evictable blocks (or in host memory), taken into use whole at admission. Any
+    other engine computes of its queued prompts the share its pool computed of the prompt
+    tokens it admitted (the rest was cached: FORWARD_PASS's num_cached_tokens): an estimate,
+    the queued prompts' hits taken to be those of the admitted ones (all of them until a pass
+    is reported, or while no engine reports its hits). The hits take no new block where
+    running requests hold them (a shared prefix: in the engine's used blocks already); hits
+    on evictable blocks (a finished turn's, a preempted sequence's own) are taken into use
+    uncounted, but under KV pressure such blocks are mostly the ones evicted, and the
+    prompts then compute them: the share measured at admission rises."""
+    share = state.computed.share
+    if role is EngineRole.DECODE or share is None:
         return 1.0
-    return state.computed_share
+    return share
 
 
 def _running_mean(previous: float | None, sample: float) -> float:

@@ -15,7 +15,7 @@ from planner.core.observations import (
     ForwardPasses,
     Observations,
 )
-from planner.core.planner import Planner
+from planner.core.planner import Planner, PoolEstimate
 from tests.planner.planner_obs import engine, passes
 
 STARTING, SERVING, DRAINING = EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING
@@ -178,20 +178,24 @@ PROMPTS_QUEUED = EngineLoad(
 )
 
 
+def scaling_down_at_once() -> Planner:
+    """A planner of a pool of at most 4 engines with no scale-down window nor cooldown."""
+    return Planner(
+        PlannerConfig(
+            pools=(PoolConfig(max_engines=4),),
+            scaling=ScalingConfig(scale_down_stabilisation_s=0, scale_down_cooldown_s=0),
+            capacity=AS_MEASURED,
+        )
+    )
+
+
 def two_aggregated_engines_ticked(hits_reported: bool) -> list[Decision]:
     """The decisions of two ticks of a pool (at most 4 engines, no scale-down window nor
     cooldown) of two aggregated engines with `PROMPTS_QUEUED`, each admitting 20 prompts of
     3,000 tokens a tick of which the prefix cache held 2,250 (said in FORWARD_PASS's
     num_cached_tokens when `hits_reported`), computing the other 750 in 140 passes timed as
     the priors predict."""
-    planner = Planner(
-        PlannerConfig(
-            sla=SlaTargets(ttft_ms=1000, itl_ms=40),
-            pools=(PoolConfig(max_engines=4),),
-            scaling=ScalingConfig(scale_down_stabilisation_s=0, scale_down_cooldown_s=0),
-            capacity=AS_MEASURED,
-        )
-    )
+    planner = scaling_down_at_once()
     engines = tuple(
         EngineObservation(name, "default", SERVING, PROMPTS_QUEUED, EngineRole.AGGREGATED)
         for name in ("a", "b")
@@ -243,6 +247,91 @@ def test_the_first_cache_hits_told_are_no_drop_in_the_prompt_tokens_arriving() -
     estimate = planner.estimate("default")
     assert estimate is not None
     assert estimate.prompt_tokens_per_s == pytest.approx(6_000)
+
+
+# One engine of 1,000 blocks of 16 tokens (16,000 tokens of KV), 400 blocks in use (0.4 of its
+# cache) and 4 prompts of 2,000 tokens queued (8,000 waiting tokens: 0.5 of its cache whole).
+KV_BOUND_LOAD = EngineLoad(
+    running_requests=8,
+    queued_requests=4,
+    waiting_prefill_tokens=4 * 2_000,
+    used_kv_blocks=400,
+    total_kv_blocks=1_000,
+)
+
+
+def kv_bound_pool_ticked(role: EngineRole) -> tuple[list[Decision], PoolEstimate]:
+    """Two ticks of a pool (at most 4 engines; an ITL target of 100 ms, so that the KV bound
+    is the one that binds) of one engine of `role` with `KV_BOUND_LOAD`, admitting 4 prompts
+    of 2,000 tokens a tick of which the prefix cache held 1,500 (FORWARD_PASS's
+    num_cached_tokens), computing the other 500 in 100 passes timed as the priors predict."""
+    planner = Planner(
+        PlannerConfig(
+            sla=SlaTargets(ttft_ms=1000, itl_ms=100),
+            pools=(PoolConfig(max_engines=4),),
+            capacity=AS_MEASURED,
+        )
+    )
+    engines = (EngineObservation("a", "default", SERVING, KV_BOUND_LOAD, role),)
+    duration_s = (100 * (15.0 + 40.0 * 0.4) + 0.02 * 2_000) / 1000.0
+    batches = (ForwardPasses("a", 100, duration_s, 4 * 500, 4, 4 * 1_500),)
+    decisions = [
+        d for now_s in (0, 5) for d in planner.decide(Observations(engines, batches), now_s)
+    ]
+    estimate = planner.estimate("default")
+    assert estimate is not None
+    return decisions, estimate
+
+
+def test_queued_prompts_take_into_use_only_the_kv_their_cached_prefix_does_not_hold() -> None:
+    """An aggregated engine 0.4 used, whose admitted prompts had three quarters of their tokens
+    cached (a shared system prompt its running requests hold, in its used blocks already):
+    of its 8,000 queued tokens a quarter, 2,000, take new blocks, so its KV demand is
+    (6,400 + 2,000) / 16,000 = 0.525, 0.875 of an engine at the 0.6 `max_kv_usage`: one
+    engine. Counted whole, 0.9, 1.5 engines: a second engine started for KV the queued
+    prompts share with the running ones."""
+    decisions, estimate = kv_bound_pool_ticked(EngineRole.AGGREGATED)
+    assert estimate.kv_demand == pytest.approx(0.525)
+    assert estimate.need.kv == pytest.approx(0.875)
+    assert decisions == []
+
+
+def test_a_decode_engine_s_queued_prompts_take_their_pulled_kv_into_use_whole() -> None:
+    """The same load on a decode engine: its queued prompts' KV, pulled from a prefill engine,
+    waits in its prefix cache as evictable blocks, found as hits at admission and taken into
+    use then, none of it in its used blocks yet: the 8,000 queued tokens count whole, KV
+    demand (6,400 + 8,000) / 16,000 = 0.9, 1.5 engines at the 0.6 `max_kv_usage`: two."""
+    decisions, estimate = kv_bound_pool_ticked(EngineRole.DECODE)
+    assert estimate.kv_demand == pytest.approx(0.9)
+    assert decisions == [ScalePool("default", 2, Reason.FORECAST_NEEDS_MORE)]
+
+
+def test_the_share_of_prompt_tokens_computed_is_weighted_by_the_tokens() -> None:
+    """Two aggregated engines (a pool that needs one: no scale-down window nor cooldown), each
+    with 160,000 prompt tokens queued. Each admits 9,980 prompt tokens at the first tick, 2,480
+    of them computed (7,500 cached), then one 16-token prompt, computed. The share computed,
+    each tick's tokens weighing 0.8 of the next's: (0.8 x 4,960 + 32) / (0.8 x 19,960 + 32) =
+    4,000 / 16,000 = 0.25, so each engine's queued prefill is 40,000 tokens, 0.8 s at 0.02 ms
+    a token, within the 1 s TTFT target: one engine drained. A mean of the ticks' shares gave
+    the short prompts a fifth of the weight: 0.248 + 0.2 x (1 - 0.248) = 0.40, 1.28 s of
+    queued prefill, an SLA at risk that held off the scale-down."""
+    planner = scaling_down_at_once()
+    load = EngineLoad(10, 50, 160_000, 1_000, 100_000)
+    engines = tuple(
+        EngineObservation(name, "default", SERVING, load, EngineRole.AGGREGATED)
+        for name in ("a", "b")
+    )
+
+    def admitted(num_passes: int, computed: int, cached: int) -> tuple[ForwardPasses, ...]:
+        duration_s = (num_passes * (15.0 + 40.0 * 0.01) + 0.02 * computed) / 1000.0
+        return tuple(
+            ForwardPasses(e.engine_id, num_passes, duration_s, computed, 1, cached) for e in engines
+        )
+
+    assert planner.decide(Observations(engines, admitted(10, 2_480, 7_500)), 0) == []
+    assert planner.decide(Observations(engines, admitted(1, 16, 0)), 5) == [
+        DrainEngine("a", "default", 5 + 300, Reason.OVERPROVISIONED)
+    ]
 
 
 def test_no_scale_up_while_earlier_capacity_is_starting() -> None:

@@ -1083,7 +1083,7 @@ async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_bl
     )
     async with loaded_engines(load, kv_block_size=32) as (live, (address,)):
         await live.tick()
-        assert live.engines[address].observation().load.kv_demand == 0.5
+        assert live.engines[address].observation().load.kv_demand(1.0) == 0.5
 
 
 class LoadEngine(PartialOpenEngine):
