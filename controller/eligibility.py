@@ -7,9 +7,10 @@ limit, it is refused before any engine is asked, INVALID_ARGUMENT (as an engine 
 naming the limit and the largest the fleet has (an option every engine lacks, or a limit of
 engines that are all alike, is left to the engine to refuse, in its own words). What the
 fleet takes is what the engines finishing a Generate on the request's path take: on the
-aggregated path (taken while an aggregated engine is routable) the aggregated engines',
-else the aggregated and decode engines' (a prefill engine's limits bound its own hop only,
-since prefill engines alone serve none).
+aggregated path (taken while an aggregated engine is routable) the aggregated engines'
+(and those telling no role, which routing takes for any), else the aggregated and decode
+engines' (a prefill engine's limits bound its own hop only, since prefill engines alone
+serve none).
 
 What is checked (`ROUTED_LIMITS`, `ROUTED_OPTIONS`): the context (a prompt's tokens and the
 output it must produce, one token or `min_tokens`, within `max_context_length`, as an
@@ -338,15 +339,16 @@ def generating_facts(
     role: Role | None = None,
 ) -> list[ModelFacts]:
     """The facts of `model` on each read engine of `serving` (those that may serve it,
-    routable or not: `Registry.may_serve_records`) that generates it, of `role` (None: any);
-    with `finishing`, of those that finish a Generate themselves, its output theirs: not a
+    routable or not: `Registry.may_serve_records`) that generates it, of `role` (None: any;
+    an engine telling no role is of any, as routing takes it: `EngineIdentity.plays`); with
+    `finishing`, of those that finish a Generate themselves, its output theirs: not a
     PREFILL engine (prefill engines alone serve no Generate: a request past every decode
     engine's context is served by none, whatever the prefill engines take)."""
     return [
         facts
         for r in serving
         if r.identity is not None
-        and (role is None or r.identity.role is role)
+        and r.identity.plays(role)
         and not (finishing and r.identity.role is Role.PREFILL)
         and (facts := r.identity.facts_of(model)).generates
     ]
@@ -386,10 +388,11 @@ class Eligibility:
 
     def _of(self, model: str | None, role: Role | None) -> _Bounds:
         """The bounds over the engines of `model` a request on the path of `role` may go to
-        (`Controller.plan`'s): Role.AGGREGATED, aggregated engines alone (a request goes
-        there while one is routable, never to a decode engine: a limit only a decode engine
-        has is none of its path's); None, every role (a disaggregated request, taken while
-        no aggregated engine is routable: one that would take it is out of routing)."""
+        (`Controller.plan`'s): Role.AGGREGATED, aggregated engines alone, and those telling
+        no role, which routing takes for any (a request goes there while one is routable,
+        never to a decode engine: a limit only a decode engine has is none of its path's);
+        None, every role (a disaggregated request, taken while no aggregated engine is
+        routable: one that would take it is out of routing)."""
 
         def bounds() -> _Bounds:
             serving = self.registry.may_serve_records(model)

@@ -368,6 +368,11 @@ class EngineIdentity:
         """No model named, or an engine that names none, match."""
         return not model or not self.models or model in self.models
 
+    def plays(self, role: Role | None) -> bool:
+        """Whether routing takes the engine for one of `role` (None: any): an engine that
+        tells no role (UNKNOWN) is taken for any."""
+        return role is None or self.role in (role, Role.UNKNOWN)
+
     def facts_of(self, model: str | None) -> ModelFacts:
         """What GetModelInfo said of `model`; with none named, of the engine's default model,
         the first it lists (what it serves a request naming none). A model not asked about
@@ -778,7 +783,7 @@ class Registry:
                 continue
             if record.cordoned and not cordoned:
                 continue
-            if role is not None and record.identity.role not in (role, Role.UNKNOWN):
+            if not record.identity.plays(role):
                 continue
             if not record.identity.serves(model):
                 continue
@@ -925,7 +930,7 @@ class Registry:
             r
             for r in sorted(self._may_serve(model), key=lambda r: r.address)
             if r.identity is not None
-            and (role is None or r.identity.role in (role, Role.UNKNOWN))
+            and r.identity.plays(role)
             and (task is None or task in r.identity.facts_of(model).tasks)
         ]
         if not serving:

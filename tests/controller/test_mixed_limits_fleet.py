@@ -10,24 +10,27 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from controller.eligibility import ROUTED_LIMITS, ROUTED_OPTIONS
 from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
+from controller.registry import Role
 from controller.route_report import ROUTE_METADATA_KEY, read_route
 from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
     Fleet,
+    ServedEngine,
     close_fleet,
     generate_request,
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.fronted_engine import start_fronted_engine
+from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_lora_fleet_intent import adapter, on
@@ -333,3 +336,44 @@ def test_a_vllm_generate_needs_what_the_same_openengine_generate_needs() -> None
         token_ids=vpb.TokenIds(ids=[1]), decoding=vpb.DecodingParameters(json_object=False)
     )
     assert needs_of(plain) == needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))
+
+
+class TellsNoRole(Forwarding):
+    """The sim engine behind, but its GetEngineInfo leaves the role unspecified (an engine
+    that does not tell one: routing takes it for any role)."""
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Any) -> Any:
+        info = await self.inner.GetEngineInfo(request)
+        info.ClearField("role")
+        return info
+
+
+async def test_an_engine_telling_no_role_counts_on_the_aggregated_path() -> None:
+    """Aggregated engines of a short and a middle context beside a long-context engine that
+    tells no role, which routing takes for an aggregated one: a prompt past the middle
+    context goes to it and is served, and GetModelInfo's largest context is its. The
+    aggregated path's limits counted only the engines that said AGGREGATED: the prompt was
+    refused before any engine was asked, naming the middle context as the largest."""
+    middle = 2 * SHORT
+    unsaid = await start_fronted_engine("unsaid", TellsNoRole, max_model_len=LONG)
+    engines: list[ServedEngine] = [
+        await start_sim_engine("a0", max_model_len=SHORT),
+        await start_sim_engine("a1", max_model_len=middle),
+        unsaid,
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        registry = fleet.app.controller.fleet.registry
+        record = registry.by_engine_id(fleet.address(unsaid))
+        assert record is not None and record.identity is not None
+        assert record.identity.role is Role.UNKNOWN
+        for i in range(3):
+            call = fleet.gateway.Generate(generate_request(f"long{i}", [i + 5] * 300, max_tokens=4))
+            reply = [r async for r in call]
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            route = read_route(await call.trailing_metadata())
+            assert route is not None and route["engine"] == fleet.address(unsaid), route
+        info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        assert info.max_context_length == LONG
+    finally:
+        await close_fleet(fleet)
