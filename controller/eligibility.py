@@ -380,11 +380,8 @@ class Eligibility:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        # Per path (`_of`): the aggregated path's, and every role's.
-        self._bounds: dict[Role | None, RegistryMemo[str | None, _Bounds]] = {
-            Role.AGGREGATED: RegistryMemo(registry),
-            None: RegistryMemo(registry),
-        }
+        # Per model and path (`_of`): the aggregated path's, and every role's.
+        self._bounds = RegistryMemo(registry, self._bounds_of)
 
     def _of(self, model: str | None, role: Role | None) -> _Bounds:
         """The bounds over the engines of `model` a request on the path of `role` may go to
@@ -393,15 +390,16 @@ class Eligibility:
         never to a decode engine: a limit only a decode engine has is none of its path's);
         None, every role (a disaggregated request, taken while no aggregated engine is
         routable: one that would take it is out of routing)."""
+        return self._bounds.get((model, role))
 
-        def bounds() -> _Bounds:
-            serving = self.registry.may_serve_records(model)
-            return bounds_of(
-                generating_facts(serving, model, role=role),
-                generating_facts(serving, model, finishing=True, role=role),
-            )
-
-        return self._bounds[role].get(model, bounds)
+    def _bounds_of(self, path: tuple[str | None, Role | None]) -> _Bounds:
+        """`_of` (model, role), from every engine."""
+        model, role = path
+        serving = self.registry.may_serve_records(model)
+        return bounds_of(
+            generating_facts(serving, model, role=role),
+            generating_facts(serving, model, finishing=True, role=role),
+        )
 
     def candidates(
         self,
