@@ -165,7 +165,7 @@ _INPUT_OPTIONS = {
     "text": "supports_text_input",
     "token_ids": "supports_token_ids_input",
 }
-# The needs of most OpenEngine requests: their input kind only (built once, not per request).
+# The needs of most requests: their input kind only (built once, not per request).
 _PLAIN: dict[str | None, RequestNeeds] = {
     None: NO_NEEDS,
     **{kind: RequestNeeds(options=frozenset({o})) for kind, o in _INPUT_OPTIONS.items()},
@@ -215,10 +215,10 @@ def _needs(asks: _Asks) -> RequestNeeds:
 
 def needs_of(request: pb.GenerateRequest | vpb.GenerateRequest) -> RequestNeeds:
     """What a Generate asks, an OpenEngine one or a `vllm.Generate` (its context:
-    `RequestNeeds.with_prompt`, once its prompt's tokens are known). An OpenEngine request
-    using no option but its input (most) is told at a glance."""
+    `RequestNeeds.with_prompt`, once its prompt's tokens are known). A request using no
+    option but its input (most) is told at a glance."""
     if isinstance(request, vpb.GenerateRequest):
-        return _needs(_vllm_asks(request))
+        return _vllm_needs(request)
     sampling, stopping, kv = request.sampling, request.stopping, request.kv
     if not (
         request.HasField("response")
@@ -257,6 +257,25 @@ def _logprobs_asked(response: Any, flag: str, selection: str) -> tuple[tuple[str
             top_n = candidates.top_n if candidates.WhichOneof(selection) == "top_n" else 0
             asked.append((kind, top_n))
     return tuple(asked)
+
+
+def _vllm_needs(request: vpb.GenerateRequest) -> RequestNeeds:
+    """`needs_of` a `vllm.Generate`: at a glance where it asks nothing but its input (no
+    response options, structured output, priority, sequences, minimum, stop in output, salt
+    or cache bypass), else by reading it whole (`_vllm_asks`)."""
+    sampling, stopping, kv = request.sampling, request.stopping, request.kv
+    if not (
+        request.HasField("response")
+        or request.decoding.WhichOneof("structured_output")
+        or request.priority
+        or sampling.num_sequences > 1
+        or stopping.min_new_tokens
+        or stopping.include_stop_strings
+        or kv.bypass_prefix_cache
+        or kv.cache_salt
+    ):
+        return _PLAIN[request.WhichOneof("prompt")]
+    return _needs(_vllm_asks(request))
 
 
 def _vllm_asks(request: vpb.GenerateRequest) -> _Asks:

@@ -377,3 +377,46 @@ async def test_an_engine_telling_no_role_counts_on_the_aggregated_path() -> None
         assert info.max_context_length == LONG
     finally:
         await close_fleet(fleet)
+
+
+@pytest.mark.parametrize(
+    "vllm, openengine",
+    [
+        (
+            {"sampling": vpb.RandomSampling(num_sequences=3)},
+            {"sampling": pb.SamplingParams(num_sequences=3)},
+        ),
+        (
+            {"stopping": vpb.StoppingCriteria(min_new_tokens=9)},
+            {"stopping": pb.StoppingOptions(min_tokens=9)},
+        ),
+        (
+            {"stopping": vpb.StoppingCriteria(include_stop_strings=True)},
+            {"stopping": pb.StoppingOptions(include_stop_in_output=True)},
+        ),
+        (
+            {"response": vpb.ResponseOptions(output_logprobs=True)},
+            {"response": pb.ResponseOptions(return_output_logprobs=True)},
+        ),
+        (
+            {"decoding": vpb.DecodingParameters(json_object=True)},
+            {"guided": pb.GuidedDecoding(json_object=pb.JsonObjectConstraint())},
+        ),
+        ({"priority": 1}, {"priority": -1}),
+        ({"kv": vpb.KVCacheParameters(cache_salt="s")}, {"kv": pb.KvOptions(cache_salt="s")}),
+        (
+            {"kv": vpb.KVCacheParameters(bypass_prefix_cache=True)},
+            {"kv": pb.KvOptions(bypass_prefix_cache=True)},
+        ),
+    ],
+)
+def test_each_option_of_a_vllm_generate_is_read_alone(
+    vllm: dict[str, Any], openengine: dict[str, Any]
+) -> None:
+    """A vllm.Generate asking one thing besides its input needs what the OpenEngine Generate
+    asking it needs: none is missed by the glance that tells a request asking nothing."""
+    from controller.eligibility import needs_of
+
+    asked = needs_of(vpb.GenerateRequest(text="hi", **vllm))
+    assert asked == needs_of(pb.GenerateRequest(prompt="hi", **openengine))
+    assert asked != needs_of(vpb.GenerateRequest(text="hi"))
