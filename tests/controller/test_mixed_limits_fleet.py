@@ -119,8 +119,33 @@ async def test_health_is_starting_while_the_only_engine_starts() -> None:
 
 
 def test_what_routing_honours_is_of_what_model_info_tells() -> None:
+    """Routing's limits and options are drawn from GetModelInfo's lists, and every limit and
+    option a request may need (`needs_of`, asking everything) is one of them: a need of a
+    name no engine reports would pass every engine unread."""
+    from controller.eligibility import KV_CACHE_LIMIT, needs_of
+
     assert set(ROUTED_LIMITS) <= set(REQUEST_LIMITS)
     assert set(ROUTED_OPTIONS) <= set(CAPABILITY_FLAGS)
+    everything = pb.GenerateRequest(
+        sampling=pb.SamplingParams(num_sequences=4),
+        stopping=pb.StoppingOptions(min_tokens=3, include_stop_in_output=True),
+        response=pb.ResponseOptions(
+            return_prompt_logprobs=True,
+            prompt_candidates=pb.CandidateTokenSelection(top_n=2),
+            return_output_logprobs=True,
+            output_candidates=pb.CandidateTokenSelection(top_n=5),
+        ),
+        kv=pb.KvOptions(bypass_prefix_cache=True, cache_salt="s"),
+        guided=pb.GuidedDecoding(regex="a+"),
+        priority=2,
+    )
+    needs = [
+        needs_of(pb.GenerateRequest(prompt="hi")),
+        needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]))),
+    ]
+    needs.append(needs_of(everything).with_prompt(10))
+    assert {path for n in needs for path, _ in n.limits} == {*ROUTED_LIMITS, KV_CACHE_LIMIT}
+    assert {o for n in needs for o in n.options} == set(ROUTED_OPTIONS)
 
 
 @pytest.mark.parametrize(
