@@ -7,9 +7,10 @@ limit, it is refused before any engine is asked, INVALID_ARGUMENT (as an engine 
 naming the limit and the largest the fleet has (an option every engine lacks, or a limit of
 engines that are all alike, is left to the engine to refuse, in its own words). What the
 fleet takes is what the engines finishing a Generate on the request's path take: on the
-aggregated path (taken while an aggregated engine is routable) the aggregated engines',
-else the aggregated and decode engines' (a prefill engine's limits bound its own hop only,
-since prefill engines alone serve none).
+aggregated path (taken while an aggregated engine is routable) the aggregated engines'
+(and those telling no role, which routing takes for any), else the aggregated and decode
+engines' (a prefill engine's limits bound its own hop only, since prefill engines alone
+serve none).
 
 What is checked (`ROUTED_LIMITS`, `ROUTED_OPTIONS`): the context (a prompt's tokens and the
 output it must produce, one token or `min_tokens`, within `max_context_length`, as an
@@ -164,7 +165,7 @@ _INPUT_OPTIONS = {
     "text": "supports_text_input",
     "token_ids": "supports_token_ids_input",
 }
-# The needs of most OpenEngine requests: their input kind only (built once, not per request).
+# The needs of most requests: their input kind only (built once, not per request).
 _PLAIN: dict[str | None, RequestNeeds] = {
     None: NO_NEEDS,
     **{kind: RequestNeeds(options=frozenset({o})) for kind, o in _INPUT_OPTIONS.items()},
@@ -214,10 +215,10 @@ def _needs(asks: _Asks) -> RequestNeeds:
 
 def needs_of(request: pb.GenerateRequest | vpb.GenerateRequest) -> RequestNeeds:
     """What a Generate asks, an OpenEngine one or a `vllm.Generate` (its context:
-    `RequestNeeds.with_prompt`, once its prompt's tokens are known). An OpenEngine request
-    using no option but its input (most) is told at a glance."""
+    `RequestNeeds.with_prompt`, once its prompt's tokens are known). A request using no
+    option but its input (most) is told at a glance."""
     if isinstance(request, vpb.GenerateRequest):
-        return _needs(_vllm_asks(request))
+        return _vllm_needs(request)
     sampling, stopping, kv = request.sampling, request.stopping, request.kv
     if not (
         request.HasField("response")
@@ -256,6 +257,25 @@ def _logprobs_asked(response: Any, flag: str, selection: str) -> tuple[tuple[str
             top_n = candidates.top_n if candidates.WhichOneof(selection) == "top_n" else 0
             asked.append((kind, top_n))
     return tuple(asked)
+
+
+def _vllm_needs(request: vpb.GenerateRequest) -> RequestNeeds:
+    """`needs_of` a `vllm.Generate`: at a glance where it asks nothing but its input (no
+    response options, structured output, priority, sequences, minimum, stop in output, salt
+    or cache bypass), else by reading it whole (`_vllm_asks`)."""
+    sampling, stopping, kv = request.sampling, request.stopping, request.kv
+    if not (
+        request.HasField("response")
+        or request.decoding.WhichOneof("structured_output")
+        or request.priority
+        or sampling.num_sequences > 1
+        or stopping.min_new_tokens
+        or stopping.include_stop_strings
+        or kv.bypass_prefix_cache
+        or kv.cache_salt
+    ):
+        return _PLAIN[request.WhichOneof("prompt")]
+    return _needs(_vllm_asks(request))
 
 
 def _vllm_asks(request: vpb.GenerateRequest) -> _Asks:
@@ -338,15 +358,16 @@ def generating_facts(
     role: Role | None = None,
 ) -> list[ModelFacts]:
     """The facts of `model` on each read engine of `serving` (those that may serve it,
-    routable or not: `Registry.may_serve_records`) that generates it, of `role` (None: any);
-    with `finishing`, of those that finish a Generate themselves, its output theirs: not a
+    routable or not: `Registry.may_serve_records`) that generates it, of `role` (None: any;
+    an engine telling no role is of any, as routing takes it: `EngineIdentity.plays`); with
+    `finishing`, of those that finish a Generate themselves, its output theirs: not a
     PREFILL engine (prefill engines alone serve no Generate: a request past every decode
     engine's context is served by none, whatever the prefill engines take)."""
     return [
         facts
         for r in serving
         if r.identity is not None
-        and (role is None or r.identity.role is role)
+        and r.identity.plays(role)
         and not (finishing and r.identity.role is Role.PREFILL)
         and (facts := r.identity.facts_of(model)).generates
     ]
@@ -378,27 +399,26 @@ class Eligibility:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        # Per path (`_of`): the aggregated path's, and every role's.
-        self._bounds: dict[Role | None, RegistryMemo[str | None, _Bounds]] = {
-            Role.AGGREGATED: RegistryMemo(registry),
-            None: RegistryMemo(registry),
-        }
+        # Per model and path (`_of`): the aggregated path's, and every role's.
+        self._bounds = RegistryMemo(registry, self._bounds_of)
 
     def _of(self, model: str | None, role: Role | None) -> _Bounds:
         """The bounds over the engines of `model` a request on the path of `role` may go to
-        (`Controller.plan`'s): Role.AGGREGATED, aggregated engines alone (a request goes
-        there while one is routable, never to a decode engine: a limit only a decode engine
-        has is none of its path's); None, every role (a disaggregated request, taken while
-        no aggregated engine is routable: one that would take it is out of routing)."""
+        (`Controller.plan`'s): Role.AGGREGATED, aggregated engines alone, and those telling
+        no role, which routing takes for any (a request goes there while one is routable,
+        never to a decode engine: a limit only a decode engine has is none of its path's);
+        None, every role (a disaggregated request, taken while no aggregated engine is
+        routable: one that would take it is out of routing)."""
+        return self._bounds.get((model, role))
 
-        def bounds() -> _Bounds:
-            serving = self.registry.may_serve_records(model)
-            return bounds_of(
-                generating_facts(serving, model, role=role),
-                generating_facts(serving, model, finishing=True, role=role),
-            )
-
-        return self._bounds[role].get(model, bounds)
+    def _bounds_of(self, path: tuple[str | None, Role | None]) -> _Bounds:
+        """`_of` (model, role), from every engine."""
+        model, role = path
+        serving = self.registry.may_serve_records(model)
+        return bounds_of(
+            generating_facts(serving, model, role=role),
+            generating_facts(serving, model, finishing=True, role=role),
+        )
 
     def candidates(
         self,

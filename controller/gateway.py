@@ -490,9 +490,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         self._generate = _OpenEngineGenerate(controller.fleet)
         # Whether a pooling task's inputs are read to route it, by (model, task)
         # (`_reads_inputs`): asked by every pooling request.
-        self._reads_inputs_memo: RegistryMemo[tuple[str, str], bool] = RegistryMemo(
-            controller.fleet.registry
-        )
+        self._reads_inputs_memo = RegistryMemo(controller.fleet.registry, self._scan_reads_inputs)
 
     # ---- generation ----
 
@@ -677,12 +675,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         """Whether the engines serving `model` with `task` (routable or not) take inputs of
         different lengths (`input_context`), so that routing reads a request's. Kept until
         the registry changes: with engines alike, a request costs no scan of them."""
+        return self._reads_inputs_memo.get((model, task))
 
-        def reads() -> bool:
-            serving = self.controller.fleet.registry.may_serve_records(model)
-            return len({input_context(f) for f in _tasked_facts(serving, model, task)}) > 1
-
-        return self._reads_inputs_memo.get((model, task), reads)
+    def _scan_reads_inputs(self, key: tuple[str, str]) -> bool:
+        """`_reads_inputs` of (model, task), from every engine."""
+        model, task = key
+        serving = self.controller.fleet.registry.may_serve_records(model)
+        return len({input_context(f) for f in _tasked_facts(serving, model, task)}) > 1
 
     async def _task_engine(
         self,

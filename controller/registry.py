@@ -368,6 +368,11 @@ class EngineIdentity:
         """No model named, or an engine that names none, match."""
         return not model or not self.models or model in self.models
 
+    def plays(self, role: Role | None) -> bool:
+        """Whether routing takes the engine for one of `role` (None: any): an engine that
+        tells no role (UNKNOWN) is taken for any."""
+        return role is None or self.role in (role, Role.UNKNOWN)
+
     def facts_of(self, model: str | None) -> ModelFacts:
         """What GetModelInfo said of `model`; with none named, of the engine's default model,
         the first it lists (what it serves a request naming none). A model not asked about
@@ -546,26 +551,30 @@ _V = TypeVar("_V")
 
 
 class RegistryMemo(Generic[_K, _V]):
-    """Values derived from a registry's engines, kept until its next change (`version`),
-    `ROUTABLE_MEMO_SIZE` at most (a request may name any model: the memo must not grow with
-    what clients send)."""
+    """Values derived from a registry's engines by `derive` (of their key), kept until its
+    next change (`version`), `ROUTABLE_MEMO_SIZE` at most (a request may name any model: the
+    memo must not grow with what clients send). Asked per request: `get` builds nothing
+    (the derivation is given once, not a closure per call)."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, derive: Callable[[_K], _V]) -> None:
         self._registry = registry
+        self._derive = derive
         self._values: dict[_K, _V] = {}
         self._version = registry.version
 
-    def get(self, key: _K, derive: Callable[[], _V]) -> _V:
-        """The value of `key`: `derive()`, unless it was derived since the registry's last
+    def get(self, key: _K) -> _V:
+        """The value of `key`: `derive(key)`, unless it was derived since the registry's last
         change (a value may be None: it is kept as any other)."""
         if self._version != self._registry.version:
             self._values.clear()
             self._version = self._registry.version
-        if key in self._values:
+        try:
             return self._values[key]
+        except KeyError:
+            pass
         if len(self._values) >= ROUTABLE_MEMO_SIZE:
             self._values.clear()
-        value = self._values[key] = derive()
+        value = self._values[key] = self._derive(key)
         return value
 
 
@@ -603,18 +612,14 @@ class Registry:
         # `routable` without a LoRA adapter or cordons, by (model, role, generating), kept
         # until the next change: every request asks it, and at hundreds of engines testing
         # each engine again for each request cost as much as routing it.
-        self._routable_memo: RegistryMemo[
-            tuple[str | None, Role | None, bool], tuple[EngineRecord, ...]
-        ] = RegistryMemo(self)
+        self._routable_memo = RegistryMemo(self, self._scan_routable)
         # `base_models` by (generating, lora), kept until the next change too: a request
         # naming no model asks it twice (its model check, its session key), each time a scan
         # of every engine and a sort.
-        self._base_models_memo: RegistryMemo[tuple[bool, bool], tuple[str, ...]] = RegistryMemo(
-            self
-        )
+        self._base_models_memo = RegistryMemo(self, self._scan_base_models)
         # `served_name` by model, kept until the next change too: asked by every text prompt
         # of a model the controller has no tokenizer of its own for.
-        self._served_name_memo: RegistryMemo[str, str | None] = RegistryMemo(self)
+        self._served_name_memo = RegistryMemo(self, self._scan_served_name)
         # The latest time a poll or a request's outcome was recorded at: what a held-down
         # engine's error is written as of when the cap holds it out between its own polls.
         self._now_s = 0.0
@@ -750,11 +755,12 @@ class Registry:
         `generating`, only those that generate (a Generate: not pooling-only engines)."""
         if lora_name or cordoned:
             return list(self._routable(model, role, lora_name, cordoned, generating))
-        records = self._routable_memo.get(
-            (model, role, generating),
-            lambda: tuple(self._routable(model, role, lora_name, cordoned, generating)),
-        )
-        return list(records)
+        return list(self._routable_memo.get((model, role, generating)))
+
+    def _scan_routable(self, key: tuple[str | None, Role | None, bool]) -> tuple[EngineRecord, ...]:
+        """`routable` of (model, role, generating), with no LoRA adapter nor cordons."""
+        model, role, generating = key
+        return tuple(self._routable(model, role, "", False, generating))
 
     def any_routable(
         self, model: str | None = None, role: Role | None = None, *, generating: bool = False
@@ -778,7 +784,7 @@ class Registry:
                 continue
             if record.cordoned and not cordoned:
                 continue
-            if role is not None and record.identity.role not in (role, Role.UNKNOWN):
+            if not record.identity.plays(role):
                 continue
             if not record.identity.serves(model):
                 continue
@@ -810,7 +816,7 @@ class Registry:
         """The name of the model that `model` names on the engines serving it: itself, or
         for one of its aliases (`served_model_aliases`) the model it stands for, as the first
         engine whose GetModelInfo said so tells; None when none did."""
-        return self._served_name_memo.get(model, lambda: self._scan_served_name(model))
+        return self._served_name_memo.get(model)
 
     def _scan_served_name(self, model: str) -> str | None:
         """`served_name`, from every engine."""
@@ -843,13 +849,11 @@ class Registry:
         `lora`, only engines that may take LoRA adapters (not `supports_lora: false`): the
         base models an adapter loaded on the whole fleet would be attached to. Engines whose
         models are not known yet are left out. Kept until the registry changes."""
-        models = self._base_models_memo.get(
-            (generating, lora), lambda: self._scan_base_models(generating, lora)
-        )
-        return list(models)
+        return list(self._base_models_memo.get((generating, lora)))
 
-    def _scan_base_models(self, generating: bool, lora: bool) -> tuple[str, ...]:
-        """`base_models`, from every engine."""
+    def _scan_base_models(self, key: tuple[bool, bool]) -> tuple[str, ...]:
+        """`base_models` of (generating, lora), from every engine."""
+        generating, lora = key
         defaults: set[str] = set()
         for r in self._may_serve(None):
             identity = r.identity
@@ -925,7 +929,7 @@ class Registry:
             r
             for r in sorted(self._may_serve(model), key=lambda r: r.address)
             if r.identity is not None
-            and (role is None or r.identity.role in (role, Role.UNKNOWN))
+            and r.identity.plays(role)
             and (task is None or task in r.identity.facts_of(model).tasks)
         ]
         if not serving:

@@ -374,15 +374,16 @@ class Controller:
         refusal may be for the prompt's length and an engine of its path takes a longer
         context (`Eligibility.past_refusal`), the plan's candidates that do not (excluded
         from its next route: the request goes to one that does); None where none does (the
-        refusal stands). NoEngineAvailableError when only engines out of routing do, naming
-        what each taking traffic lacks."""
+        refusal stands). NoEngineAvailableError when only engines out of routing now do
+        (the plan's candidates may have left routing since), naming what each taking
+        traffic lacks."""
         found = self.eligibility.past_refusal(
             plan.model or None, plan.role, plan.view.candidates, plan.needs, engine
         )
         if found is None:
             return None
         taking, needs = found
-        if not taking:
+        if not any(self._routable(c, plan.lora_name) for c in taking):
             raise NoEngineAvailableError(self._why_unavailable(plan._replace(needs=needs)))
         kept = {c.engine_id for c in taking}
         return frozenset(c.engine_id for c in plan.view.candidates if c.engine_id not in kept)

@@ -10,24 +10,27 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from controller.eligibility import ROUTED_LIMITS, ROUTED_OPTIONS
 from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
+from controller.registry import Role
 from controller.route_report import ROUTE_METADATA_KEY, read_route
 from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
     Fleet,
+    ServedEngine,
     close_fleet,
     generate_request,
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.fronted_engine import start_fronted_engine
+from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_lora_fleet_intent import adapter, on
@@ -116,8 +119,33 @@ async def test_health_is_starting_while_the_only_engine_starts() -> None:
 
 
 def test_what_routing_honours_is_of_what_model_info_tells() -> None:
+    """Routing's limits and options are drawn from GetModelInfo's lists, and every limit and
+    option a request may need (`needs_of`, asking everything) is one of them: a need of a
+    name no engine reports would pass every engine unread."""
+    from controller.eligibility import KV_CACHE_LIMIT, needs_of
+
     assert set(ROUTED_LIMITS) <= set(REQUEST_LIMITS)
     assert set(ROUTED_OPTIONS) <= set(CAPABILITY_FLAGS)
+    everything = pb.GenerateRequest(
+        sampling=pb.SamplingParams(num_sequences=4),
+        stopping=pb.StoppingOptions(min_tokens=3, include_stop_in_output=True),
+        response=pb.ResponseOptions(
+            return_prompt_logprobs=True,
+            prompt_candidates=pb.CandidateTokenSelection(top_n=2),
+            return_output_logprobs=True,
+            output_candidates=pb.CandidateTokenSelection(top_n=5),
+        ),
+        kv=pb.KvOptions(bypass_prefix_cache=True, cache_salt="s"),
+        guided=pb.GuidedDecoding(regex="a+"),
+        priority=2,
+    )
+    needs = [
+        needs_of(pb.GenerateRequest(prompt="hi")),
+        needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]))),
+    ]
+    needs.append(needs_of(everything).with_prompt(10))
+    assert {path for n in needs for path, _ in n.limits} == {*ROUTED_LIMITS, KV_CACHE_LIMIT}
+    assert {o for n in needs for o in n.options} == set(ROUTED_OPTIONS)
 
 
 @pytest.mark.parametrize(
@@ -333,3 +361,87 @@ def test_a_vllm_generate_needs_what_the_same_openengine_generate_needs() -> None
         token_ids=vpb.TokenIds(ids=[1]), decoding=vpb.DecodingParameters(json_object=False)
     )
     assert needs_of(plain) == needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))
+
+
+class TellsNoRole(Forwarding):
+    """The sim engine behind, but its GetEngineInfo leaves the role unspecified (an engine
+    that does not tell one: routing takes it for any role)."""
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Any) -> Any:
+        info = await self.inner.GetEngineInfo(request)
+        info.ClearField("role")
+        return info
+
+
+async def test_an_engine_telling_no_role_counts_on_the_aggregated_path() -> None:
+    """Aggregated engines of a short and a middle context beside a long-context engine that
+    tells no role, which routing takes for an aggregated one: a prompt past the middle
+    context goes to it and is served, and GetModelInfo's largest context is its. The
+    aggregated path's limits counted only the engines that said AGGREGATED: the prompt was
+    refused before any engine was asked, naming the middle context as the largest."""
+    middle = 2 * SHORT
+    unsaid = await start_fronted_engine("unsaid", TellsNoRole, max_model_len=LONG)
+    engines: list[ServedEngine] = [
+        await start_sim_engine("a0", max_model_len=SHORT),
+        await start_sim_engine("a1", max_model_len=middle),
+        unsaid,
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        registry = fleet.app.controller.fleet.registry
+        record = registry.by_engine_id(fleet.address(unsaid))
+        assert record is not None and record.identity is not None
+        assert record.identity.role is Role.UNKNOWN
+        for i in range(3):
+            call = fleet.gateway.Generate(generate_request(f"long{i}", [i + 5] * 300, max_tokens=4))
+            reply = [r async for r in call]
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            route = read_route(await call.trailing_metadata())
+            assert route is not None and route["engine"] == fleet.address(unsaid), route
+        info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        assert info.max_context_length == LONG
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize(
+    "vllm, openengine",
+    [
+        (
+            {"sampling": vpb.RandomSampling(num_sequences=3)},
+            {"sampling": pb.SamplingParams(num_sequences=3)},
+        ),
+        (
+            {"stopping": vpb.StoppingCriteria(min_new_tokens=9)},
+            {"stopping": pb.StoppingOptions(min_tokens=9)},
+        ),
+        (
+            {"stopping": vpb.StoppingCriteria(include_stop_strings=True)},
+            {"stopping": pb.StoppingOptions(include_stop_in_output=True)},
+        ),
+        (
+            {"response": vpb.ResponseOptions(output_logprobs=True)},
+            {"response": pb.ResponseOptions(return_output_logprobs=True)},
+        ),
+        (
+            {"decoding": vpb.DecodingParameters(json_object=True)},
+            {"guided": pb.GuidedDecoding(json_object=pb.JsonObjectConstraint())},
+        ),
+        ({"priority": 1}, {"priority": -1}),
+        ({"kv": vpb.KVCacheParameters(cache_salt="s")}, {"kv": pb.KvOptions(cache_salt="s")}),
+        (
+            {"kv": vpb.KVCacheParameters(bypass_prefix_cache=True)},
+            {"kv": pb.KvOptions(bypass_prefix_cache=True)},
+        ),
+    ],
+)
+def test_each_option_of_a_vllm_generate_is_read_alone(
+    vllm: dict[str, Any], openengine: dict[str, Any]
+) -> None:
+    """A vllm.Generate asking one thing besides its input needs what the OpenEngine Generate
+    asking it needs: none is missed by the glance that tells a request asking nothing."""
+    from controller.eligibility import needs_of
+
+    asked = needs_of(vpb.GenerateRequest(text="hi", **vllm))
+    assert asked == needs_of(pb.GenerateRequest(prompt="hi", **openengine))
+    assert asked != needs_of(vpb.GenerateRequest(text="hi"))

@@ -730,15 +730,14 @@ def test_what_is_derived_from_the_engines_is_kept_until_a_change_and_bounded() -
     (a model no engine names), and keeps ROUTABLE_MEMO_SIZE values at most: a request may
     name any model."""
     registry = Registry()
-    memo: RegistryMemo[str, str | None] = RegistryMemo(registry)
     derived: list[str] = []
 
-    def value(key: str) -> str | None:
-        def derive() -> str | None:
-            derived.append(key)
-            return None if key == "unnamed" else key.upper()
+    def derive(key: str) -> str | None:
+        derived.append(key)
+        return None if key == "unnamed" else key.upper()
 
-        return memo.get(key, derive)
+    memo = RegistryMemo(registry, derive)
+    value = memo.get
 
     assert [value("a"), value("a"), value("unnamed"), value("unnamed")] == ["A", "A", None, None]
     assert derived == ["a", "unnamed"]

@@ -5,20 +5,33 @@ cannot tell a text prompt's size before an engine does: a prompt the small engin
 for its size ("does not fit the KV cache", INVALID_ARGUMENT) is sent to the large one and
 served, on OpenEngine Generate and vllm.Generate alike; one past every engine's cache ends
 with the large engine's refusal, naming the largest cache; and with the large engine out of
-routing, UNAVAILABLE naming it. The small engine's refusal used to end the request, though
-the large engine would have served it."""
+routing, UNAVAILABLE naming it, also when it leaves routing while the small engine holds
+the request (sim engines behind a front that holds the request there). The small engine's
+refusal used to end the request, though the large engine would have served it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from controller.route_report import read_route
 from engine.config import EngineRoleName
-from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    EngineFleet,
+    Fleet,
+    ServedEngine,
+    close_fleet,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_kv_capacity_fleet import (
     LARGE,
@@ -111,3 +124,66 @@ async def test_with_the_large_engine_out_of_routing_the_prompt_is_unavailable(
     assert f"engine {small} refused the request" in details, details
     assert "large cordoned" in details, details
     assert f"small max_context_length {SMALL * 16 + 1} < {SMALL * 16 + 2}" in details, details
+
+
+class Gated(Forwarding):
+    """The sim engine behind, each Generate held at the front until `proceed` is set (the
+    test changes the fleet meanwhile), then the engine's answer, its status passed on;
+    `arrived` is set when one comes."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.arrived = asyncio.Event()
+        self.proceed = asyncio.Event()
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.arrived.set()
+        await self.proceed.wait()
+        try:
+            async for response in self.inner.Generate(request):
+                yield response
+        except grpc.aio.AioRpcError as refused:  # passed on as the engine said it
+            await context.abort(refused.code(), refused.details() or "")
+
+
+async def test_a_longer_engine_leaving_routing_during_the_refusal_leaves_it_unavailable() -> None:
+    """Sim engines (no tokenizer: each refuses a text prompt INVALID_ARGUMENT, which the
+    gateway cannot tell from a refusal of its length) of a short and a long context; the
+    long one is cordoned while the short one holds the request: UNAVAILABLE, naming the
+    cordoned engine, as when it was out of routing before. The long engine was judged by
+    the plan's candidates, routable then: the request was sent on, no engine took it, and
+    the short engine's refusal came back as the request's last word."""
+    short = await start_fronted_engine("short", Gated, max_model_len=128)
+    long = await start_sim_engine("long", max_model_len=1024)
+    fleet: EngineFleet[ServedEngine] = await make_fleet(
+        engines=[short, long], tokenize_max_chars=1, router={"policy": "round_robin"}
+    )
+    try:
+        registry = fleet.app.controller.fleet.registry
+        for i in range(2):  # round robin: one of two goes to the short engine first
+            request = pb.GenerateRequest(request_id=f"r{i}", model="sim", prompt="a prompt")
+            call = fleet.gateway.Generate(request)
+            replies = asyncio.ensure_future(_stream(call))
+            arrived = asyncio.ensure_future(short.servicer.arrived.wait())
+            await asyncio.wait([replies, arrived], return_when=asyncio.FIRST_COMPLETED)
+            if arrived.done():
+                break
+            arrived.cancel()
+        else:
+            pytest.fail("no request went to the short engine first")
+        registry.set_cordoned(fleet.address(long), True)
+        short.servicer.proceed.set()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await replies
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
+        details = caught.value.details() or ""
+        assert f"engine {fleet.address(short)} refused the request" in details, details
+        assert "long cordoned" in details, details
+    finally:
+        await close_fleet(fleet)
+
+
+async def _stream(call: Any) -> list[pb.GenerateResponse]:
+    return [r async for r in call]
