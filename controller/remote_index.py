@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -87,6 +87,15 @@ def _declared_otherwise(
     seed = keying.hash_seed if keying.HasField("hash_seed") else None
     theirs = _keyed(keying.key_space, seed)
     return None if theirs == _keyed(key_space, hash_seed) else theirs
+
+
+class _KeyedOtherwise(NamedTuple):
+    """How a worker is keyed when no prompt the controller hashes can match it (`how`), and
+    what shows it, when not its source's declaration (`shown_by`: a root block's keys, which
+    every new prompt may change)."""
+
+    how: str
+    shown_by: str = ""
 
 
 class _Shedding:
@@ -190,8 +199,10 @@ class RemoteIndex:
         self._failure: str | None = None
         # The queries shed since the last one answered (None: the last was not shed).
         self._shedding: _Shedding | None = None
-        # Why no prompt can match some worker the indexer keys otherwise (None: none known).
+        # Why no prompt can match some worker the indexer keys otherwise (None: none known),
+        # and those workers with how each is keyed (what the ERROR logged for it named).
         self._keying_mismatch: str | None = None
+        self._mismatched: tuple[tuple[str, str], ...] = ()
         # Engines restarted since the indexer last confirmed dropping their entries.
         self.restarted: set[str] = set()
 
@@ -279,27 +290,31 @@ class RemoteIndex:
         reported otherwise, or an indexer that reports none)."""
         return self._keying_mismatch
 
-    def _keyed_otherwise(self, keying: ipb.WorkerKeying) -> str | None:
+    def _keyed_otherwise(self, keying: ipb.WorkerKeying) -> _KeyedOtherwise | None:
         """How the indexer keys `keying`'s worker when no prompt the controller hashes can
         match it there: as its source declares, or, whatever is declared, as shown by the
         latest root block its engine stored (`root_block`: the key it is indexed under is not
         what the controller's key space and seed make of its tokens). None when one may."""
         declared = _declared_otherwise(keying, self._key_space, self._hash_seed)
-        if declared is not None or not keying.root_block.token_ids:
-            return declared
+        if declared is not None:
+            return _KeyedOtherwise(declared)
+        if not keying.root_block.token_ids:
+            return None
         block = keying.root_block
         (ours,) = self.prompt_keys(block.token_ids, len(block.token_ids), "", "")
         if ours == block.key:
             return None
-        return (
-            f"otherwise (its engine stored a prompt's first block under key {block.key}; "
-            f"the controller hashes its tokens to {ours})"
+        return _KeyedOtherwise(
+            "otherwise",
+            f" (its engine stored a prompt's first block under key {block.key}; the "
+            f"controller hashes its tokens to {ours})",
         )
 
     def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
         """Keep `keying_mismatch` to what the indexer last reported of the workers of engines
-        the fleet routes to: an ERROR when a mismatch is found (or changes), a line when it
-        is gone."""
+        the fleet routes to: an ERROR when a mismatch is found (or its workers, or how they
+        are keyed, change: not the root blocks that show it, which change with every new
+        prompt), a line when it is gone."""
         wrong = [
             (k.worker_id, theirs)
             for k in keyings
@@ -311,15 +326,18 @@ class RemoteIndex:
             worker, theirs = wrong[0]
             more = f" (and {len(wrong) - 1} more worker(s))" if len(wrong) > 1 else ""
             mismatch = (
-                f"{self.described}: worker {worker}{more} is keyed {theirs} there, but the "
-                f"controller asks in {_keyed(self._key_space, self._hash_seed)} "
-                "(index.remote_key_space, remote_hash_seed): no prompt can match it"
+                f"{self.described}: worker {worker}{more} is keyed {theirs.how}"
+                f"{theirs.shown_by} there, but the controller asks in "
+                f"{_keyed(self._key_space, self._hash_seed)} (index.remote_key_space, "
+                "remote_hash_seed): no prompt can match it"
             )
-        if mismatch is not None and mismatch != self._keying_mismatch:
+        mismatched = tuple((worker, theirs.how) for worker, theirs in wrong)
+        if mismatch is not None and mismatched != self._mismatched:
             log.error("%s", mismatch)
         elif mismatch is None and self._keying_mismatch is not None:
             log.info("%s: its workers are keyed as the controller asks again", self.described)
         self._keying_mismatch = mismatch
+        self._mismatched = mismatched
 
     def _match_request(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
