@@ -250,9 +250,8 @@ class RemoteIndex:
     def _failure_of(self, code: grpc.StatusCode, failure: str) -> str | None:
         """What `unavailable` says after a call failed with `code`: nothing for a refusal that
         is an answer, nor for a query shed (only MatchTokens is ever shed), which counts in
-        `_shedding` instead."""
+        `_shedding` instead (which only a query not shed ends: `match`)."""
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self._shedding = None
             return None if code in _ANSWERS else failure
         if self._shedding is None:
             self._shedding = _Shedding(self._clock())
@@ -366,9 +365,14 @@ class RemoteIndex:
         """The prompt's block keys and each worker's cached prefix (none for an engine in
         `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
         request = self._match_request(token_ids, block_size, lora_name, cache_salt)
-        reply = await self._ask(
-            lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
-        )
+        try:
+            reply = await self._ask(
+                lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
+            )
+        except RemoteIndexError as exc:
+            if exc.code not in (None, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                self._shedding = None  # a query not shed (refused, failed): no shedding
+            raise
         self._shedding = None
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:

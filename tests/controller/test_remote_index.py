@@ -13,7 +13,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.fleet import Fleet
-from controller.remote_index import RemoteIndex
+from controller.remote_index import RemoteIndex, RemoteIndexError
 from indexer.batch import to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
@@ -450,6 +450,58 @@ async def test_resync_engine_needs_the_indexers_token(tmp_path: Path) -> None:
             ),
             None,
         )
+
+
+class _SheddingIndex(PartialKvIndex):
+    """An indexer that sheds every query (RESOURCE_EXHAUSTED, as one with more prefix
+    queries in flight than it takes) and knows no engine a ResyncEngine names (NOT_FOUND);
+    its GetIndexStats is left out (UNIMPLEMENTED)."""
+
+    async def MatchTokens(
+        self,
+        request: ipb.MatchTokensRequest,
+        context: grpc.aio.ServicerContext[ipb.MatchTokensRequest, ipb.MatchTokensResponse],
+    ) -> ipb.MatchTokensResponse:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted: shed")
+
+    async def ResyncEngine(
+        self,
+        request: ipb.ResyncEngineRequest,
+        context: grpc.aio.ServicerContext[ipb.ResyncEngineRequest, ipb.ResyncEngineResponse],
+    ) -> ipb.ResyncEngineResponse:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "scripted: no such engine")
+
+
+async def test_only_a_query_not_shed_ends_the_shedding() -> None:
+    """Queries shed at 0 s and 5 s, none answered: at 10 s the index counts as not
+    answering, whatever other calls met meanwhile (a ResyncEngine answered NOT_FOUND, a
+    GetIndexStats refused): only a query that is not shed ends the shedding, as an answered
+    GetIndexStats never did. Before, any other call's refusal (or failure) began it again, so
+    an engine met (or restarted) while the indexer shed every query put off the DEGRADED
+    Health by up to another 10 s each time."""
+    server = grpc.aio.server()
+    ipb_grpc.add_KvIndexServicer_to_server(_SheddingIndex(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    now = [0.0]
+    remote = RemoteIndex(f"127.0.0.1:{port}", 5.0, clock=lambda: now[0])
+    try:
+        for now[0] in (0.0, 5.0):
+            with pytest.raises(RemoteIndexError, match="RESOURCE_EXHAUSTED: scripted: shed"):
+                await remote.match(TOKENS, 16, "", "")
+        now[0] = 6.0
+        await remote.resync_engine(ENGINE)  # NOT_FOUND: nothing of it to drop
+        with pytest.raises(RemoteIndexError, match="UNIMPLEMENTED"):
+            await remote.stats()
+        assert remote.unavailable is None
+        now[0] = 10.0
+        assert remote.unavailable == (
+            f"remote index at 127.0.0.1:{port}: RESOURCE_EXHAUSTED: scripted: shed (every "
+            "query shed for 10 s)"
+        ), remote.unavailable
+    finally:
+        await remote.close()
+        await server.stop(None)
 
 
 class _RefusingIndex(PartialKvIndex):
