@@ -90,12 +90,14 @@ def _declared_otherwise(
 
 
 class _KeyedOtherwise(NamedTuple):
-    """How a worker is keyed when no prompt the controller hashes can match it (`how`), and
-    what shows it, when not its source's declaration (`shown_by`: a root block's keys, which
-    every new prompt may change)."""
+    """How a worker is keyed when no prompt the controller hashes can match it (`how`), what
+    shows it, when not its source's declaration (`shown_by`: a root block's keys, which every
+    new prompt may change), and how the controller hashes prompts instead (`ours`: in its key
+    space and seed, unless the block size is what differs)."""
 
     how: str
     shown_by: str = ""
+    ours: str = ""
 
 
 class _Shedding:
@@ -172,6 +174,7 @@ class RemoteIndex:
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
         routes: Callable[[str], bool] = lambda engine: True,
+        block_size_of: Callable[[str], int | None] = lambda engine: None,
     ) -> None:
         initial_s, _ = backoff_s
         # Every call fails at once while the indexer is down, without asking it; every
@@ -189,6 +192,9 @@ class RemoteIndex:
         # Whether the fleet routes to an engine (a worker named as `match` names it): only
         # its workers' keyings are checked (the indexer may follow other fleets' engines).
         self._routes = routes
+        # The block size the controller hashes prompts for an engine in (None: not known
+        # yet): a worker whose engine stores blocks of another size matches none of them.
+        self._block_size_of = block_size_of
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
@@ -293,20 +299,30 @@ class RemoteIndex:
         """How the indexer keys `keying`'s worker when no prompt the controller hashes can
         match it there: as its source declares, or, whatever is declared, as shown by the
         latest root block its engine stored (`root_block`: the key it is indexed under is not
-        what the controller's key space and seed make of its tokens). None when one may."""
+        what the controller's key space and seed make of its tokens, or its size is not the
+        block size the controller hashes prompts for that engine in). None when one may."""
         declared = _declared_otherwise(keying, self._key_space, self._hash_seed)
         if declared is not None:
             return _KeyedOtherwise(declared)
-        if not keying.root_block.token_ids:
-            return None
         block = keying.root_block
-        (ours,) = self.prompt_keys(block.token_ids, len(block.token_ids), "", "")
-        if ours == block.key:
+        size = len(block.token_ids)
+        if not size:
+            return None
+        (ours,) = self.prompt_keys(block.token_ids, size, "", "")
+        if ours != block.key:
+            return _KeyedOtherwise(
+                "otherwise",
+                f" (its engine stored a prompt's first block under key {block.key}; the "
+                f"controller hashes its tokens to {ours})",
+            )
+        hashed_in = self._block_size_of(keying.worker_address or keying.worker_id)
+        if hashed_in is None or hashed_in == size:
             return None
         return _KeyedOtherwise(
-            "otherwise",
-            f" (its engine stored a prompt's first block under key {block.key}; the "
-            f"controller hashes its tokens to {ours})",
+            f"in blocks of {size} tokens",
+            " (the size of the first block of a prompt its engine stored)",
+            f"hashes prompts for its engine in blocks of {hashed_in} (the block size its "
+            "GetModelInfo reports, else default_block_size)",
         )
 
     def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
@@ -324,11 +340,13 @@ class RemoteIndex:
         if wrong:
             worker, theirs = wrong[0]
             more = f" (and {len(wrong) - 1} more worker(s))" if len(wrong) > 1 else ""
+            ours = theirs.ours or (
+                f"asks in {_keyed(self._key_space, self._hash_seed)} "
+                "(index.remote_key_space, remote_hash_seed)"
+            )
             mismatch = (
                 f"{self.described}: worker {worker}{more} is keyed {theirs.how}"
-                f"{theirs.shown_by} there, but the controller asks in "
-                f"{_keyed(self._key_space, self._hash_seed)} (index.remote_key_space, "
-                "remote_hash_seed): no prompt can match it"
+                f"{theirs.shown_by} there, but the controller {ours}: no prompt can match it"
             )
         mismatched = tuple((worker, theirs.how) for worker, theirs in wrong)
         if mismatch is not None and mismatched != self._mismatched:

@@ -255,14 +255,18 @@ async def test_health_is_degraded_while_the_remote_indexer_keys_workers_otherwis
 
 @contextlib.asynccontextmanager
 async def vllm_capture_fleet(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]], index: dict[str, str]
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    index: dict[str, str],
+    block_size: int = 32,
 ) -> AsyncIterator[tuple[Fleet, FakeKvPublisher, str]]:
     """A fleet of one engine whose KV events a `kvplane indexer serve` (`index.remote`, with
     `index`'s other settings) reads from the publisher of the real vLLM 0.32.0 capture (vLLM's
-    default hash seed) on real ZMQ sockets, through a `hash: engine` source that declares no
-    `vllm_hash` (nor seed): the fleet, the publisher (subscribed to; nothing published yet)
-    and the indexer's address."""
-    engine = await start_sim_engine("vllm")
+    default hash seed, blocks of 32 tokens) on real ZMQ sockets, through a `hash: engine`
+    source that declares no `vllm_hash` (nor seed), the engine reporting `block_size` (the
+    capture's, unless a test makes the controller hash in another): the fleet, the publisher
+    (subscribed to; nothing published yet) and the indexer's address."""
+    engine = await start_sim_engine("vllm", block_size=block_size)
     address = f"127.0.0.1:{engine.port}"
     context = zmq.asyncio.Context()
     publisher = FakeKvPublisher(context)
@@ -328,6 +332,32 @@ async def test_a_worker_keyed_otherwise_than_declared_is_told_by_its_engines_blo
         )
         assert "its engine stored a prompt's first block under key " in message, message
         assert f"but the controller asks in {ours} " in message, message
+
+
+async def test_a_worker_whose_engine_stores_blocks_of_another_size_is_told(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller asks in the engine's key space and seed, but hashes prompts in blocks
+    of 16 tokens (the block size the engine reports) while the engine stores blocks of 32
+    (the real vLLM capture's): no prompt can match, and the root block's size says so
+    (Health DEGRADED, naming both sizes). Before, the root block's key was found as asked and
+    Health stayed READY, while admin `match` found 0 blocks on the engine for a prompt it
+    had just stored."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    index = {"remote_key_space": "sha256"}
+    async with vllm_capture_fleet(tmp_path, processes, index, 16) as (fleet, publisher, remote):
+        stored = live_messages()[0]  # a plain prompt's 5 blocks of 32 tokens
+        await publisher.publish(stored.frames)
+        message = await index_shown_as(
+            fleet,
+            pb.HEALTH_STATE_DEGRADED,
+            f"remote index at {remote}: worker vllm-0 is keyed in blocks of 32 tokens (the "
+            "size of the first block of a prompt its engine stored) there, but the controller "
+            "hashes prompts for its engine in blocks of 16 (the block size its GetModelInfo "
+            "reports, else default_block_size): no prompt can match it",
+            answers=True,
+        )
+        assert message.endswith("no prompt can match it"), message
 
 
 async def test_a_seed_mismatch_shown_by_every_new_prompt_is_logged_once(
