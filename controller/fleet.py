@@ -529,6 +529,7 @@ class Fleet:
                 ),
                 backoff_s=(health.backoff_initial_s, health.backoff_max_s),
                 routes=lambda engine: self.registry.by_engine_id(engine) is not None,
+                block_size_of=self._hashing_block_size,
             )
             if config.index.remote is not None
             else None
@@ -792,6 +793,14 @@ class Fleet:
         return ejected_s
 
     # ---- routing view ----
+
+    def _hashing_block_size(self, engine: str) -> int | None:
+        """The block size a prompt for `engine` alone is hashed in (`block_size`); None until
+        the controller has read the engine's identity (it may report another size)."""
+        record = self.registry.by_engine_id(engine)
+        if record is None or record.identity is None:
+            return None
+        return self.block_size([record])
 
     def block_size(self, records: Sequence[EngineRecord]) -> int:
         """The block size a prompt for `records` is hashed in: theirs (a fleet may serve

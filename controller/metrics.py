@@ -287,11 +287,13 @@ class ControllerMetrics:
         )
         self.index_reachable.set_function(lambda: float(index_answers()))
         # 1 while the remote indexer reports keying a worker in another key space (or with
-        # another hash seed) than the controller asks in: it answers, but matches nothing there.
+        # another hash seed, or in blocks of another size) than the controller hashes prompts
+        # in: it answers, but matches nothing there.
         self.index_key_space_mismatch = Gauge(
             "kvplane_controller_index_key_space_mismatch",
             "1 while the remote indexer keys some worker otherwise than the controller hashes "
-            "prompts (index.remote_key_space, remote_hash_seed): no prompt can match it",
+            "prompts (index.remote_key_space, remote_hash_seed, or the block size): no prompt "
+            "can match it",
             registry=r,
         )
         self.index_key_space_mismatch.set_function(lambda: float(index_keying_mismatch()))

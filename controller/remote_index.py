@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -89,6 +89,17 @@ def _declared_otherwise(
     return None if theirs == _keyed(key_space, hash_seed) else theirs
 
 
+class _KeyedOtherwise(NamedTuple):
+    """How a worker is keyed when no prompt the controller hashes can match it (`how`), what
+    shows it, when not its source's declaration (`shown_by`: a root block's keys, which every
+    new prompt may change), and how the controller hashes prompts instead (`ours`: in its key
+    space and seed, unless the block size is what differs)."""
+
+    how: str
+    shown_by: str = ""
+    ours: str = ""
+
+
 class _Shedding:
     """The queries shed since the last one answered: when the first was, how many, and the
     last one's failure."""
@@ -163,6 +174,7 @@ class RemoteIndex:
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
         routes: Callable[[str], bool] = lambda engine: True,
+        block_size_of: Callable[[str], int | None] = lambda engine: None,
     ) -> None:
         initial_s, _ = backoff_s
         # Every call fails at once while the indexer is down, without asking it; every
@@ -180,6 +192,9 @@ class RemoteIndex:
         # Whether the fleet routes to an engine (a worker named as `match` names it): only
         # its workers' keyings are checked (the indexer may follow other fleets' engines).
         self._routes = routes
+        # The block size the controller hashes prompts for an engine in (None: not known
+        # yet): a worker whose engine stores blocks of another size matches none of them.
+        self._block_size_of = block_size_of
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
@@ -190,8 +205,10 @@ class RemoteIndex:
         self._failure: str | None = None
         # The queries shed since the last one answered (None: the last was not shed).
         self._shedding: _Shedding | None = None
-        # Why no prompt can match some worker the indexer keys otherwise (None: none known).
+        # Why no prompt can match some worker the indexer keys otherwise (None: none known),
+        # and those workers with how each is keyed (what the ERROR logged for it named).
         self._keying_mismatch: str | None = None
+        self._mismatched: tuple[tuple[str, str], ...] = ()
         # Engines restarted since the indexer last confirmed dropping their entries.
         self.restarted: set[str] = set()
 
@@ -239,9 +256,8 @@ class RemoteIndex:
     def _failure_of(self, code: grpc.StatusCode, failure: str) -> str | None:
         """What `unavailable` says after a call failed with `code`: nothing for a refusal that
         is an answer, nor for a query shed (only MatchTokens is ever shed), which counts in
-        `_shedding` instead."""
+        `_shedding` instead (which only a query not shed ends: `match`)."""
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self._shedding = None
             return None if code in _ANSWERS else failure
         if self._shedding is None:
             self._shedding = _Shedding(self._clock())
@@ -279,27 +295,41 @@ class RemoteIndex:
         reported otherwise, or an indexer that reports none)."""
         return self._keying_mismatch
 
-    def _keyed_otherwise(self, keying: ipb.WorkerKeying) -> str | None:
+    def _keyed_otherwise(self, keying: ipb.WorkerKeying) -> _KeyedOtherwise | None:
         """How the indexer keys `keying`'s worker when no prompt the controller hashes can
         match it there: as its source declares, or, whatever is declared, as shown by the
         latest root block its engine stored (`root_block`: the key it is indexed under is not
-        what the controller's key space and seed make of its tokens). None when one may."""
+        what the controller's key space and seed make of its tokens, or its size is not the
+        block size the controller hashes prompts for that engine in). None when one may."""
         declared = _declared_otherwise(keying, self._key_space, self._hash_seed)
-        if declared is not None or not keying.root_block.token_ids:
-            return declared
+        if declared is not None:
+            return _KeyedOtherwise(declared)
         block = keying.root_block
-        (ours,) = self.prompt_keys(block.token_ids, len(block.token_ids), "", "")
-        if ours == block.key:
+        size = len(block.token_ids)
+        if not size:
             return None
-        return (
-            f"otherwise (its engine stored a prompt's first block under key {block.key}; "
-            f"the controller hashes its tokens to {ours})"
+        (ours,) = self.prompt_keys(block.token_ids, size, "", "")
+        if ours != block.key:
+            return _KeyedOtherwise(
+                "otherwise",
+                f" (its engine stored a prompt's first block under key {block.key}; the "
+                f"controller hashes its tokens to {ours})",
+            )
+        hashed_in = self._block_size_of(keying.worker_address or keying.worker_id)
+        if hashed_in is None or hashed_in == size:
+            return None
+        return _KeyedOtherwise(
+            f"in blocks of {size} tokens",
+            " (the size of the first block of a prompt its engine stored)",
+            f"hashes prompts for its engine in blocks of {hashed_in} (the block size its "
+            "GetModelInfo reports, else default_block_size)",
         )
 
     def _check_keyings(self, keyings: Sequence[ipb.WorkerKeying]) -> None:
         """Keep `keying_mismatch` to what the indexer last reported of the workers of engines
-        the fleet routes to: an ERROR when a mismatch is found (or changes), a line when it
-        is gone."""
+        the fleet routes to: an ERROR when a mismatch is found (or its workers, or how they
+        are keyed, change: not the root blocks that show it, which change with every new
+        prompt), a line when it is gone."""
         wrong = [
             (k.worker_id, theirs)
             for k in keyings
@@ -310,16 +340,21 @@ class RemoteIndex:
         if wrong:
             worker, theirs = wrong[0]
             more = f" (and {len(wrong) - 1} more worker(s))" if len(wrong) > 1 else ""
-            mismatch = (
-                f"{self.described}: worker {worker}{more} is keyed {theirs} there, but the "
-                f"controller asks in {_keyed(self._key_space, self._hash_seed)} "
-                "(index.remote_key_space, remote_hash_seed): no prompt can match it"
+            ours = theirs.ours or (
+                f"asks in {_keyed(self._key_space, self._hash_seed)} "
+                "(index.remote_key_space, remote_hash_seed)"
             )
-        if mismatch is not None and mismatch != self._keying_mismatch:
+            mismatch = (
+                f"{self.described}: worker {worker}{more} is keyed {theirs.how}"
+                f"{theirs.shown_by} there, but the controller {ours}: no prompt can match it"
+            )
+        mismatched = tuple((worker, theirs.how) for worker, theirs in wrong)
+        if mismatch is not None and mismatched != self._mismatched:
             log.error("%s", mismatch)
         elif mismatch is None and self._keying_mismatch is not None:
             log.info("%s: its workers are keyed as the controller asks again", self.described)
         self._keying_mismatch = mismatch
+        self._mismatched = mismatched
 
     def _match_request(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
@@ -348,9 +383,14 @@ class RemoteIndex:
         """The prompt's block keys and each worker's cached prefix (none for an engine in
         `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
         request = self._match_request(token_ids, block_size, lora_name, cache_salt)
-        reply = await self._ask(
-            lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
-        )
+        try:
+            reply = await self._ask(
+                lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
+            )
+        except RemoteIndexError as exc:
+            if exc.code not in (None, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                self._shedding = None  # a query not shed (refused, failed): no shedding
+            raise
         self._shedding = None
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:

@@ -156,7 +156,7 @@ class KeyedBlock:
 @dataclass(slots=True)
 class RootBlockSeen:
     """The latest block an engine stored at the start of a prompt with no LoRA adapter, cache
-    salt or multimodal item, as indexed (None: none since the last reset): hashing its tokens
+    salt or multimodal item in it, as indexed (None: none since the last reset): hashing its tokens
     as a prompt gives its key in the worker's key space only (GetIndexStats `keyings`,
     `root_block`). Shared, like the counters, by the translators of one source (its ranks, a
     take-over's)."""
@@ -409,15 +409,17 @@ class WorkerTranslator:
 def _starts_a_plain_prompt(event: BlockStored, block_size: int) -> bool:
     """Whether the event's first block starts a prompt (a nil parent: in the real vLLM
     capture, every such block, re-announcements included, is its request's first) of the
-    first KV cache group, with its tokens, no LoRA adapter, and extra keys sent for each block,
-    all empty (no salt, no multimodal item: an event without them cannot tell)."""
+    first KV cache group, with its tokens, no LoRA adapter, and extra keys sent for each
+    block, the first one's empty (no salt, no multimodal item in it: an event without them
+    cannot tell). Only the first block's own extra keys enter its key (vLLM's and kvplane's
+    alike), so an item in a later block does not matter. O(1): every BlockStored asks."""
     return (
         event.parent_block_hash is None
         and event.group_idx == 0
         and block_size > 0
         and len(event.token_ids) == block_size * len(event.block_hashes)
         and len(event.extra_keys) == len(event.block_hashes)
-        and not any(event.extra_keys)
+        and not event.extra_keys[0]
         and not event.lora_name
         and event.lora_id is None
         and not event.cache_salt

@@ -7,8 +7,11 @@ again. The fleet still serves (routed by load), so Health is DEGRADED, not NOT_R
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import signal
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -250,6 +253,40 @@ async def test_health_is_degraded_while_the_remote_indexer_keys_workers_otherwis
         await close_fleet(fleet)
 
 
+@contextlib.asynccontextmanager
+async def vllm_capture_fleet(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    index: dict[str, str],
+    block_size: int = 32,
+) -> AsyncIterator[tuple[Fleet, FakeKvPublisher, str]]:
+    """A fleet of one engine whose KV events a `kvplane indexer serve` (`index.remote`, with
+    `index`'s other settings) reads from the publisher of the real vLLM 0.32.0 capture (vLLM's
+    default hash seed, blocks of 32 tokens) on real ZMQ sockets, through a `hash: engine`
+    source that declares no `vllm_hash` (nor seed), the engine reporting `block_size` (the
+    capture's, unless a test makes the controller hash in another): the fleet, the publisher
+    (subscribed to; nothing published yet) and the indexer's address."""
+    engine = await start_sim_engine("vllm", block_size=block_size)
+    address = f"127.0.0.1:{engine.port}"
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    sources = (
+        f"  - {{kind: zmq, worker_id: vllm-0, worker_address: '{address}', "
+        f"endpoint: '{publisher.endpoint}', replay_endpoint: '{publisher.replay_endpoint}', "
+        "topic: 'kv@', array_tail: vllm, hash: engine}\n"
+    )
+    remote = await indexer_process(tmp_path, [], processes, sources=sources)
+    fleet = await make_fleet(engines=[engine], index={"remote": remote, **index})
+    try:
+        await publisher.wait_subscribed()
+        yield fleet, publisher, remote
+    finally:
+        await close_fleet(fleet)
+        await publisher.close()
+        context.term()
+
+
 @pytest.mark.parametrize(
     ("index", "ours"),
     [
@@ -273,20 +310,7 @@ async def test_a_worker_keyed_otherwise_than_declared_is_told_by_its_engines_blo
     and says so (Health DEGRADED naming both keys); asking as the engine hashes, it stays
     READY. Before, a source that declared nothing was never checked: READY, every match 0."""
     monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
-    engine = await start_sim_engine("vllm")
-    address = f"127.0.0.1:{engine.port}"
-    context = zmq.asyncio.Context()
-    publisher = FakeKvPublisher(context)
-    publisher.start_replay()
-    sources = (
-        f"  - {{kind: zmq, worker_id: vllm-0, worker_address: '{address}', "
-        f"endpoint: '{publisher.endpoint}', replay_endpoint: '{publisher.replay_endpoint}', "
-        "topic: 'kv@', array_tail: vllm, hash: engine}\n"
-    )
-    remote = await indexer_process(tmp_path, [], processes, sources=sources)
-    fleet = await make_fleet(engines=[engine], index={"remote": remote, **index})
-    try:
-        await publisher.wait_subscribed()
+    async with vllm_capture_fleet(tmp_path, processes, index) as (fleet, publisher, remote):
         first = live_messages()[0]  # a plain prompt's blocks, the first one its root
         await publisher.publish(first.frames)
 
@@ -308,10 +332,72 @@ async def test_a_worker_keyed_otherwise_than_declared_is_told_by_its_engines_blo
         )
         assert "its engine stored a prompt's first block under key " in message, message
         assert f"but the controller asks in {ours} " in message, message
-    finally:
-        await close_fleet(fleet)
-        await publisher.close()
-        context.term()
+
+
+async def test_a_worker_whose_engine_stores_blocks_of_another_size_is_told(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller asks in the engine's key space and seed, but hashes prompts in blocks
+    of 16 tokens (the block size the engine reports) while the engine stores blocks of 32
+    (the real vLLM capture's): no prompt can match, and the root block's size says so
+    (Health DEGRADED, naming both sizes). Before, the root block's key was found as asked and
+    Health stayed READY, while admin `match` found 0 blocks on the engine for a prompt it
+    had just stored."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    index = {"remote_key_space": "sha256"}
+    async with vllm_capture_fleet(tmp_path, processes, index, 16) as (fleet, publisher, remote):
+        stored = live_messages()[0]  # a plain prompt's 5 blocks of 32 tokens
+        await publisher.publish(stored.frames)
+        message = await index_shown_as(
+            fleet,
+            pb.HEALTH_STATE_DEGRADED,
+            f"remote index at {remote}: worker vllm-0 is keyed in blocks of 32 tokens (the "
+            "size of the first block of a prompt its engine stored) there, but the controller "
+            "hashes prompts for its engine in blocks of 16 (the block size its GetModelInfo "
+            "reports, else default_block_size): no prompt can match it",
+            answers=True,
+        )
+        assert message.endswith("no prompt can match it"), message
+
+
+async def test_a_seed_mismatch_shown_by_every_new_prompt_is_logged_once(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A controller asking with another hash seed than its vLLM engine's, while the engine
+    serves new prompts (the real vLLM capture on real ZMQ sockets to a `kvplane indexer
+    serve`): each index-stats refresh may find another latest root block, whose keys the
+    `kv_index` check names, but the mismatch is one, and so is its ERROR line. Before, every
+    refresh that found a new root block logged the mismatch again: an ERROR every
+    `INDEX_STATS_INTERVAL_S` for as long as the engine took new prompts."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    caplog.set_level(logging.ERROR, "controller.remote_index")
+    index = {"remote_key_space": "sha256", "remote_hash_seed": "7"}
+    async with vllm_capture_fleet(tmp_path, processes, index) as (fleet, publisher, _):
+        remote_index = fleet.app.controller.fleet.remote
+        assert remote_index is not None
+        live = live_messages()
+
+        async def shown(shown_before: str | None) -> str:
+            async def found() -> bool:
+                await fleet.app.controller.index_stats()
+                mismatch = remote_index.keying_mismatch
+                return mismatch is not None and mismatch != shown_before
+
+            await eventually(found, 30, "a root block found keyed otherwise")
+            assert remote_index.keying_mismatch is not None
+            return remote_index.keying_mismatch
+
+        await publisher.publish(live[0].frames)  # a plain prompt's blocks
+        first = await shown(None)
+        for message in live[1:19]:  # more prompts: the latest root block is another
+            await publisher.publish(message.frames)
+        latest = await shown(first)
+        assert "its engine stored a prompt's first block under key " in latest, latest
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert errors == [first], errors
 
 
 async def test_kvplane_engines_followed_by_their_own_hashes_are_no_key_space_mismatch(

@@ -13,7 +13,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.fleet import Fleet
-from controller.remote_index import RemoteIndex
+from controller.remote_index import RemoteIndex, RemoteIndexError
 from indexer.batch import to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
@@ -91,15 +91,11 @@ def test_remote_key_space_is_a_config_choice() -> None:
         ControllerConfig.model_validate({"index": {"remote_key_space": "md5"}})
 
 
-def test_a_hash_seed_without_a_vllm_key_space_is_refused(tmp_path: Path) -> None:
-    """`kvplane controller serve` with `remote_hash_seed` and the canonical key space (the
-    default) exits naming both settings, as the indexer refuses `hash_seed` without
-    `vllm_hash`. Before, it started and ignored the seed: canonical keys have none, and the
-    operator who meant vLLM's key space was told nothing."""
+def refused_at_start(tmp_path: Path, index: str) -> str:
+    """What `kvplane controller serve` says on stderr as it exits 1 with `index: INDEX` (a
+    YAML flow mapping) in its config."""
     config = tmp_path / "controller.yaml"
-    config.write_text(
-        "listen: 127.0.0.1:0\nengines: []\nindex: {remote: '127.0.0.1:1', remote_hash_seed: '7'}\n"
-    )
+    config.write_text(f"listen: 127.0.0.1:0\nengines: []\nindex: {index}\n")
     out = subprocess.run(
         [*KVPLANE, "controller", "serve", "--config", str(config)],
         capture_output=True,
@@ -107,10 +103,46 @@ def test_a_hash_seed_without_a_vllm_key_space_is_refused(tmp_path: Path) -> None
     )
     message = out.stderr.decode()
     assert out.returncode == 1, message
+    return message.replace(str(config), "FILE")
+
+
+def test_a_hash_seed_without_a_vllm_key_space_is_refused(tmp_path: Path) -> None:
+    """`kvplane controller serve` with `remote_hash_seed` and the canonical key space (the
+    default) exits naming both settings, as the indexer refuses `hash_seed` without
+    `vllm_hash`. Before, it started and ignored the seed: canonical keys have none, and the
+    operator who meant vLLM's key space was told nothing."""
+    message = refused_at_start(tmp_path, "{remote: '127.0.0.1:1', remote_hash_seed: '7'}")
     assert (
         "index: remote_hash_seed needs remote_key_space sha256 or sha256_cbor (the vLLM "
         "algorithm it seeds): kvplane's canonical keys have no seed"
     ) in message, message
+
+
+@pytest.mark.parametrize(
+    ("index", "refused"),
+    [
+        (
+            "{remote_key_space: sha256, remote_hash_seed: '7'}",
+            "index: remote_key_space and remote_hash_seed are for remote (a kvplane indexer), "
+            "which is not set: the controller keeps its own index (backend 'memory') and would "
+            "ignore them",
+        ),
+        (
+            "{backend: 'redis://127.0.0.1:1', remote_token_file: token}",
+            "index: remote_token_file is for remote (a kvplane indexer), which is not set: the "
+            "controller keeps its own index (backend 'redis://127.0.0.1:1') and would ignore it",
+        ),
+    ],
+)
+def test_remote_settings_without_a_remote_indexer_are_refused(
+    tmp_path: Path, index: str, refused: str
+) -> None:
+    """`kvplane controller serve` with `remote_key_space` / `remote_hash_seed` (or the remote
+    indexer's TLS or token) but no `index.remote` exits naming them: nothing reads them
+    without a remote indexer. Before, it started on its own index and ignored them, and the
+    operator who forgot `remote` was told nothing."""
+    message = refused_at_start(tmp_path, index)
+    assert f"invalid config in FILE: {refused}\n" in message, message
 
 
 async def test_stats_of_a_remote_index_that_does_not_answer_fail_in_one_line() -> None:
@@ -418,6 +450,58 @@ async def test_resync_engine_needs_the_indexers_token(tmp_path: Path) -> None:
             ),
             None,
         )
+
+
+class _SheddingIndex(PartialKvIndex):
+    """An indexer that sheds every query (RESOURCE_EXHAUSTED, as one with more prefix
+    queries in flight than it takes) and knows no engine a ResyncEngine names (NOT_FOUND);
+    its GetIndexStats is left out (UNIMPLEMENTED)."""
+
+    async def MatchTokens(
+        self,
+        request: ipb.MatchTokensRequest,
+        context: grpc.aio.ServicerContext[ipb.MatchTokensRequest, ipb.MatchTokensResponse],
+    ) -> ipb.MatchTokensResponse:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted: shed")
+
+    async def ResyncEngine(
+        self,
+        request: ipb.ResyncEngineRequest,
+        context: grpc.aio.ServicerContext[ipb.ResyncEngineRequest, ipb.ResyncEngineResponse],
+    ) -> ipb.ResyncEngineResponse:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "scripted: no such engine")
+
+
+async def test_only_a_query_not_shed_ends_the_shedding() -> None:
+    """Queries shed at 0 s and 5 s, none answered: at 10 s the index counts as not
+    answering, whatever other calls met meanwhile (a ResyncEngine answered NOT_FOUND, a
+    GetIndexStats refused): only a query that is not shed ends the shedding, as an answered
+    GetIndexStats never did. Before, any other call's refusal (or failure) began it again, so
+    an engine met (or restarted) while the indexer shed every query put off the DEGRADED
+    Health by up to another 10 s each time."""
+    server = grpc.aio.server()
+    ipb_grpc.add_KvIndexServicer_to_server(_SheddingIndex(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    now = [0.0]
+    remote = RemoteIndex(f"127.0.0.1:{port}", 5.0, clock=lambda: now[0])
+    try:
+        for now[0] in (0.0, 5.0):
+            with pytest.raises(RemoteIndexError, match="RESOURCE_EXHAUSTED: scripted: shed"):
+                await remote.match(TOKENS, 16, "", "")
+        now[0] = 6.0
+        await remote.resync_engine(ENGINE)  # NOT_FOUND: nothing of it to drop
+        with pytest.raises(RemoteIndexError, match="UNIMPLEMENTED"):
+            await remote.stats()
+        assert remote.unavailable is None
+        now[0] = 10.0
+        assert remote.unavailable == (
+            f"remote index at 127.0.0.1:{port}: RESOURCE_EXHAUSTED: scripted: shed (every "
+            "query shed for 10 s)"
+        ), remote.unavailable
+    finally:
+        await remote.close()
+        await server.stop(None)
 
 
 class _RefusingIndex(PartialKvIndex):

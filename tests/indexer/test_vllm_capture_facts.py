@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 
 from indexer.batch import ActionType, Tier, to_sfixed64
 from indexer.engine_events import (
@@ -205,4 +206,25 @@ def test_every_plain_prompts_root_block_is_keyed_as_its_tokens_hash_alone() -> N
             roots += 1
     assert roots > 10
     translator.reset()  # a new engine process, perhaps with another seed
+    assert translator.root_block.block is None
+
+
+def test_a_root_block_is_plain_whatever_the_later_blocks_extra_keys() -> None:
+    """Only a block's own extra keys enter its key: a prompt whose multimodal item lies past
+    its first block (a system prompt, then an image) has a root block keyed as its tokens
+    alone, and the translator takes it (checking the first block's extra keys, in O(1));
+    one whose first block holds an item is not taken. Before, any extra key in the event
+    left the root block unseen, and the check cost a pass over every block of the event."""
+    (stored,) = [e for _seq, _recv, events in _decoded()[:1] for e in events]
+    assert isinstance(stored, BlockStored) and stored.parent_block_hash is None
+    size = stored.block_size or 0
+    tokens = stored.token_ids[:size]
+    assert block_hashes(tokens, size)[0] == stored.block_hashes[0]
+    image_later = replace(stored, extra_keys=(None, ("mm-1",), *stored.extra_keys[2:]))
+    translator = _translator()
+    translator.translate([image_later])
+    assert translator.root_block.block == KeyedBlock(tokens, to_sfixed64(stored.block_hashes[0]))
+    image_first = replace(stored, extra_keys=(("mm-1",), *stored.extra_keys[1:]))
+    translator = _translator()
+    translator.translate([image_first])
     assert translator.root_block.block is None

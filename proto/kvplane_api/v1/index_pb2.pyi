@@ -341,8 +341,9 @@ class WorkerKeying(_message.Message):
     @_builtins.property
     def root_block(self) -> Global___KeyedBlock:
         """What the worker's keys are, whatever is declared: the latest block its engine stored at
-        the start of a prompt with no LoRA adapter, cache salt or multimodal item (the event
-        sent extra keys for each block, all empty), as indexed. A router hashing its tokens as it
+        the start of a prompt with no LoRA adapter, and no cache salt or multimodal item in
+        that block (the event sent extra keys for each block, the first one's empty), as
+        indexed. A router hashing its tokens as it
         hashes prompts gets its key if and only if it keys as this worker is keyed (its key
         space, and a vLLM engine's seed and algorithm). Unset: no such block seen yet.
         """
