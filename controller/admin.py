@@ -289,6 +289,7 @@ class AdminServicer(apb_grpc.AdminServicer):
                 instance_id=self._instance(row.engine_id),
                 cached_tokens=row.cached_tokens,
                 host_cached_tokens=row.host_cached_tokens,
+                disk_cached_tokens=row.disk_cached_tokens,
                 prefill_cost=row.prefill_cost,
                 queue_cost=row.queue_cost,
                 decode_cost=row.decode_cost,
@@ -327,14 +328,14 @@ class AdminServicer(apb_grpc.AdminServicer):
         view = router.with_inflight(plan.view.candidates, plan.request, self.controller.clock())
         for c, routed in zip(plan.view.candidates, view, strict=True):
             hit = routed.hit if c.predicts_cache else c.hit
-            device, host = plan.request.cached_tokens(hit)
             reply.matches.append(
                 apb.EngineMatch(
                     engine=c.engine_id,
                     instance_id=self._instance(c.engine_id),
                     device_blocks=hit.device_blocks,
                     host_blocks=hit.host_blocks,
-                    cached_tokens=device + host,
+                    disk_blocks=hit.disk_blocks,
+                    cached_tokens=sum(plan.request.cached_tokens(hit)),
                     predicted=c.predicts_cache,
                 )
             )

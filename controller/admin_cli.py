@@ -487,15 +487,13 @@ def match(
                 m.get("engine"),
                 m.get("device_blocks", 0),
                 m.get("host_blocks", 0),
+                m.get("disk_blocks", 0),
                 _cached_cell(m),
             ]
             for m in d["matches"]
         ]
-        return (
-            head
-            + "\n"
-            + _table(["ENGINE", "ADDRESS", "DEVICE BLOCKS", "HOST BLOCKS", "CACHED TOKENS"], rows)
-        )
+        columns = ["ENGINE", "ADDRESS", "DEVICE BLOCKS", "HOST BLOCKS", "DISK BLOCKS"]
+        return head + "\n" + _table([*columns, "CACHED TOKENS"], rows)
 
     emit(data, output, render)
 
@@ -557,6 +555,7 @@ def route(
                 c.get("instance_id"),
                 _cached_cell(c),
                 c.get("host_cached_tokens", 0),
+                c.get("disk_cached_tokens", 0),
                 _num(c.get("prefill_cost")),
                 _num(c.get("queue_cost")),
                 _num(c.get("decode_cost")),
@@ -574,6 +573,7 @@ def route(
                     "ENGINE",
                     "CACHED",
                     "HOST",
+                    "DISK",
                     "PREFILL",
                     "QUEUE",
                     "DECODE",

@@ -165,6 +165,7 @@ class RouterConfig(StrictModel):
     pass_tokens: StrictFloat = Field(default=_DEFAULT_WEIGHTS.pass_tokens, ge=0)
     pass_decodes: StrictInt = Field(default=_DEFAULT_WEIGHTS.pass_decodes, ge=0)
     host_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.host_weight, ge=0)
+    disk_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.disk_weight, ge=0)
     decode_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.decode_weight, ge=0)
     tie_tokens: StrictFloat = Field(default=_DEFAULT_WEIGHTS.tie_tokens, ge=0)
     tie_ratio: StrictFloat = Field(default=_DEFAULT_WEIGHTS.tie_ratio, ge=0)
@@ -244,6 +245,7 @@ class RouterConfig(StrictModel):
             pass_tokens=self.pass_tokens,
             pass_decodes=self.pass_decodes,
             host_weight=self.host_weight,
+            disk_weight=self.disk_weight,
             decode_weight=self.decode_weight,
             tie_tokens=self.tie_tokens,
             tie_ratio=self.tie_ratio,

@@ -909,7 +909,7 @@ class Fleet:
         hits: dict[str, PrefixHit] = {}
         for match in await index.match_prefix_by_tier(keys, 0):
             device = _device_blocks(match.tiers)
-            hit = PrefixHit(device, max(match.matched_blocks - device, 0))
+            hit = PrefixHit.along(device, match.matched_blocks, match.any_tier_blocks)
             keep_best_hit(hits, engine_worker_id(match.worker_id), hit)
         return hits
 

@@ -397,7 +397,7 @@ class RemoteIndex:
             if (m.worker_address or m.worker_id) in self.restarted:
                 continue
             device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
-            hit = PrefixHit(device, max(m.matched_blocks - device, 0))
+            hit = PrefixHit.along(device, m.matched_blocks, m.any_tier_blocks)
             keep_best_hit(hits, m.worker_address or m.worker_id, hit)
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits

@@ -403,9 +403,12 @@ def match(
             lines = [f"{data['num_query_blocks']} query blocks"]
             for m in data["matches"]:
                 tiers = ", ".join(f"{t['tier']}={t['matched_blocks']}" for t in m["tiers"])
+                # Blocks that continue the prefix on disk past the servable ones.
+                disk = max(m.get("any_tier_blocks", 0) - m["matched_blocks"], 0)
                 lines.append(
                     f"  {m['worker_id']:<24} {m['worker_address'] or '-':<24} "
                     f"{m['matched_blocks']:>6} blocks {m['matched_tokens']:>8} tokens  {tiers}"
+                    + (f"  +{disk} on disk" if disk else "")
                 )
             return "\n".join(lines)
 

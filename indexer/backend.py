@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from indexer.batch import Batch, BlockKey, Tier
 
@@ -54,15 +54,20 @@ class TierPrefix:
     matched_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class TokenPrefixMatch:
-    """Per worker: leading blocks held contiguously on any servable tier, and per tier."""
+class TokenPrefixMatch(NamedTuple):
+    """Per worker: leading blocks held contiguously on any servable tier (HBM or DRAM), per
+    tier, and on any tier at all, disk (SSD) included: `any_tier_blocks` >= `matched_blocks`,
+    the blocks past `matched_blocks` being the ones the worker would load from disk. A
+    NamedTuple: a query makes one per worker holding its first block (hundreds on a large
+    fleet), and a frozen dataclass costs a setattr call per field to make."""
 
     worker_id: str
     worker_address: str
     matched_blocks: int
     matched_tokens: int
     tiers: tuple[TierPrefix, ...]
+    any_tier_blocks: int
+    any_tier_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +104,9 @@ class IndexBackend(Protocol):
     async def match_prefix_by_tier(
         self, hashes: Sequence[BlockKey], max_blocks: int
     ) -> list[TokenPrefixMatch]:
-        """kvplane's token-level view: per worker, the contiguous prefix on any servable tier
-        and per tier (tokens from the blocks' known sizes). Sorted by matched_blocks desc."""
+        """kvplane's token-level view: per worker, the contiguous prefix on any servable tier,
+        per tier, and on any tier with disk (tokens from the blocks' known sizes). Sorted by
+        matched_blocks desc."""
         ...
 
     async def hit_counts(self, hashes: Sequence[BlockKey]) -> list[tuple[BlockKey, int]]: ...

@@ -14,6 +14,10 @@ from indexer.batch import CacheSpec, Component, Tier
 
 # Tiers a prefix may be served from, as a (1 << Tier) mask: HBM | DRAM (never SSD in v1).
 SERVABLE_TIER_MASK = (1 << Tier.HBM) | (1 << Tier.DRAM)
+# Tiers kvplane's own router counts a prefix on (`match_prefix_by_tier`'s `any_tier_blocks`):
+# the servable ones and disk (SSD), which an engine loads back at a cost (the seed's
+# KVIndexer RPCs keep SERVABLE_TIER_MASK).
+ROUTABLE_TIER_MASK = SERVABLE_TIER_MASK | (1 << Tier.SSD)
 
 _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAMBA)
 
@@ -25,12 +29,15 @@ def spec_is_valid(spec: CacheSpec) -> bool:
     return not (spec.components & _SWA and spec.swa_window_tokens == 0)
 
 
-def resident_components(spec: CacheSpec, placements: Iterable[tuple[int, int]]) -> int:
+def resident_components(
+    spec: CacheSpec, placements: Iterable[tuple[int, int]], tiers: int = SERVABLE_TIER_MASK
+) -> int:
     """The components of one block the rule may use, from the worker's (tier, component mask)
-    placements of it: a component counts at a servable tier in its own tier mask."""
-    full_tiers = spec.full_tier_mask & SERVABLE_TIER_MASK
-    swa_tiers = spec.swa_tier_mask & SERVABLE_TIER_MASK
-    mamba_tiers = spec.mamba_tier_mask & SERVABLE_TIER_MASK
+    placements of it: a component counts at a tier of `tiers` (a (1 << Tier) mask; the seed's
+    servable set by default) in its own tier mask."""
+    full_tiers = spec.full_tier_mask & tiers
+    swa_tiers = spec.swa_tier_mask & tiers
+    mamba_tiers = spec.mamba_tier_mask & tiers
     resident = 0
     for tier, mask in placements:
         tier_bit = 1 << tier

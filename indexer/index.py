@@ -57,6 +57,7 @@ from indexer.backend import (
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Component, Tier
 from indexer.component_rule import (
+    ROUTABLE_TIER_MASK,
     SERVABLE_TIER_MASK,
     resident_components,
     spec_is_valid,
@@ -111,7 +112,7 @@ _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAM
 
 
 _REPORT, _REVOKE = int(ActionType.REPORT), int(ActionType.REVOKE)
-_HBM = int(Tier.HBM)
+_HBM, _SSD = int(Tier.HBM), int(Tier.SSD)
 
 
 _BY_WORKER_ID = attrgetter("worker_id")
@@ -260,6 +261,9 @@ class PrefixIndex:
         # HBM-slot bits of workers that ever reported a DRAM or SSD placement (never cleared
         # while the worker lives): only they need the per-tier walk in prefix scans.
         self._lower_tier_slots = 0
+        # HBM-slot bits of workers that ever reported an SSD placement (never cleared while the
+        # worker lives): only they can hold a prefix past their servable run (`any_tier_blocks`).
+        self._disk_slots = 0
         # Removed workers whose bits are still in `_tiers`, purged a slice per apply.
         self._dead = 0
         self._pending: list[_Worker] = []
@@ -325,6 +329,8 @@ class PrefixIndex:
         tbit = worker.tier_bits[tier]
         if tier != _HBM:
             self._lower_tier_slots |= worker.bit
+            if tier == _SSD:
+                self._disk_slots |= worker.bit
         n = len(hashes)
         if (hashes[0] not in tiers) if n == 1 else tiers.keys().isdisjoint(hashes):
             # Every block is new (the common cases: a fresh chain, one block extending a
@@ -522,6 +528,7 @@ class PrefixIndex:
         self._legacy &= ~worker.bit
         self._hbm_slots &= ~worker.bit
         self._lower_tier_slots &= ~worker.bit
+        self._disk_slots &= ~worker.bit
         return removed
 
     def purge(self, max_blocks: int | None = None) -> bool:
@@ -749,9 +756,14 @@ class PrefixIndex:
         return ended, blocks_read
 
     def _spec_prefix(
-        self, worker: _Worker, hashes: Sequence[BlockKey], limit: int
+        self,
+        worker: _Worker,
+        hashes: Sequence[BlockKey],
+        limit: int,
+        tiers: int = SERVABLE_TIER_MASK,
     ) -> tuple[int, int]:
-        """The component rule for one worker with a cache spec: (prefix blocks, blocks read)."""
+        """The component rule for one worker with a cache spec: (prefix blocks, blocks read);
+        `tiers`: the tiers a component may be resident at (the seed's servable set)."""
         spec = worker.spec
         if spec is None or not spec_is_valid(spec):
             return 0, 1
@@ -775,7 +787,7 @@ class PrefixIndex:
                 placements = [
                     (tier, masks.get(bit.bit_length() - 1, 0)) for tier, bit in tier_bits if t & bit
                 ]
-                yield resident_components(spec, placements), sizes.get(key, 0)
+                yield resident_components(spec, placements, tiers), sizes.get(key, 0)
 
         best = spec_prefix_blocks(spec, blocks())
         return best, max(blocks_read, 1)
@@ -785,11 +797,17 @@ class PrefixIndex:
     ) -> list[TokenPrefixMatch]:
         """kvplane's token-level view, for every worker holding hashes[0] on any tier (address
         or not): `matched_blocks` = leading blocks each held on HBM or DRAM; per tier, leading
-        blocks held on that tier alone (listed when > 0). Each is capped at the worker's
-        MatchExternalKvPrefix answer (the component rule with a cache spec; without one the
-        legacy rule, 0 when it fails closed on component data), so no hit is ever larger than
-        the seed's rules give. Tokens sum the blocks' known
-        sizes. Sorted by matched_blocks descending, then worker id."""
+        blocks held on that tier alone (listed when > 0); `any_tier_blocks` = leading blocks
+        each held on some tier, SSD included (so at least `matched_blocks`). Each is capped
+        at the worker's MatchExternalKvPrefix answer (the component rule with a cache spec;
+        without one the legacy rule, 0 when it fails closed on component data), so no hit is
+        ever larger than the seed's rules give; `any_tier_blocks` at that rule's answer with
+        SSD counted as a tier components may be resident at (`ROUTABLE_TIER_MASK`; the legacy
+        rule counts SSD already). Tokens sum the blocks' known sizes. Sorted by
+        matched_blocks descending, then worker id.
+
+        The disk walk runs only for workers that ever reported an SSD placement, from where
+        their servable run ends: with no SSD in the index it costs one test."""
         limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
         get = self._tiers.get
         first = get(hashes[0]) if limit else None
@@ -819,6 +837,17 @@ class PrefixIndex:
         for b in _bits(alive_servable):
             ends[2 * b + 1] = i
         holders = _any_tier(first) & hbm_slots
+        # Per worker that ever reported SSD: its run on any tier, from its servable run on.
+        any_ends: dict[int, int] = {}
+        on_disk = holders & self._disk_slots
+        if on_disk:
+            for slot in _bits(on_disk):
+                held, bits = ends.get(2 * slot + 1, 0), 7 << slot
+                while held < limit and get(hashes[held], 0) & bits:
+                    held += 1
+                any_ends[slot] = held
+            for n in range(len(cum_tokens), max(any_ends.values()) + 1):
+                cum_tokens.append(cum_tokens[-1] + sizes.get(hashes[n - 1], 0))
         # The legacy rule's answers, only where it can fail closed (component data in the
         # index); otherwise a legacy worker's answer is its any-tier run, never below these.
         legacy = holders & self._legacy
@@ -842,8 +871,21 @@ class PrefixIndex:
                 if (n := min(ends.get(2 * (slot + tier - 1), 0), most))
             )
             matched = min(ends.get(2 * slot + 1, 0), most)
+            any_tier = matched
+            if slot in any_ends:
+                if worker.spec is not None:
+                    most = self._spec_prefix(worker, hashes, limit, ROUTABLE_TIER_MASK)[0]
+                any_tier = max(min(any_ends[slot], most), matched)
             out.append(
-                TokenPrefixMatch(worker.wid, worker.address, matched, cum_tokens[matched], per_tier)
+                TokenPrefixMatch(
+                    worker.wid,
+                    worker.address,
+                    matched,
+                    cum_tokens[matched],
+                    per_tier,
+                    any_tier,
+                    cum_tokens[any_tier],
+                )
             )
         out.sort(key=lambda m: (-m.matched_blocks, m.worker_id))
         return out

@@ -163,6 +163,8 @@ def token_matches_to_proto(
             worker_address=match.worker_address,
             matched_blocks=match.matched_blocks,
             matched_tokens=match.matched_tokens,
+            any_tier_blocks=match.any_tier_blocks,
+            any_tier_tokens=match.any_tier_tokens,
         )
         for tier in match.tiers:
             worker.tiers.add(

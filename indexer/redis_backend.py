@@ -49,7 +49,7 @@ import re
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence, Set
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -81,7 +81,12 @@ from indexer.backend import (
     WorkerStats,
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
-from indexer.component_rule import resident_components, spec_prefix_blocks
+from indexer.component_rule import (
+    ROUTABLE_TIER_MASK,
+    SERVABLE_TIER_MASK,
+    resident_components,
+    spec_prefix_blocks,
+)
 from indexer.early_removals import EarlySplit, early_removals
 from indexer.index import PrefixIndex
 from indexer.redis_client import (
@@ -146,6 +151,7 @@ _SILENT_PAUSE_S = (0.5, 30.0)
 
 
 _SERVABLE = (Tier.HBM, Tier.DRAM)
+_ANY_TIER = frozenset(Tier)
 # One kvp_apply call carries at most this much (bounded time inside Redis).
 MAX_GROUP_BATCHES = 64
 MAX_GROUP_HASHES = 65_536
@@ -1329,8 +1335,22 @@ class RedisBackend:
             runs = {tier: min(_run(held, wid, {tier}), most) for tier in Tier}
             matched = min(_run(held, wid, set(_SERVABLE)), most)
             per_tier = tuple(TierPrefix(t, n, cum_tokens[n]) for t, n in runs.items() if n)
+            any_tier, reach = matched, _run(held, wid, _ANY_TIER)
+            if reach > matched:
+                # Held past its servable run, on disk: the rule with SSD a resident tier.
+                if spec is not None:
+                    most = _spec_prefix(spec, held, sizes, wid, ROUTABLE_TIER_MASK)
+                any_tier = max(min(reach, most), matched)
             out.append(
-                TokenPrefixMatch(names[wid], addresses[wid], matched, cum_tokens[matched], per_tier)
+                TokenPrefixMatch(
+                    names[wid],
+                    addresses[wid],
+                    matched,
+                    cum_tokens[matched],
+                    per_tier,
+                    any_tier,
+                    cum_tokens[any_tier],
+                )
             )
         out.sort(key=lambda m: (-m.matched_blocks, m.worker_id))
         return out
@@ -1543,7 +1563,7 @@ def _worker_specs(flat: Sequence[Any]) -> dict[int, CacheSpec | None]:
     return {int(flat[i]): codec.unpack_spec(flat[i + 3]) for i in range(0, len(flat), 4)}
 
 
-def _run(held: list[dict[int, dict[int, int]]], wid: int, wanted: set[int]) -> int:
+def _run(held: list[dict[int, dict[int, int]]], wid: int, wanted: Set[int]) -> int:
     """Leading blocks that worker `wid` holds on some tier in `wanted`."""
     n = 0
     for per_block in held:
@@ -1558,18 +1578,23 @@ def _legacy_prefix(held: list[dict[int, dict[int, int]]], wid: int) -> int:
     """Worker `wid`'s prefix by the legacy rule, over the scanned blocks: its run on any tier,
     or 0 (fail closed) when one of them carries component data for it (kvp_scan reports the
     blocks past its run)."""
-    n = _run(held, wid, set(Tier))
+    n = _run(held, wid, _ANY_TIER)
     if any(mask for per_block in held[:n] for mask in per_block[wid].values()):
         return 0
     return n
 
 
 def _spec_prefix(
-    spec: CacheSpec, held: list[dict[int, dict[int, int]]], sizes: list[int], wid: int
+    spec: CacheSpec,
+    held: list[dict[int, dict[int, int]]],
+    sizes: list[int],
+    wid: int,
+    tiers: int = SERVABLE_TIER_MASK,
 ) -> int:
-    """Worker `wid`'s prefix by the component rule, over the scanned blocks."""
+    """Worker `wid`'s prefix by the component rule, over the scanned blocks (`tiers`: where a
+    component may be resident, the seed's servable set by default)."""
     blocks = (
-        (resident_components(spec, per_block.get(wid, {}).items()), size)
+        (resident_components(spec, per_block.get(wid, {}).items(), tiers), size)
         for per_block, size in zip(held, sizes, strict=True)
     )
     return spec_prefix_blocks(spec, blocks)

@@ -344,8 +344,10 @@ def _in_request_tokens(match: TokenPrefixMatch, block_size: int) -> TokenPrefixM
     """Token counts from the request's block size: every query block holds exactly
     `block_size` tokens (its key hashes them), whether or not the index knows the block's size
     (a REPORT may omit block_sizes)."""
-    if match.matched_tokens == match.matched_blocks * block_size and all(
-        t.matched_tokens == t.matched_blocks * block_size for t in match.tiers
+    if (
+        match.matched_tokens == match.matched_blocks * block_size
+        and match.any_tier_tokens == match.any_tier_blocks * block_size
+        and all(t.matched_tokens == t.matched_blocks * block_size for t in match.tiers)
     ):
         return match  # the usual case: the sources reported the sizes
     return TokenPrefixMatch(
@@ -356,6 +358,8 @@ def _in_request_tokens(match: TokenPrefixMatch, block_size: int) -> TokenPrefixM
         tuple(
             TierPrefix(t.tier, t.matched_blocks, t.matched_blocks * block_size) for t in match.tiers
         ),
+        match.any_tier_blocks,
+        match.any_tier_blocks * block_size,
     )
 
 

@@ -78,11 +78,27 @@ class InFlight(NamedTuple):
 
 
 class PrefixHit(NamedTuple):
-    """How many leading blocks of the prompt an engine holds: contiguously on the device tier,
-    and how many more follow on a host tier (DRAM) before the first miss."""
+    """How many leading blocks of the prompt an engine holds, tier by tier along the prefix:
+    contiguously on the device tier (HBM); how many more follow on the device or host tier
+    (DRAM) before the first block on neither; and how many more after those follow on any
+    tier, disk (SSD) included, before the first miss. So a block is counted at the slowest
+    tier the prefix has needed up to it: device, device, host, device, disk, host gives 2
+    device, 2 host and 2 disk blocks."""
 
     device_blocks: int = 0
     host_blocks: int = 0
+    disk_blocks: int = 0
+
+    @staticmethod
+    def along(device_blocks: int, servable_blocks: int, any_tier_blocks: int) -> PrefixHit:
+        """The hit of an index match (`TokenPrefixMatch`, the MatchTokens reply): its leading
+        blocks on HBM, on HBM or DRAM (`matched_blocks`) and on any tier (`any_tier_blocks`;
+        0 from an indexer older than the field)."""
+        return PrefixHit(
+            device_blocks,
+            max(servable_blocks - device_blocks, 0),
+            max(any_tier_blocks - max(servable_blocks, device_blocks), 0),
+        )
 
 
 class Candidate(NamedTuple):
@@ -219,17 +235,20 @@ class RouteRequest(NamedTuple):
             return 0
         return min(len(self.block_keys), (self.num_prompt_tokens - 1) // self.block_size)
 
-    def cached_tokens(self, hit: PrefixHit, limit: int | None = None) -> tuple[int, int]:
-        """(device, host) prompt tokens an engine with `hit` serves from cache. `limit`:
-        `max_cacheable_blocks`, read once by a caller that asks for every engine of a fleet
-        (a property that computes: at hundreds of engines, reading it for each one showed)."""
-        if not (hit.device_blocks or hit.host_blocks):
-            return 0, 0  # a prompt the engine holds none of (most engines of a large fleet)
+    def cached_tokens(self, hit: PrefixHit, limit: int | None = None) -> tuple[int, int, int]:
+        """(device, host, disk) prompt tokens an engine with `hit` serves from its cache.
+        `limit`: `max_cacheable_blocks`, read once by a caller that asks for every engine of a
+        fleet (a property that computes: at hundreds of engines, reading it for each one
+        showed)."""
+        if not (hit.device_blocks or hit.host_blocks or hit.disk_blocks):
+            return 0, 0, 0  # a prompt the engine holds none of (most engines of a large fleet)
         if limit is None:
             limit = self.max_cacheable_blocks
         device = min(hit.device_blocks, limit)
         host = min(hit.host_blocks, limit - device)
-        return device * self.block_size, host * self.block_size
+        disk = min(hit.disk_blocks, limit - device - host)
+        size = self.block_size
+        return device * size, host * size, disk * size
 
 
 class EngineCost(NamedTuple):
@@ -246,12 +265,15 @@ class EngineCost(NamedTuple):
     busy: bool = False  # skipped as busy (the policy did not consider it)
     # Prompt-token equivalents for the KV the engine cannot hold (`KvplaneWeights.memory_weight`).
     memory_cost: float = 0.0
+    # Prompt tokens it would load from disk (SSD), past its device and host tiers.
+    disk_cached_tokens: int = 0
 
 
 class Decision(NamedTuple):
     engine_id: str
     reason: Reason
     policy: str
-    # Prompt tokens the chosen engine is expected to serve from its cache (device + host).
+    # Prompt tokens the chosen engine is expected to serve from its cache (device + host +
+    # disk).
     predicted_cached_tokens: int
     costs: tuple[EngineCost, ...] = ()

@@ -14,9 +14,13 @@ copied: docs/benchmarks/routing.md names the files).
   tokens not cached there) / block size, the cache as the engines' KV events show it (no credit
   for blocks still being computed: `credits_pending_prefixes` False); potential decode blocks =
   the distinct full blocks of the worker's active requests (each shared block once) + the
-  prompt's full blocks not already active there.
+  prompt's full blocks not already active there. Only device blocks count as cached (later
+  Dynamo releases also credit host and disk hits, 0.75 and 0.25 of a device hit; this row
+  keeps the selector it was measured as).
 - `llmd_longest_prefix` (llm-d's precise prefix-cache scorer): the longest consecutive cached
-  prefix, each block weighted by where it lives (device 1.0, host 0.8); ties at random.
+  prefix, each block weighted by where it lives (device 1.0, host 0.8; its documented
+  configuration weighs those two backends only, so blocks on disk add nothing); ties at
+  random.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ class DynamoCost:
             queue = w * c.inflight.prefill_tokens / bs
             already_active = c.active_overlap_blocks or 0
             decode = float(c.inflight.active_blocks + prompt_blocks - already_active)
-            device, _host = request.cached_tokens(c.hit)
+            device = request.cached_tokens(c.hit)[0]
             rows.append(
                 EngineCost(c.engine_id, device, 0, prefill, queue, decode, prefill + queue + decode)
             )

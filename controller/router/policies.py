@@ -71,16 +71,17 @@ def blind_costs(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple
     rows = []
     cacheable = request.max_cacheable_blocks
     for c in candidates:
-        device, host = request.cached_tokens(c.hit, cacheable)
+        device, host, disk = request.cached_tokens(c.hit, cacheable)
         rows.append(
             EngineCost(
                 engine_id=c.engine_id,
                 cached_tokens=device,
                 host_cached_tokens=host,
-                prefill_cost=float(request.num_prompt_tokens - device - host),
+                prefill_cost=float(request.num_prompt_tokens - device - host - disk),
                 queue_cost=float(c.pending_prefill_tokens),
                 decode_cost=float(c.active_requests),
                 total=None,
+                disk_cached_tokens=disk,
             )
         )
     return tuple(rows)
@@ -93,8 +94,7 @@ def decision_for(
     reason: Reason,
     costs: tuple[EngineCost, ...],
 ) -> Decision:
-    device, host = request.cached_tokens(chosen.hit)
-    return Decision(chosen.engine_id, reason, policy, device + host, costs)
+    return Decision(chosen.engine_id, reason, policy, sum(request.cached_tokens(chosen.hit)), costs)
 
 
 def least_loaded_of(
@@ -187,7 +187,7 @@ class PowerOfTwo(_Stateless):
 class KvplaneWeights:
     """The `kvplane` cost, in prompt-token equivalents of prefill work (lower is better):
 
-        total = overlap * (uncached + host_weight * host_cached)
+        total = overlap * (uncached + host_weight * host_cached + disk_weight * disk_cached)
               + waiting * (1 + (1 - pressure) * waiting / queue_knee)
               + decode_weight * (active + decoding * (waiting + uncached) / pass_tokens)
               + memory_weight * overflow
@@ -198,6 +198,9 @@ class KvplaneWeights:
     running requests (polled), at most `pass_decodes`; `pressure` = the candidates' mean cache
     pressure (how full their caches are with data, 1 when unknown); `overflow` = the tokens
     by which the KV the engine's requests hold, plus the prompt's, exceeds its capacity.
+    `host_cached` and `disk_cached` are the prompt tokens the engine holds past its device
+    tier on host memory (DRAM) and then on disk (SSD) (`PrefixHit`); loading them costs
+    `host_weight` and `disk_weight` of computing them.
 
     - `overlap` > 1 makes recomputing a prefix that another engine holds cost more than the
       queueing it would save. With full caches (`overlap_weight`) a prefix stored twice evicts
@@ -254,6 +257,11 @@ class KvplaneWeights:
     pass_tokens: float = 8192.0
     pass_decodes: int = 1
     host_weight: float = 0.25
+    # Loading a block from disk costs more than from host memory, less than recomputing it:
+    # Dynamo's router credits a disk hit 0.25 of a device hit against 0.75 for a host hit
+    # (`disk_cache_hit_weight`, `host_cache_hit_weight`), the 0.25 `host_weight` above; the
+    # same ratio here. Not tuned on a trace: the Mooncake traces carry no disk tier.
+    disk_weight: float = 0.75
     decode_weight: float = 256.0
     tie_tokens: float = 64.0
     tie_ratio: float = 0.0
@@ -295,7 +303,8 @@ class KvplanePolicy(_Stateless):
             # cached prefix only adds to everyone's wait.
             overlap = max(overlap, w.backlog_overlap_weight)
         memory_weight = 0.0 if backlogged else w.memory_weight
-        host_weight, queue_knee, decode_weight = w.host_weight, w.queue_knee, w.decode_weight
+        host_weight, disk_weight = w.host_weight, w.disk_weight
+        queue_knee, decode_weight = w.queue_knee, w.decode_weight
         pass_tokens, pass_decodes = w.pass_tokens, w.pass_decodes
         prompt_tokens = request.num_prompt_tokens
         cacheable = request.max_cacheable_blocks
@@ -303,10 +312,11 @@ class KvplanePolicy(_Stateless):
         totals: list[float] = []
         waits: list[float] = []
         for c, waiting in zip(candidates, queues, strict=True):
-            device, host = request.cached_tokens(c.hit, cacheable)
-            uncached = prompt_tokens - device - host
+            device, host, disk = request.cached_tokens(c.hit, cacheable)
+            cached = device + host + disk
+            uncached = prompt_tokens - cached
             active = c.active_requests  # a property: read once
-            prefill = overlap * (uncached + host_weight * host)
+            prefill = overlap * (uncached + host_weight * host + disk_weight * disk)
             queue = waiting
             if queue_knee > 0:
                 queue *= 1.0 + (1.0 - pressure) * waiting / queue_knee
@@ -324,12 +334,14 @@ class KvplanePolicy(_Stateless):
             memory = memory_weight * _kv_overflow_tokens(request, c) if memory_weight else 0.0
             total = prefill + queue + decode + memory
             rows.append(
-                EngineCost(c.engine_id, device, host, prefill, queue, decode, total, False, memory)
+                EngineCost(
+                    c.engine_id, device, host, prefill, queue, decode, total, False, memory, disk
+                )
             )
             totals.append(total)
             # The engine's prefill wait for the request (`_patient`): its queue, then the
             # prompt tokens it does not hold.
-            waits.append(waiting + prompt_tokens - device - host)
+            waits.append(waiting + uncached)
         return _Scores(rows, totals, waits, backlogged)
 
     def choose(
@@ -354,7 +366,7 @@ class KvplanePolicy(_Stateless):
             tied = len(near)
             index = near[0] if tied == 1 else rng.choice(near)
         row = rows[index]
-        cached = row.cached_tokens + row.host_cached_tokens
+        cached = row.cached_tokens + row.host_cached_tokens + row.disk_cached_tokens
         if len(candidates) == 1:
             reason = Reason.ONLY
         elif len(allowed) < len(rows) and totals[index] > min(totals):

@@ -309,11 +309,11 @@ class Router:
                     # Its capacity as of now (a GetLoad may tell it only after the fleet told
                     # the router of the engine; the replay has no fleet to tell it).
                     self.predict_cache(c.engine_id, c.capacity_blocks)
-                held = hit.device_blocks + hit.host_blocks
+                held = hit.device_blocks + hit.host_blocks + hit.disk_blocks
                 reach = self.pending.extend(c.engine_id, keys, held, now_s)
                 if reach > held:
                     # Pending blocks will be on the device once computed.
-                    hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
+                    hit = hit._replace(device_blocks=hit.device_blocks + reach - held)
             inflight = self.inflight.of(c.engine_id)
             if (
                 not inflight.requests
@@ -479,8 +479,7 @@ class Router:
         chosen = least_loaded_of(
             decode_view, rng, then=lambda c: -sum(request.cached_tokens(c.hit))
         )
-        device, host = request.cached_tokens(chosen.hit)
-        cached_fraction = (device + host) / max(request.num_prompt_tokens, 1)
+        cached_fraction = sum(request.cached_tokens(chosen.hit)) / max(request.num_prompt_tokens, 1)
         if cached_fraction < self.skip_prefill_ratio:
             if prefill_candidates:
                 if reject_when_all_busy:
@@ -641,8 +640,7 @@ def _decode_decision(
 ) -> Decision:
     """A decode engine chosen by load: what it has cached of the prompt, or all of it when
     the KV comes from a prefill engine (`prefilled`)."""
-    device, host = request.cached_tokens(chosen.hit)
-    cached = request.num_prompt_tokens if prefilled else device + host
+    cached = request.num_prompt_tokens if prefilled else sum(request.cached_tokens(chosen.hit))
     return Decision(
         chosen.engine_id, Reason.LOAD, "least_loaded", cached, blind_costs(request, view)
     )

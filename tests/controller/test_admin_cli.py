@@ -140,6 +140,7 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
         "ENGINE",
         "CACHED",
         "HOST",
+        "DISK",
         "PREFILL",
         "QUEUE",
         "DECODE",

@@ -19,9 +19,11 @@ import grpc
 import msgpack
 import pytest
 import zmq.asyncio
+from typer.testing import CliRunner
 
 from controller.app import start_controller
 from controller.config import ControllerConfig
+from controller.route_report import read_route
 from engine.config import KvEventsConfig
 from engine.server.service import EngineApp
 from indexer.batch import Component
@@ -29,6 +31,7 @@ from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.sources.openengine import OpenEngineSource
 from indexer.sources.zmq import ZmqSource
+from kvplane.cli import app
 from kvplane.config import load_config
 from kvplane.errors import ConfigError
 from kvplane_api.v1 import admin_pb2 as apb
@@ -37,6 +40,7 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
     EngineFleet,
     Fleet,
+    ServedEngine,
     close_fleet,
     engines_of_kinds,
     generate_request,
@@ -546,47 +550,113 @@ class _OnDisk(_EventsOnMedium):
     medium = pb.STORAGE_MEDIUM_DISK
 
 
-async def test_a_prefix_on_the_host_tier_is_discounted_and_one_on_disk_is_not_counted() -> None:
-    """What an operator reads in admin `route` for engines whose KV events carry a medium:
-    a prefix held in host memory (CPU_PINNED -> DRAM) is HOST cached, its prefill cost
-    `host_weight` (0.25) of recomputing it, and wins over engines without it; one held on
-    disk alone (DISK -> SSD, which the index's match does not serve) is routed as uncached.
-    Each prefix is computed by sending it to its engine directly (no claim of the router's
-    on it: `pending_ttl_s` 0)."""
-    on_host = await start_fronted_engine("host", _OnHost)
-    on_disk = await start_fronted_engine("disk", _OnDisk)
-    cold = await start_sim_engine("cold")
-    engines = engines_of_kinds(on_host, on_disk, cold)
+async def warmed_fleet(
+    warm: dict[str, ServedEngine], prompt: list[int]
+) -> tuple[EngineFleet[ServedEngine], apb.PromptQuery]:
+    """A controller over the `warm` engines and a cold one (`pending_ttl_s` 0: no claim of
+    the router's on a prompt), once each warm engine computed `prompt` (sent to it directly)
+    and the index holds it there, whatever the tier; and the query for it plus one token."""
+    engines = engines_of_kinds(*warm.values(), await start_sim_engine("cold"))
     fleet = await make_fleet(engines=engines, router={"pending_ttl_s": 0})
     try:
-        prompt = list(range(500, 500 + 20 * BLOCK))
-        for name, engine in (("host", on_host), ("disk", on_disk)):
+        for name, engine in warm.items():
             async with grpc.aio.insecure_channel(fleet.address(engine)) as channel:
                 stub = pb_grpc.OpenEngineStub(channel)
                 async for _ in stub.Generate(generate_request(f"warm-{name}", prompt)):
                     pass
-        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prompt, 1]))
-
         index = fleet.app.controller.fleet.index
         assert index is not None
 
-        async def both_indexed() -> bool:  # on DRAM and SSD: in the index, if not matched
+        async def indexed() -> bool:
             stats = await index.stats()
-            return {w.worker_id for w in stats.workers if w.num_blocks >= 20} >= {
-                fleet.address(on_host),
-                fleet.address(on_disk),
-            }
+            held = {w.worker_id for w in stats.workers if w.num_blocks >= len(prompt) // BLOCK}
+            return held >= {fleet.address(e) for e in warm.values()}
 
-        await eventually(both_indexed, WAIT_S)
+        await eventually(indexed, WAIT_S)
+    except BaseException:
+        await close_fleet(fleet)
+        raise
+    return fleet, apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prompt, 1]))
+
+
+async def test_a_prefix_on_the_host_tier_is_discounted_and_one_on_disk_more() -> None:
+    """What an operator reads in admin `route` for engines whose KV events carry a medium:
+    a prefix held in host memory (CPU_PINNED -> DRAM) is HOST cached, its prefill cost
+    `host_weight` (0.25) of recomputing it; one held on disk (DISK -> SSD) is DISK cached,
+    at `disk_weight` (0.75); the host engine wins. Each prefix is computed by sending it to
+    its engine directly (no claim of the router's on it: `pending_ttl_s` 0)."""
+    on_host = await start_fronted_engine("host", _OnHost)
+    on_disk = await start_fronted_engine("disk", _OnDisk)
+    prompt = list(range(500, 500 + 20 * BLOCK))
+    fleet, query = await warmed_fleet({"host": on_host, "disk": on_disk}, prompt)
+    try:
         route = await fleet.admin.Route(query)
         rows = {c.instance_id: c for c in route.costs}
-        assert (rows["host"].cached_tokens, rows["host"].host_cached_tokens) == (0, 20 * BLOCK)
-        assert (rows["disk"].cached_tokens, rows["disk"].host_cached_tokens) == (0, 0)
-        # overlap x (1 uncached + 0.25 x 320 on the host) against overlap x 321 recomputed
+        cached = {n: (r.cached_tokens, r.host_cached_tokens, r.disk_cached_tokens)
+                  for n, r in rows.items()}  # fmt: skip
+        assert cached == {"host": (0, 20 * BLOCK, 0), "disk": (0, 0, 20 * BLOCK), "cold": (0, 0, 0)}
+        # overlap x (1 uncached + 0.25 (0.75) x 320 on the host (disk)) against overlap x 321
         uncached = rows["cold"].prefill_cost / (20 * BLOCK + 1)
         assert rows["host"].prefill_cost == pytest.approx(uncached * (1 + 0.25 * 20 * BLOCK))
-        assert rows["disk"].prefill_cost == rows["cold"].prefill_cost
+        assert rows["disk"].prefill_cost == pytest.approx(uncached * (1 + 0.75 * 20 * BLOCK))
         assert (route.instance_id, route.reason) == ("host", "cache")
         assert route.predicted_cached_tokens == 20 * BLOCK
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_holding_a_prefix_on_disk_wins_over_a_cold_one_not_over_the_gpu(
+    tmp_path: Path,
+) -> None:
+    """Engines whose OpenEngine KV events say DISK (vLLM offloading its prefix cache to
+    disk): the controller indexes their blocks at the SSD tier and its router counts them
+    as cached at a discount. A prompt they hold goes to such an engine rather than to a cold
+    one, and to an engine holding it on the GPU rather than to either; admin `match` shows
+    the blocks on disk."""
+    on_disk = await start_fronted_engine("disk", _OnDisk)
+    on_gpu = await start_sim_engine("gpu")
+    prompt = list(range(900, 900 + 12 * BLOCK))
+    fleet, query = await warmed_fleet({"disk": on_disk, "gpu": on_gpu}, prompt)
+    try:
+        match = await fleet.admin.Match(query)
+        held = {m.instance_id: (m.device_blocks, m.host_blocks, m.disk_blocks, m.cached_tokens)
+                for m in match.matches}  # fmt: skip
+        assert held == {
+            "disk": (0, 0, 12, 12 * BLOCK),
+            "gpu": (12, 0, 0, 12 * BLOCK),
+            "cold": (0, 0, 0, 0),
+        }
+        # The operator's view: `kvplane admin match` and `route` tables.
+        tokens = tmp_path / "tokens.txt"
+        tokens.write_text(" ".join(str(t) for t in [*prompt, 1]))
+        target = ("--tokens-file", str(tokens), "--target", fleet.target)
+        table = await asyncio.to_thread(CliRunner().invoke, app, ["admin", "match", *target])
+        assert table.exit_code == 0, table.output
+        _, header, *rows = table.output.splitlines()
+        assert header.split() == [
+            *("ENGINE", "ADDRESS", "DEVICE", "BLOCKS", "HOST", "BLOCKS"),
+            *("DISK", "BLOCKS", "CACHED", "TOKENS"),
+        ]
+        by_engine = {row.split()[0]: row.split()[2:] for row in rows}
+        assert by_engine["disk"] == ["0", "0", "12", str(12 * BLOCK)]
+        table = await asyncio.to_thread(CliRunner().invoke, app, ["admin", "route", *target])
+        assert table.exit_code == 0, table.output
+        _, header, *rows = table.output.splitlines()
+        assert header.split()[:4] == ["ENGINE", "CACHED", "HOST", "DISK"]
+        by_engine = {row.split()[0]: row.split()[1:4] for row in rows}
+        assert by_engine["disk"] == ["0", "0", str(12 * BLOCK)]
+        route = await fleet.admin.Route(query)
+        assert (route.instance_id, route.reason) == ("gpu", "cache")
+        await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(on_gpu)))
+        route = await fleet.admin.Route(query)
+        assert (route.instance_id, route.reason) == ("disk", "cache")
+        assert route.predicted_cached_tokens == 12 * BLOCK
+        # A request through the gateway goes there too (its `kvplane-route` says so).
+        call = fleet.gateway.Generate(generate_request("q", [*prompt, 1]))
+        replies = [r async for r in call]
+        assert replies[-1].WhichOneof("event") == "finished"
+        served = read_route(await call.trailing_metadata())
+        assert served is not None
+        assert (served["instance_id"], served["predicted_cached_tokens"]) == ("disk", 12 * BLOCK)
     finally:
         await close_fleet(fleet)

@@ -18,6 +18,7 @@ from indexer.batch import to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
+from indexer.redis_backend import RedisBackend, open_redis_backend
 from indexer.servicer import index_services
 from indexer.vllm_hash import VllmHashAlgo, block_hashes
 from kv_indexer.v1 import kv_indexer_pb2 as kv
@@ -187,6 +188,61 @@ async def test_an_engine_indexed_rank_by_rank_holds_its_best_rank() -> None:
     finally:
         await remote.close()
         await server.stop(None)
+
+
+# Engines holding TOKENS' 4 blocks on tiers as (tier, first block, end), and the hit the
+# router must see: device, then host, then disk blocks along the prefix.
+_TIERED = {
+    "10.0.0.1:1": ([(kv.TIER_HBM, 0, 1), (kv.TIER_DRAM, 1, 2), (kv.TIER_SSD, 2, 4)], (1, 1, 2)),
+    "10.0.0.2:1": ([(kv.TIER_SSD, 0, 4)], (0, 0, 4)),
+    "10.0.0.3:1": ([(kv.TIER_HBM, 0, 4)], (4, 0, 0)),
+    "10.0.0.4:1": ([(kv.TIER_HBM, 0, 2), (kv.TIER_SSD, 2, 3), (kv.TIER_HBM, 3, 4)], (2, 0, 2)),
+    "10.0.0.5:1": ([(kv.TIER_DRAM, 0, 3)], (0, 3, 0)),
+}
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis", "remote"])
+async def test_every_index_backend_shows_the_router_a_prefix_on_disk_alike(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """The controller's view of each engine's prefix (`PrefixHit`: device, host, disk
+    blocks) is the same from its own memory index, from a shared Redis, and from a remote
+    `kvplane indexer` (MatchTokens): blocks on SSD continue a prefix, at the disk tier."""
+
+    if backend == "redis":
+        server = request.getfixturevalue("redis_server")
+        server.flushall()
+        index: MemoryBackend | RedisBackend = await open_redis_backend(server.url, buckets=8)
+    else:
+        index = MemoryBackend(PrefixIndex())
+    services, _, _ = index_services(index, default_block_size=16, max_concurrent_prefix_queries=8)
+    grpc_server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    target = f"127.0.0.1:{port}"
+    remote = RemoteIndex(target, 5.0)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = kv_grpc.KVIndexerStub(channel)
+            for engine, (runs, _) in _TIERED.items():
+                actions = [
+                    kv.ExternalKvAction(
+                        type=kv.ACTION_REPORT, tier=tier, hashes=CANONICAL_KEYS[start:end]
+                    )
+                    for tier, start, end in runs
+                ]
+                await stub.ApplyExternalKvBatch(
+                    kv.ApplyExternalKvBatchRequest(
+                        worker_id=engine, worker_address=engine, actions=actions
+                    )
+                )
+        if backend == "remote":
+            _, hits = await remote.match(TOKENS, 16, "", "")
+        else:
+            hits = await Fleet._indexed_hits(index, block_keys(TOKENS, 16))
+        assert {e: tuple(hits[e]) for e in _TIERED} == {e: hit for e, (_, hit) in _TIERED.items()}
+    finally:
+        await remote.close()
+        await grpc_server.stop(None)
+        await index.close()
 
 
 class _HungIndex(PartialKvIndex):

@@ -159,7 +159,7 @@ def test_queued_requests_do_not_count_as_decoding() -> None:
 def test_at_least_one_token_is_recomputed() -> None:
     req = RouteRequest("r", 4 * BS, BS, (1, 2, 3, 4))  # exactly 4 full blocks
     assert req.max_cacheable_blocks == 3
-    assert req.cached_tokens(PrefixHit(4, 0)) == (3 * BS, 0)
+    assert req.cached_tokens(PrefixHit(4, 0)) == (3 * BS, 0, 0)
 
 
 def test_kvplane_prefers_cached_engine_then_device_over_host() -> None:
@@ -172,6 +172,66 @@ def test_kvplane_prefers_cached_engine_then_device_over_host() -> None:
     assert d.predicted_cached_tokens == 8 * BS
     d = router.explain(request(blocks=8), [cand("none"), cand("host", 0, 8)], rng, 0)
     assert d.engine_id == "host"
+
+
+def on_disk(eid: str, blocks: int) -> Candidate:
+    """An engine holding the prompt's first `blocks` blocks on disk (SSD) only."""
+    return Candidate(eid, hit=PrefixHit(disk_blocks=blocks))
+
+
+def test_kvplane_counts_a_prefix_on_disk_between_the_host_tier_and_none() -> None:
+    """A prefix an engine would load from disk costs `disk_weight` (0.75) of computing it:
+    that engine wins over a cold one and loses to one holding it on the device or the
+    host; the decision predicts its disk tokens cached."""
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(0)
+    req = request(blocks=8)
+    d = router.explain(req, [cand("none"), on_disk("disk", 8)], rng, 0)
+    assert (d.engine_id, d.reason, d.predicted_cached_tokens) == ("disk", Reason.CACHE, 8 * BS)
+    row = {r.engine_id: r for r in d.costs}["disk"]
+    assert (row.cached_tokens, row.host_cached_tokens, row.disk_cached_tokens) == (0, 0, 8 * BS)
+    for better in (cand("dev", 8), cand("host", 0, 8)):
+        d = router.explain(req, [cand("none"), on_disk("disk", 8), better], rng, 0)
+        assert d.engine_id == better.engine_id
+
+
+def test_kvplane_cost_weighs_disk_tokens_at_disk_weight() -> None:
+    weights = KvplaneWeights(
+        overlap_weight=2.0, disk_weight=0.5, decode_weight=0, pass_tokens=0, backlog_tokens=0
+    )
+    req = request(blocks=4, extra=5)  # 4 full blocks and 5 tokens
+    (row,) = KvplanePolicy(weights).costs(req, [Candidate("a", hit=PrefixHit(1, 1, 2))])
+    assert (row.cached_tokens, row.host_cached_tokens, row.disk_cached_tokens) == (
+        BS,
+        BS,
+        2 * BS,
+    )
+    assert row.prefill_cost == pytest.approx(2.0 * (5 + 0.25 * BS + 0.5 * 2 * BS))
+    assert KvplaneWeights().disk_weight == 0.75  # more than host memory, less than computing
+
+
+def test_a_hit_along_the_tiers_counts_each_block_at_the_slowest_tier_so_far() -> None:
+    """`PrefixHit.along` (an index match: runs on HBM, on HBM or DRAM, on any tier)."""
+    assert PrefixHit.along(2, 4, 6) == PrefixHit(2, 2, 2)
+    assert PrefixHit.along(0, 0, 5) == PrefixHit(0, 0, 5)  # on disk alone
+    assert PrefixHit.along(3, 3, 0) == PrefixHit(3, 0, 0)  # an indexer without the field
+    assert PrefixHit.along(3, 3, 3) == PrefixHit(3, 0, 0)
+
+
+def test_cached_tokens_take_device_then_host_then_disk_up_to_the_cacheable_blocks() -> None:
+    req = request(blocks=4, extra=0)  # 3 cacheable blocks
+    assert req.cached_tokens(PrefixHit(1, 1, 5)) == (BS, BS, BS)
+    assert req.cached_tokens(PrefixHit(0, 0, 9)) == (0, 0, 3 * BS)
+
+
+def test_blocks_routed_past_a_prefix_on_disk_extend_it_on_the_device() -> None:
+    """The router's pending blocks continue an indexed prefix whatever its tiers: the
+    blocks it sent after the disk ones count as on the device, those stay on disk."""
+    router = Router(make_policy("kvplane"), pending_ttl_s=10.0)
+    rng = random.Random(0)
+    router.route(request("x", blocks=6), [on_disk("a", 2)], rng, 0)
+    (view,) = router.with_inflight([on_disk("a", 2)], request("probe", blocks=6), 1.0)
+    assert view.hit == PrefixHit(4, 0, 2)
 
 
 def test_kvplane_leaves_a_cached_engine_whose_queue_is_long() -> None:
@@ -826,4 +886,4 @@ def test_cached_tokens_with_the_limit_read_once_are_the_same() -> None:
     req = request(blocks=4, extra=0)  # 4 full blocks, the last token recomputed: 3 cacheable
     for hit in (PrefixHit(), PrefixHit(2, 5), PrefixHit(9, 0), PrefixHit(0, 9)):
         assert req.cached_tokens(hit, req.max_cacheable_blocks) == req.cached_tokens(hit)
-    assert req.cached_tokens(PrefixHit(2, 5)) == (2 * BS, 1 * BS)
+    assert req.cached_tokens(PrefixHit(2, 5)) == (2 * BS, 1 * BS, 0)

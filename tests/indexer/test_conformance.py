@@ -529,6 +529,44 @@ async def test_prefix_by_tier_token_view(backend: IndexBackend) -> None:
     assert await backend.match_prefix_by_tier([9, 1], 0) == []
 
 
+async def test_prefix_by_tier_continues_a_prefix_on_disk(backend: IndexBackend) -> None:
+    """`any_tier_blocks`: leading blocks held on some tier, SSD included (kvplane's router
+    counts the ones past the servable run as loaded from disk); the servable answer and the
+    seed's MatchExternalKvPrefix rule stay as they were. A worker with a cache spec counts a
+    component on SSD only where its tier mask names SSD; a legacy worker fails closed on
+    component data there too."""
+    await apply(
+        backend,
+        "mixed",
+        report(HBM, [1, 4], sizes=[16, 16]),
+        report(DRAM, [2], sizes=[16]),
+        report(SSD, [3, 5], sizes=[16, 8]),
+    )
+    await apply(backend, "disk", report(SSD, [1, 2, 3]))
+    await apply(backend, "device", report(HBM, [1, 2]))
+    ssd_spec = CacheSpec(components=FULL, full_tier_mask=HBM_MASK | DRAM_MASK | SSD_MASK)
+    await apply(backend, "spec_ssd", report(HBM, [1], [FULL]), report(SSD, [2, 3], [FULL] * 2),
+                spec=ssd_spec)  # fmt: skip
+    no_ssd = CacheSpec(components=FULL, full_tier_mask=HBM_MASK | DRAM_MASK)
+    await apply(backend, "spec_no_ssd", report(HBM, [1], [FULL]), report(SSD, [2], [FULL]),
+                spec=no_ssd)  # fmt: skip
+    await apply(backend, "masked", report(HBM, [1]), report(SSD, [2], masks=[FULL]))
+    view = await backend.match_prefix_by_tier([1, 2, 3, 4, 5, 6], 0)
+    got = {m.worker_id: (m.matched_blocks, m.any_tier_blocks, m.any_tier_tokens) for m in view}
+    assert got == {
+        "mixed": (2, 5, 72),  # HBM, DRAM, then SSD, HBM, SSD
+        "disk": (0, 3, 48),  # the sizes are the blocks' (reported by "mixed")
+        "device": (2, 2, 32),
+        "spec_ssd": (1, 3, 48),
+        "spec_no_ssd": (1, 1, 16),
+        "masked": (0, 0, 0),
+    }
+    assert await prefix_of(backend, "mixed", [1, 2, 3, 4, 5]) == 5  # legacy: any tier
+    assert await prefix_of(backend, "spec_ssd", [1, 2, 3]) == 1  # the seed: SSD never
+    capped = await backend.match_prefix_by_tier([1, 2, 3, 4, 5, 6], 4)
+    assert {m.worker_id: m.any_tier_blocks for m in capped}["mixed"] == 4
+
+
 async def test_prefix_by_tier_token_view_follows_a_workers_component_rule(
     backend: IndexBackend,
 ) -> None:

@@ -16,6 +16,8 @@ from indexer.index import IndexRequestError, PrefixIndex
 
 TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 SERVABLE = (1 << Tier.HBM) | (1 << Tier.DRAM)
+# The tiers kvplane's router counts a prefix on (`any_tier_blocks`): disk too.
+ROUTABLE = SERVABLE | (1 << Tier.SSD)
 FULL, SWA, MAMBA = 1, 2, 4
 # One tier of a worker in a MatchExternalKv answer: tier, hashes, their masks and sizes.
 TierRow = tuple[Tier, list[BlockKey], list[int], list[int]]
@@ -122,13 +124,17 @@ class Model:
             t: self.placements[(wid, t, key)][0] for t in TIERS if (wid, t, key) in self.placements
         }
 
-    def available(self, wid: str, key: BlockKey, tier_mask: int, component: int) -> bool:
+    def available(
+        self, wid: str, key: BlockKey, tier_mask: int, component: int, tiers: int
+    ) -> bool:
         return any(
-            mask & component and (tier_mask & SERVABLE) >> t & 1
+            mask & component and (tier_mask & tiers) >> t & 1
             for t, mask in self.tiers_of(wid, key).items()
         )
 
-    def prefix(self, wid: str, hashes: list[BlockKey]) -> int:
+    def prefix(self, wid: str, hashes: list[BlockKey], tiers: int = SERVABLE) -> int:
+        """MatchExternalKvPrefix's rule; `tiers`: where a component may be resident (the
+        seed's servable set; ROUTABLE for the router's disk view)."""
         spec = self.info[wid][1]
         if spec is None:
             # Leading blocks held on any tier; 0 with component data on any block of the
@@ -148,17 +154,17 @@ class Model:
             return 0
         best, run, head = 0, 0, True
         for i, key in enumerate(hashes):
-            if not self.available(wid, key, spec.full_tier_mask, FULL):
+            if not self.available(wid, key, spec.full_tier_mask, FULL, tiers):
                 break
             ok = True
             if spec.components & SWA:
-                if self.available(wid, key, spec.swa_tier_mask, SWA):
+                if self.available(wid, key, spec.swa_tier_mask, SWA, tiers):
                     run += self.sizes.get(key, 0)
                     ok = head or run >= spec.swa_window_tokens
                 else:
                     run, head, ok = 0, False, False
             if spec.components & MAMBA:
-                ok = ok and self.available(wid, key, spec.mamba_tier_mask, MAMBA)
+                ok = ok and self.available(wid, key, spec.mamba_tier_mask, MAMBA, tiers)
             if ok:
                 best = i + 1
         return best
@@ -191,7 +197,9 @@ class Model:
                     out.append((wid, n))
         return sorted(out, key=lambda p: (-p[1], p[0]))
 
-    def by_tier(self, hashes: list[BlockKey]) -> list[tuple[str, int, int, list[tuple[Tier, int]]]]:
+    def by_tier(
+        self, hashes: list[BlockKey]
+    ) -> list[tuple[str, int, int, list[tuple[Tier, int]], int, int]]:
         out = []
         for wid in self.info:
             if not hashes or not self.tiers_of(wid, hashes[0]):
@@ -212,7 +220,12 @@ class Model:
             servable = min(run(lambda h: Tier.HBM in h or Tier.DRAM in h), most)
             per_tier = [(t, n) for t in TIERS if (n := min(run(lambda h, t=t: t in h), most))]
             tokens = sum(self.sizes.get(k, 0) for k in hashes[:servable])
-            out.append((wid, servable, tokens, per_tier))
+            # On any tier, disk included, capped by the same rule with SSD a resident tier
+            # (the legacy rule counts every tier already); never below the servable run.
+            reach = min(run(lambda h: True), self.prefix(wid, hashes, ROUTABLE))
+            any_tier = max(reach, servable)
+            any_tokens = sum(self.sizes.get(k, 0) for k in hashes[:any_tier])
+            out.append((wid, servable, tokens, per_tier, any_tier, any_tokens))
         return sorted(out, key=lambda m: (-m[1], m[0]))
 
 
@@ -330,6 +343,8 @@ class IndexMachine(RuleBasedStateMachine):
                 m.matched_blocks,
                 m.matched_tokens,
                 [(t.tier, t.matched_blocks) for t in m.tiers],
+                m.any_tier_blocks,
+                m.any_tier_tokens,
             )
             for m in self.index.match_prefix_by_tier(hashes, 0)
         ]

@@ -50,6 +50,8 @@ SPECS = (
     CacheSpec(1, 5, 0, 0b110, 0, 0b100),
     CacheSpec(0, 7, 16, 0b010, 0b110, 0b100),
     CacheSpec(2, 1, 0, 0b110, 0, 0),
+    # Components resident on SSD too: the router's disk view (`any_tier_blocks`) counts them.
+    CacheSpec(1, 3, 16, 0b1110, 0b1010, 0),
 )
 keys = st.integers(-3, 5).map(lambda k: k * 0x0101_0101_0101_0101)
 tiers = st.sampled_from(list(Tier))

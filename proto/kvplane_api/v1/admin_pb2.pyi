@@ -375,6 +375,7 @@ class EngineCost(_message.Message):
     BUSY_FIELD_NUMBER: _builtins.int
     MEMORY_COST_FIELD_NUMBER: _builtins.int
     PREDICTED_FIELD_NUMBER: _builtins.int
+    DISK_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     cached_tokens: _builtins.int
@@ -391,6 +392,8 @@ class EngineCost(_message.Message):
     """The engine publishes no KV events (kv_events approximate): its cached tokens are the
     router's prediction from the prompts it routed there.
     """
+    disk_cached_tokens: _builtins.int
+    """Prompt tokens the engine would load from disk (SSD), past its device and host tiers."""
     def __init__(
         self,
         *,
@@ -405,10 +408,11 @@ class EngineCost(_message.Message):
         busy: _builtins.bool = ...,
         memory_cost: _builtins.float = ...,
         predicted: _builtins.bool = ...,
+        disk_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "total", b"total"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "busy", b"busy", "cached_tokens", b"cached_tokens", "decode_cost", b"decode_cost", "engine", b"engine", "host_cached_tokens", b"host_cached_tokens", "instance_id", b"instance_id", "memory_cost", b"memory_cost", "predicted", b"predicted", "prefill_cost", b"prefill_cost", "queue_cost", b"queue_cost", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "busy", b"busy", "cached_tokens", b"cached_tokens", "decode_cost", b"decode_cost", "disk_cached_tokens", b"disk_cached_tokens", "engine", b"engine", "host_cached_tokens", b"host_cached_tokens", "instance_id", b"instance_id", "memory_cost", b"memory_cost", "predicted", b"predicted", "prefill_cost", b"prefill_cost", "queue_cost", b"queue_cost", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__total: _TypeAlias = _typing.Literal["total"]  # noqa: Y015
     _WhichOneofArgType__total: _TypeAlias = _typing.Literal["_total", b"_total"]  # noqa: Y015
@@ -475,6 +479,7 @@ class EngineMatch(_message.Message):
     HOST_BLOCKS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PREDICTED_FIELD_NUMBER: _builtins.int
+    DISK_BLOCKS_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     device_blocks: _builtins.int
@@ -485,6 +490,8 @@ class EngineMatch(_message.Message):
     prediction from the prompts it routed there, as the policy credits them (none for a
     policy that credits no routed prompt).
     """
+    disk_blocks: _builtins.int
+    """Blocks that continue the prefix on disk (SSD) past the device and host ones."""
     def __init__(
         self,
         *,
@@ -494,10 +501,11 @@ class EngineMatch(_message.Message):
         host_blocks: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
         predicted: _builtins.bool = ...,
+        disk_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id", "predicted", b"predicted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "disk_blocks", b"disk_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id", "predicted", b"predicted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

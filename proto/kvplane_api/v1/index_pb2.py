@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kv_indexer.v1 import kv_indexer_pb2 as kv__indexer_dot_v1_dot_kv__indexer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvplane_api/v1/index.proto\x12\nkvplane.v1\x1a\x1ekv_indexer/v1/kv_indexer.proto\"\xf7\x01\n\x12MatchTokensRequest\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nmax_blocks\x18\x05 \x01(\r\x12\'\n\tkey_space\x18\x06 \x01(\x0e\x32\x14.kvplane.v1.KeySpace\x12\x16\n\thash_seed\x18\x07 \x01(\tH\x00\x88\x01\x01\x12,\n\x08mm_items\x18\x08 \x03(\x0b\x32\x1a.kvplane.v1.MultimodalItemB\x0c\n\n_hash_seed\"<\n\x0eMultimodalItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"b\n\tTierMatch\x12%\n\x04tier\x18\x01 \x01(\x0e\x32\x17.kv_indexer.v1.TierType\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\"\x93\x01\n\x10WorkerTokenMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.kvplane.v1.TierMatch\"v\n\x13MatchTokensResponse\x12-\n\x07matches\x18\x01 \x03(\x0b\x32\x1c.kvplane.v1.WorkerTokenMatch\x12\x18\n\x10num_query_blocks\x18\x02 \x01(\r\x12\x16\n\nblock_keys\x18\x03 \x03(\x10\x42\x02\x10\x01\"\x16\n\x14GetIndexStatsRequest\"d\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x16\n\x0enum_placements\x18\x04 \x01(\x04\"\xec\x01\n\nIndexStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x16\n\x0enum_placements\x18\x03 \x01(\x04\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x04\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.kvplane.v1.WorkerStats\x12\x1b\n\x13num_batches_applied\x18\x06 \x01(\x04\x12\x1a\n\x12num_events_dropped\x18\x07 \x01(\x04\x12)\n\x07keyings\x18\x08 \x03(\x0b\x32\x18.kvplane.v1.WorkerKeying\"\xdb\x01\n\x0cWorkerKeying\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12,\n\tkey_space\x18\x03 \x01(\x0e\x32\x14.kvplane.v1.KeySpaceH\x00\x88\x01\x01\x12\x16\n\thash_seed\x18\x04 \x01(\tH\x01\x88\x01\x01\x12/\n\nroot_block\x18\x05 \x01(\x0b\x32\x16.kvplane.v1.KeyedBlockH\x02\x88\x01\x01\x42\x0c\n\n_key_spaceB\x0c\n\n_hash_seedB\r\n\x0b_root_block\",\n\nKeyedBlock\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0b\n\x03key\x18\x02 \x01(\x10\"%\n\x10\x44umpIndexRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"B\n\x13ResyncEngineRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x1b\n\x13only_if_stream_lost\x18\x02 \x01(\x08\"c\n\x14ResyncEngineResponse\x12\x1a\n\x12\x64ropped_worker_ids\x18\x01 \x03(\t\x12\x1c\n\x14sources_resubscribed\x18\x02 \x01(\r\x12\x11\n\thanded_to\x18\x03 \x03(\t*^\n\x08KeySpace\x12\x17\n\x13KEY_SPACE_CANONICAL\x10\x00\x12\x19\n\x15KEY_SPACE_VLLM_SHA256\x10\x01\x12\x1e\n\x1aKEY_SPACE_VLLM_SHA256_CBOR\x10\x02\x32\xd0\x02\n\x07KvIndex\x12N\n\x0bMatchTokens\x12\x1e.kvplane.v1.MatchTokensRequest\x1a\x1f.kvplane.v1.MatchTokensResponse\x12I\n\rGetIndexStats\x12 .kvplane.v1.GetIndexStatsRequest\x1a\x16.kvplane.v1.IndexStats\x12W\n\tDumpIndex\x12\x1c.kvplane.v1.DumpIndexRequest\x1a*.kv_indexer.v1.ApplyExternalKvBatchRequest0\x01\x12Q\n\x0cResyncEngine\x12\x1f.kvplane.v1.ResyncEngineRequest\x1a .kvplane.v1.ResyncEngineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvplane_api/v1/index.proto\x12\nkvplane.v1\x1a\x1ekv_indexer/v1/kv_indexer.proto\"\xf7\x01\n\x12MatchTokensRequest\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nmax_blocks\x18\x05 \x01(\r\x12\'\n\tkey_space\x18\x06 \x01(\x0e\x32\x14.kvplane.v1.KeySpace\x12\x16\n\thash_seed\x18\x07 \x01(\tH\x00\x88\x01\x01\x12,\n\x08mm_items\x18\x08 \x03(\x0b\x32\x1a.kvplane.v1.MultimodalItemB\x0c\n\n_hash_seed\"<\n\x0eMultimodalItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"b\n\tTierMatch\x12%\n\x04tier\x18\x01 \x01(\x0e\x32\x17.kv_indexer.v1.TierType\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\"\xc5\x01\n\x10WorkerTokenMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.kvplane.v1.TierMatch\x12\x17\n\x0f\x61ny_tier_blocks\x18\x06 \x01(\r\x12\x17\n\x0f\x61ny_tier_tokens\x18\x07 \x01(\r\"v\n\x13MatchTokensResponse\x12-\n\x07matches\x18\x01 \x03(\x0b\x32\x1c.kvplane.v1.WorkerTokenMatch\x12\x18\n\x10num_query_blocks\x18\x02 \x01(\r\x12\x16\n\nblock_keys\x18\x03 \x03(\x10\x42\x02\x10\x01\"\x16\n\x14GetIndexStatsRequest\"d\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x16\n\x0enum_placements\x18\x04 \x01(\x04\"\xec\x01\n\nIndexStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x16\n\x0enum_placements\x18\x03 \x01(\x04\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x04\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.kvplane.v1.WorkerStats\x12\x1b\n\x13num_batches_applied\x18\x06 \x01(\x04\x12\x1a\n\x12num_events_dropped\x18\x07 \x01(\x04\x12)\n\x07keyings\x18\x08 \x03(\x0b\x32\x18.kvplane.v1.WorkerKeying\"\xdb\x01\n\x0cWorkerKeying\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12,\n\tkey_space\x18\x03 \x01(\x0e\x32\x14.kvplane.v1.KeySpaceH\x00\x88\x01\x01\x12\x16\n\thash_seed\x18\x04 \x01(\tH\x01\x88\x01\x01\x12/\n\nroot_block\x18\x05 \x01(\x0b\x32\x16.kvplane.v1.KeyedBlockH\x02\x88\x01\x01\x42\x0c\n\n_key_spaceB\x0c\n\n_hash_seedB\r\n\x0b_root_block\",\n\nKeyedBlock\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0b\n\x03key\x18\x02 \x01(\x10\"%\n\x10\x44umpIndexRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"B\n\x13ResyncEngineRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x1b\n\x13only_if_stream_lost\x18\x02 \x01(\x08\"c\n\x14ResyncEngineResponse\x12\x1a\n\x12\x64ropped_worker_ids\x18\x01 \x03(\t\x12\x1c\n\x14sources_resubscribed\x18\x02 \x01(\r\x12\x11\n\thanded_to\x18\x03 \x03(\t*^\n\x08KeySpace\x12\x17\n\x13KEY_SPACE_CANONICAL\x10\x00\x12\x19\n\x15KEY_SPACE_VLLM_SHA256\x10\x01\x12\x1e\n\x1aKEY_SPACE_VLLM_SHA256_CBOR\x10\x02\x32\xd0\x02\n\x07KvIndex\x12N\n\x0bMatchTokens\x12\x1e.kvplane.v1.MatchTokensRequest\x1a\x1f.kvplane.v1.MatchTokensResponse\x12I\n\rGetIndexStats\x12 .kvplane.v1.GetIndexStatsRequest\x1a\x16.kvplane.v1.IndexStats\x12W\n\tDumpIndex\x12\x1c.kvplane.v1.DumpIndexRequest\x1a*.kv_indexer.v1.ApplyExternalKvBatchRequest0\x01\x12Q\n\x0cResyncEngine\x12\x1f.kvplane.v1.ResyncEngineRequest\x1a .kvplane.v1.ResyncEngineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MATCHTOKENSREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_MATCHTOKENSRESPONSE'].fields_by_name['block_keys']._loaded_options = None
   _globals['_MATCHTOKENSRESPONSE'].fields_by_name['block_keys']._serialized_options = b'\020\001'
-  _globals['_KEYSPACE']._serialized_start=1597
-  _globals['_KEYSPACE']._serialized_end=1691
+  _globals['_KEYSPACE']._serialized_start=1647
+  _globals['_KEYSPACE']._serialized_end=1741
   _globals['_MATCHTOKENSREQUEST']._serialized_start=75
   _globals['_MATCHTOKENSREQUEST']._serialized_end=322
   _globals['_MULTIMODALITEM']._serialized_start=324
@@ -45,25 +45,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERMATCH']._serialized_start=386
   _globals['_TIERMATCH']._serialized_end=484
   _globals['_WORKERTOKENMATCH']._serialized_start=487
-  _globals['_WORKERTOKENMATCH']._serialized_end=634
-  _globals['_MATCHTOKENSRESPONSE']._serialized_start=636
-  _globals['_MATCHTOKENSRESPONSE']._serialized_end=754
-  _globals['_GETINDEXSTATSREQUEST']._serialized_start=756
-  _globals['_GETINDEXSTATSREQUEST']._serialized_end=778
-  _globals['_WORKERSTATS']._serialized_start=780
-  _globals['_WORKERSTATS']._serialized_end=880
-  _globals['_INDEXSTATS']._serialized_start=883
-  _globals['_INDEXSTATS']._serialized_end=1119
-  _globals['_WORKERKEYING']._serialized_start=1122
-  _globals['_WORKERKEYING']._serialized_end=1341
-  _globals['_KEYEDBLOCK']._serialized_start=1343
-  _globals['_KEYEDBLOCK']._serialized_end=1387
-  _globals['_DUMPINDEXREQUEST']._serialized_start=1389
-  _globals['_DUMPINDEXREQUEST']._serialized_end=1426
-  _globals['_RESYNCENGINEREQUEST']._serialized_start=1428
-  _globals['_RESYNCENGINEREQUEST']._serialized_end=1494
-  _globals['_RESYNCENGINERESPONSE']._serialized_start=1496
-  _globals['_RESYNCENGINERESPONSE']._serialized_end=1595
-  _globals['_KVINDEX']._serialized_start=1694
-  _globals['_KVINDEX']._serialized_end=2030
+  _globals['_WORKERTOKENMATCH']._serialized_end=684
+  _globals['_MATCHTOKENSRESPONSE']._serialized_start=686
+  _globals['_MATCHTOKENSRESPONSE']._serialized_end=804
+  _globals['_GETINDEXSTATSREQUEST']._serialized_start=806
+  _globals['_GETINDEXSTATSREQUEST']._serialized_end=828
+  _globals['_WORKERSTATS']._serialized_start=830
+  _globals['_WORKERSTATS']._serialized_end=930
+  _globals['_INDEXSTATS']._serialized_start=933
+  _globals['_INDEXSTATS']._serialized_end=1169
+  _globals['_WORKERKEYING']._serialized_start=1172
+  _globals['_WORKERKEYING']._serialized_end=1391
+  _globals['_KEYEDBLOCK']._serialized_start=1393
+  _globals['_KEYEDBLOCK']._serialized_end=1437
+  _globals['_DUMPINDEXREQUEST']._serialized_start=1439
+  _globals['_DUMPINDEXREQUEST']._serialized_end=1476
+  _globals['_RESYNCENGINEREQUEST']._serialized_start=1478
+  _globals['_RESYNCENGINEREQUEST']._serialized_end=1544
+  _globals['_RESYNCENGINERESPONSE']._serialized_start=1546
+  _globals['_RESYNCENGINERESPONSE']._serialized_end=1645
+  _globals['_KVINDEX']._serialized_start=1744
+  _globals['_KVINDEX']._serialized_end=2080
 # @@protoc_insertion_point(module_scope)

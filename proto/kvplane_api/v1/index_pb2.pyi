@@ -167,11 +167,19 @@ class WorkerTokenMatch(_message.Message):
     MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
     MATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    ANY_TIER_BLOCKS_FIELD_NUMBER: _builtins.int
+    ANY_TIER_TOKENS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     worker_address: _builtins.str
     matched_blocks: _builtins.int
-    """Leading blocks held contiguously on any servable tier."""
+    """Leading blocks held contiguously on any servable tier (HBM or DRAM)."""
     matched_tokens: _builtins.int
+    any_tier_blocks: _builtins.int
+    """Leading blocks held contiguously on any tier, disk (SSD) included: at least
+    matched_blocks; the ones past it the worker would load from disk. 0 from an indexer
+    older than the field (read it as matched_blocks).
+    """
+    any_tier_tokens: _builtins.int
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierMatch]: ...
     def __init__(
@@ -182,10 +190,12 @@ class WorkerTokenMatch(_message.Message):
         matched_blocks: _builtins.int = ...,
         matched_tokens: _builtins.int = ...,
         tiers: _abc.Iterable[Global___TierMatch] | None = ...,
+        any_tier_blocks: _builtins.int = ...,
+        any_tier_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched_blocks", b"matched_blocks", "matched_tokens", b"matched_tokens", "tiers", b"tiers", "worker_address", b"worker_address", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["any_tier_blocks", b"any_tier_blocks", "any_tier_tokens", b"any_tier_tokens", "matched_blocks", b"matched_blocks", "matched_tokens", b"matched_tokens", "tiers", b"tiers", "worker_address", b"worker_address", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
