@@ -22,7 +22,8 @@ the prompt's tokens (token ids, or a text prompt with a tokenizer; else, on a di
 fleet, the decode engine is chosen by the prompt's tokens the prefill engine told at its
 handoff: `Eligibility.with_prompt`, so a prompt is never handed to a decode engine too small
 for it; and where an engine refuses such a prompt INVALID_ARGUMENT, maybe for its length,
-it goes to one taking a longer context: `Eligibility.past_refusal`), the number of
+it goes to one taking a longer context: `Eligibility.past_refusal`; its `min_tokens` alone
+is judged all the same, a context the prompt can only lengthen), the number of
 outputs, the logprob candidates, and the options a request uses (text or token input,
 logprobs, guided decoding, priority, stop in output, cache salt, prefix cache bypass).
 Every hop's engine is checked alike. An engine that does not report a limit or an option
@@ -150,12 +151,18 @@ class RequestNeeds(NamedTuple):
     min_output_tokens: int = 1
 
     def with_prompt(self, prompt_tokens: int) -> RequestNeeds:
-        """With the context and the KV cache its prompt of `prompt_tokens` needs: the KV of
-        every output token but the last (a sampled token's KV is computed only to sample the
-        next), as an engine checks it."""
+        """With the context and the KV cache its prompt of `prompt_tokens` needs (in place of
+        any it had: a prompt of 0 tokens, its output alone, where its length was not known):
+        the KV of every output token but the last (a sampled token's KV is computed only to
+        sample the next), as an engine checks it."""
         context = prompt_tokens + self.min_output_tokens
         prompt = ((CONTEXT_LIMIT, context), (KV_CACHE_LIMIT, context - 1))
-        return RequestNeeds((*prompt, *self.limits), self.options, self.min_output_tokens)
+        rest = tuple(limit for limit in self.limits if limit[0] not in _PROMPT_LIMITS)
+        return RequestNeeds((*prompt, *rest), self.options, self.min_output_tokens)
+
+
+# The limits a request's context needs (`RequestNeeds.with_prompt`).
+_PROMPT_LIMITS = (CONTEXT_LIMIT, KV_CACHE_LIMIT)
 
 
 NO_NEEDS = RequestNeeds()
@@ -430,8 +437,9 @@ class Eligibility:
     ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
         """Those of `candidates` (engines serving `model`, on the path of `role`: `_of`)
         that take the request (`request`: an OpenEngine Generate or a vllm.Generate, None for
-        neither; `prompt_tokens`: its prompt's tokens, None when not known), and what it
-        needs (NO_NEEDS where the path's engines are alike: it is not read then).
+        neither; `prompt_tokens`: its prompt's tokens, None when not known: then the context
+        and KV cache of its `min_tokens` alone are judged), and what it needs (NO_NEEDS where
+        the path's engines are alike: it is not read then).
         BeyondFleetError when it is past a limit of every engine of the path generating the
         model, routable or not (one that takes it but takes no traffic now leaves none: the
         caller's UNAVAILABLE). An option every such engine lacks does not count: any engine
@@ -442,6 +450,8 @@ class Eligibility:
         needs = NO_NEEDS if request is None else needs_of(request)
         if prompt_tokens is not None:
             needs = needs.with_prompt(prompt_tokens)
+        elif needs.min_output_tokens > 1:
+            needs = needs.with_prompt(0)  # the output it must produce: what is known of it
         return self._taking(model, bounds, candidates, needs)
 
     def past_refusal(
