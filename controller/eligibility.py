@@ -36,7 +36,9 @@ gateway knows its tokens (token ids, or text it tokenises), to an engine with th
 context takes it (`takes_input`, the engine's own check: each input within its model's
 length); past every such engine's, refused INVALID_ARGUMENT naming the largest
 (`largest_input_context`). Where the engines with the task tell one context, no input is
-read (the engine refuses one past it).
+read (the engine refuses one past it). One whose text input is not tokenised here, refused
+INVALID_ARGUMENT, goes to an engine taking a longer input, as a Generate's prompt does
+(`past_input_refusal`, the same rule as `past_refusal`).
 
 Cheap on the routing path: each model's bounds over its engines (`_Bounds`) are kept until
 the registry changes; where its engines are alike (none would be chosen over another) a
@@ -45,7 +47,7 @@ lacks passes with no look at its candidates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
@@ -470,17 +472,43 @@ class Eligibility:
         alike), the engine telling no limit, or no engine of the path taking a longer
         context (the refusal stands: its own words name the largest limit)."""
         bounds = self._of(model, role)
-        record = self.registry.by_engine_id(refused_by)
-        if bounds.alike or record is None or record.identity is None:
+        past = None if bounds.alike else self._past_context(model, refused_by, longest_context)
+        if past is None:
             return None
-        longest = longest_context(record.identity.facts_of(model))
-        if longest is None:
-            return None
-        needs = needs.with_prompt(longest + 1 - needs.min_output_tokens)
+        needs = needs.with_prompt(past - needs.min_output_tokens)
         try:
             return self._taking(model, bounds, candidates, needs)
         except BeyondFleetError:
             return None
+
+    def past_input_refusal(
+        self, model: str, refused_by: str, tasked: Iterable[ModelFacts]
+    ) -> int | None:
+        """`past_refusal` of a pooling task (Embed, Classify, Score) the engine `refused_by`
+        refused INVALID_ARGUMENT, the tokens of some text input not known here: the input
+        length it must be routed as, one token past that engine's (`input_context`), where
+        one of the engines with the task (`tasked`, their facts) takes it; None where none
+        does, or that engine tells no context (the refusal stands)."""
+        past = self._past_context(model, refused_by, input_context)
+        largest = largest_input_context(tasked)
+        if past is None or (largest is not None and past > largest):
+            return None
+        return past
+
+    def _past_context(
+        self,
+        model: str | None,
+        refused_by: str,
+        context_of: Callable[[ModelFacts], int | None],
+    ) -> int | None:
+        """The least context a request the engine `refused_by` refused, its length not known
+        here, needs where the refusal may be of its length: one token past that engine's
+        (`context_of` its facts of `model`); None where it tells none."""
+        record = self.registry.by_engine_id(refused_by)
+        if record is None or record.identity is None:
+            return None
+        context = context_of(record.identity.facts_of(model))
+        return None if context is None else context + 1
 
     def with_prompt(
         self,
