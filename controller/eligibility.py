@@ -22,7 +22,8 @@ the prompt's tokens (token ids, or a text prompt with a tokenizer; else, on a di
 fleet, the decode engine is chosen by the prompt's tokens the prefill engine told at its
 handoff: `Eligibility.with_prompt`, so a prompt is never handed to a decode engine too small
 for it; and where an engine refuses such a prompt INVALID_ARGUMENT, maybe for its length,
-it goes to one taking a longer context: `Eligibility.past_refusal`), the number of
+it goes to one taking a longer context: `Eligibility.past_refusal`; its `min_tokens` alone
+is judged all the same, a context the prompt can only lengthen), the number of
 outputs, the logprob candidates, and the options a request uses (text or token input,
 logprobs, guided decoding, priority, stop in output, cache salt, prefix cache bypass).
 Every hop's engine is checked alike. An engine that does not report a limit or an option
@@ -35,7 +36,9 @@ gateway knows its tokens (token ids, or text it tokenises), to an engine with th
 context takes it (`takes_input`, the engine's own check: each input within its model's
 length); past every such engine's, refused INVALID_ARGUMENT naming the largest
 (`largest_input_context`). Where the engines with the task tell one context, no input is
-read (the engine refuses one past it).
+read (the engine refuses one past it). One whose text input is not tokenised here, refused
+INVALID_ARGUMENT, goes to an engine taking a longer input, as a Generate's prompt does
+(`past_input_refusal`, the same rule as `past_refusal`).
 
 Cheap on the routing path: each model's bounds over its engines (`_Bounds`) are kept until
 the registry changes; where its engines are alike (none would be chosen over another) a
@@ -44,7 +47,7 @@ lacks passes with no look at its candidates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
@@ -150,12 +153,18 @@ class RequestNeeds(NamedTuple):
     min_output_tokens: int = 1
 
     def with_prompt(self, prompt_tokens: int) -> RequestNeeds:
-        """With the context and the KV cache its prompt of `prompt_tokens` needs: the KV of
-        every output token but the last (a sampled token's KV is computed only to sample the
-        next), as an engine checks it."""
+        """With the context and the KV cache its prompt of `prompt_tokens` needs (in place of
+        any it had: a prompt of 0 tokens, its output alone, where its length was not known):
+        the KV of every output token but the last (a sampled token's KV is computed only to
+        sample the next), as an engine checks it."""
         context = prompt_tokens + self.min_output_tokens
         prompt = ((CONTEXT_LIMIT, context), (KV_CACHE_LIMIT, context - 1))
-        return RequestNeeds((*prompt, *self.limits), self.options, self.min_output_tokens)
+        rest = tuple(limit for limit in self.limits if limit[0] not in _PROMPT_LIMITS)
+        return RequestNeeds((*prompt, *rest), self.options, self.min_output_tokens)
+
+
+# The limits a request's context needs (`RequestNeeds.with_prompt`).
+_PROMPT_LIMITS = (CONTEXT_LIMIT, KV_CACHE_LIMIT)
 
 
 NO_NEEDS = RequestNeeds()
@@ -430,8 +439,9 @@ class Eligibility:
     ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
         """Those of `candidates` (engines serving `model`, on the path of `role`: `_of`)
         that take the request (`request`: an OpenEngine Generate or a vllm.Generate, None for
-        neither; `prompt_tokens`: its prompt's tokens, None when not known), and what it
-        needs (NO_NEEDS where the path's engines are alike: it is not read then).
+        neither; `prompt_tokens`: its prompt's tokens, None when not known: then the context
+        and KV cache of its `min_tokens` alone are judged), and what it needs (NO_NEEDS where
+        the path's engines are alike: it is not read then).
         BeyondFleetError when it is past a limit of every engine of the path generating the
         model, routable or not (one that takes it but takes no traffic now leaves none: the
         caller's UNAVAILABLE). An option every such engine lacks does not count: any engine
@@ -442,6 +452,8 @@ class Eligibility:
         needs = NO_NEEDS if request is None else needs_of(request)
         if prompt_tokens is not None:
             needs = needs.with_prompt(prompt_tokens)
+        elif needs.min_output_tokens > 1:
+            needs = needs.with_prompt(0)  # the output it must produce: what is known of it
         return self._taking(model, bounds, candidates, needs)
 
     def past_refusal(
@@ -460,17 +472,43 @@ class Eligibility:
         alike), the engine telling no limit, or no engine of the path taking a longer
         context (the refusal stands: its own words name the largest limit)."""
         bounds = self._of(model, role)
-        record = self.registry.by_engine_id(refused_by)
-        if bounds.alike or record is None or record.identity is None:
+        past = None if bounds.alike else self._past_context(model, refused_by, longest_context)
+        if past is None:
             return None
-        longest = longest_context(record.identity.facts_of(model))
-        if longest is None:
-            return None
-        needs = needs.with_prompt(longest + 1 - needs.min_output_tokens)
+        needs = needs.with_prompt(past - needs.min_output_tokens)
         try:
             return self._taking(model, bounds, candidates, needs)
         except BeyondFleetError:
             return None
+
+    def past_input_refusal(
+        self, model: str, refused_by: str, tasked: Iterable[ModelFacts]
+    ) -> int | None:
+        """`past_refusal` of a pooling task (Embed, Classify, Score) the engine `refused_by`
+        refused INVALID_ARGUMENT, the tokens of some text input not known here: the input
+        length it must be routed as, one token past that engine's (`input_context`), where
+        one of the engines with the task (`tasked`, their facts) takes it; None where none
+        does, or that engine tells no context (the refusal stands)."""
+        past = self._past_context(model, refused_by, input_context)
+        largest = largest_input_context(tasked)
+        if past is None or (largest is not None and past > largest):
+            return None
+        return past
+
+    def _past_context(
+        self,
+        model: str | None,
+        refused_by: str,
+        context_of: Callable[[ModelFacts], int | None],
+    ) -> int | None:
+        """The least context a request the engine `refused_by` refused, its length not known
+        here, needs where the refusal may be of its length: one token past that engine's
+        (`context_of` its facts of `model`); None where it tells none."""
+        record = self.registry.by_engine_id(refused_by)
+        if record is None or record.identity is None:
+            return None
+        context = context_of(record.identity.facts_of(model))
+        return None if context is None else context + 1
 
     def with_prompt(
         self,

@@ -19,7 +19,10 @@
   requires; else the least loaded routable engine serving the model whose GetModelInfo for
   that model says it supports the task, holding the LoRA adapter the request names (none
   holds it: the LoRA refusals of a Generate; an engine refusing it NOT_FOUND because it no
-  longer holds the adapter: re-routed as a Generate is, Relay.adapter_left); none:
+  longer holds the adapter: re-routed as a Generate is, Relay.adapter_left; an engine
+  refusing it INVALID_ARGUMENT where the tokens of a text input are not known here, maybe
+  for its length: re-routed to one taking a longer input, as a Generate is,
+  Relay.past_refusal); none:
   FAILED_PRECONDITION (the seed's UNSUPPORTED task), NOT_FOUND for a model no engine
   serves, UNAVAILABLE while the capable engines take no traffic. An engine failing the task
   with a retryable status has it retried once on another capable engine, as a Generate
@@ -84,6 +87,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -136,7 +140,7 @@ from controller.relay import (
     naming_engine,
     pass_status,
 )
-from controller.router import AllEnginesBusyError, LoadSnapshot
+from controller.router import AllEnginesBusyError, LoadSnapshot, NoEngineAvailableError
 from controller.service import Controller, PromptInput
 from controller.statuses import status_of
 from kvplane import __version__
@@ -555,7 +559,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if self.controller.draining:  # as a draining engine refuses a pooling task
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         inputs = tuple(inputs)
-        longest = await self._longest_input(task, task_context.model, inputs)
+        longest, unmeasured = await self._longest_input(task, task_context.model, inputs)
         text = any(item.WhichOneof("input") == "text" for item in inputs)
         engine = (await self._task_engine(task, task_context, context, longest, text)).address
         relay, fleet = self.relay, self.controller.fleet
@@ -570,7 +574,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             # A task is one unary call without side effects, nothing relayed before its reply:
             # retried as a Generate failing before its first response is
             # (Relay.retries_elsewhere), and re-routed as one refused for a LoRA adapter its
-            # engine no longer holds (Relay.adapter_left).
+            # engine no longer holds (Relay.adapter_left) or, its length not known here,
+            # maybe for its length (Relay.past_refusal).
             while True:
                 tried.add(engine)
                 relay.holding[request_id] = engine
@@ -589,6 +594,26 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     )
                     if request_id in relay.aborted_unrouted:  # aborted meanwhile
                         await _end_aborted_task(request_id, context)
+                    # An input's length unknown here, maybe past this engine's context: to
+                    # an engine taking a longer input, where there is one.
+                    try:
+                        longer = relay.past_refusal(
+                            request_id,
+                            engine,
+                            failure,
+                            f"{failure.code().name}: {failure.details()}",
+                            unmeasured=unmeasured,
+                            longer=functools.partial(
+                                self._past_refusal, task, task_context, engine, text, tried
+                            ),
+                        )
+                    except NoEngineAvailableError as exc:
+                        await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+                    if longer is not None:  # counted among the retries, as a Generate's
+                        self.controller.metrics.retries.inc()
+                        retried = True
+                        engine = longer.address
+                        continue
                     if not adapter_left:
                         if retried or not relay.retries_elsewhere(request_id, engine, failure):
                             break
@@ -649,15 +674,16 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def _longest_input(
         self, task: str, model: str, inputs: Iterable[pb.TaskInput]
-    ) -> int | None:
+    ) -> tuple[int | None, bool]:
         """The tokens of the longest of `inputs` where routing needs them (the engines with
         `task` take inputs of different lengths: `input_context`) and knows them: token ids,
         or text the controller tokenises (`Controller.tokenize_all`: all of it in one call,
         off the event loop when long together; text it does not, with no tokenizer or past
         `tokenize_max_chars` together, is left out: the longest known is one an engine must
-        take). None: not needed or not known."""
+        take). None: not needed or not known. And whether a text input was left out so
+        (unmeasured: an engine's refusal may be of its length, `_past_refusal`)."""
         if not self._reads_inputs(model, task):
-            return None  # every engine takes what any takes: it refuses the rest itself
+            return None, False  # every engine takes what any takes: it refuses the rest itself
         c = self.controller
         longest, texts = 0, []
         for item in inputs:
@@ -669,7 +695,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # One call for all: a batch of short texts is tokenised off the event loop too.
         tokenized = await c.tokenize_all(texts, c.tokenizer_name(model)) if texts else None
         longest = max([longest, *(len(tokens) for tokens in tokenized or ())])
-        return longest or None
+        return longest or None, bool(texts) and tokenized is None
 
     def _reads_inputs(self, model: str, task: str) -> bool:
         """Whether the engines serving `model` with `task` (routable or not) take inputs of
@@ -682,6 +708,51 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         model, task = key
         serving = self.controller.fleet.registry.may_serve_records(model)
         return len({input_context(f) for f in _tasked_facts(serving, model, task)}) > 1
+
+    def _past_refusal(
+        self,
+        task: str,
+        task_context: pb.TaskRequestContext,
+        refused_by: str,
+        text: bool,
+        tried: set[str],
+    ) -> EngineRecord | None:
+        """After `refused_by` refused a pooling task INVALID_ARGUMENT, the tokens of a text
+        input not known here (`Relay.past_refusal`): the least loaded engine not `tried`
+        that takes a longer input than it (`Eligibility.past_input_refusal`); None where no
+        engine with the task does. NoEngineAvailableError when only engines taking no
+        traffic do, naming each engine's state (`_states`)."""
+        model = task_context.model
+        serving = self.controller.fleet.registry.may_serve_records(model)
+        past = self.controller.eligibility.past_input_refusal(
+            model, refused_by, _tasked_facts(serving, model, task)
+        )
+        if past is None:
+            return None
+        capable = self._capable(task, task_context, past, text, tried)
+        if not capable:
+            raise NoEngineAvailableError(self._states(task, task_context, past))
+        return min(capable, key=_queue_depth)
+
+    def _states(self, task: str, task_context: pb.TaskRequestContext, longest: int | None) -> str:
+        """Why no engine with `task` takes the request now, its longest input of `longest`
+        tokens: each engine serving its model and its state, or what it lacks."""
+        model, lora_name = task_context.model, task_context.lora_name
+
+        def state_of(r: EngineRecord) -> str:
+            # (An engine not reached yet may have the task: its state, as for a Generate.)
+            if r.identity is None:
+                return r.availability
+            if not _has_task(r, model, task):
+                return f"no {task}"
+            if not takes_input(facts := r.identity.facts_of(model), longest):
+                return f"{CONTEXT_LIMIT} {input_context(facts)} < {longest}"
+            if lora_name and not r.holds_lora(lora_name):
+                return f"without LoRA adapter {lora_name!r}"
+            return r.availability
+
+        registry = self.controller.fleet.registry
+        return f"no {task} engine takes traffic now: {registry.engine_states(model, state_of)}"
 
     async def _task_engine(
         self,
@@ -703,7 +774,6 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         `router.reject_when_all_busy`, RESOURCE_EXHAUSTED when every capable one is busy,
         as for a generation."""
         c = self.controller
-        registry = c.fleet.registry
         model = task_context.model
         capable = self._capable(task, task_context, longest, text)
         if not capable and task_context.lora_name:
@@ -731,24 +801,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         await self._refuse_lora(task, task_context, context)
         if tasked:
-            lora_name = task_context.lora_name
-
-            def state_of(r: EngineRecord) -> str:
-                # (An engine not reached yet may have the task: its state, as for a Generate.)
-                if r.identity is None:
-                    return r.availability
-                if not _has_task(r, model, task):
-                    return f"no {task}"
-                if not takes_input(facts := r.identity.facts_of(model), longest):
-                    return f"{CONTEXT_LIMIT} {input_context(facts)} < {longest}"
-                if lora_name and not r.holds_lora(lora_name):
-                    return f"without LoRA adapter {lora_name!r}"
-                return r.availability
-
             await abort_with(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                f"no {task} engine takes traffic now: {registry.engine_states(model, state_of)}",
+                context, grpc.StatusCode.UNAVAILABLE, self._states(task, task_context, longest)
             )
         if serving:
             await abort_with(

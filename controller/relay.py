@@ -47,7 +47,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   before anything was relayed, for a request whose prompt's tokens the gateway did not know
   (a text prompt not tokenised here), goes to an engine taking a longer context than that
   engine's, where one does (the refusal may be of the prompt's length:
-  `Controller.past_refusal`), UNAVAILABLE when only engines out of routing do;
+  `Controller.past_refusal`), UNAVAILABLE when only engines out of routing do
+  (`Relay.past_refusal`: the pooling tasks' unmeasured text inputs follow it too);
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
@@ -1451,29 +1452,26 @@ class Relay:
             return _Verdict(
                 failure, _Retry(failure.described, failure.answer, engine, counted=False)
             )
-        if (
-            failure.cause.code() == grpc.StatusCode.INVALID_ARGUMENT
-            and not plan.tokenized
-            and not stage.carries_session
-        ):
-            # Its prompt's length unknown here, maybe past this engine's context or KV
-            # cache: to an engine taking a longer context, where there is one.
-            try:
-                shorter = self.controller.past_refusal(plan, engine)
-            except NoEngineAvailableError as exc:  # only engines out of routing take more
-                unavailable = gateway_failure(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"engine {engine} refused the request ({failure.described}), maybe for "
-                    f"its prompt's length; {exc}",
-                )
-                return _Verdict(HopFailure(unavailable, retryable=False))
-            if shorter is not None:
-                log.info("request %s: engine %s refused it (%s); sending it to one taking a "
-                         "longer context", request_id, engine, failure.described)  # fmt: skip
-                rerouted = _Retry(
-                    failure.described, failure.answer, engine, counted=False, excluded=shorter
-                )
-                return _Verdict(failure, rerouted)
+        # Its prompt's length unknown here, maybe past this engine's context or KV cache:
+        # to an engine taking a longer context, where there is one (the KV session of a
+        # decode hop is never moved so).
+        try:
+            shorter = self.past_refusal(
+                request_id,
+                engine,
+                failure.cause,
+                failure.described,
+                unmeasured=not plan.tokenized and not stage.carries_session,
+                longer=lambda: self.controller.past_refusal(plan, engine),
+            )
+        except NoEngineAvailableError as exc:  # only engines out of routing take more
+            unavailable = gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
+            return _Verdict(HopFailure(unavailable, retryable=False))
+        if shorter is not None:
+            rerouted = _Retry(
+                failure.described, failure.answer, engine, counted=False, excluded=shorter
+            )
+            return _Verdict(failure, rerouted)
         if retry is None and failure.retryable:
             log.info("request %s: engine %s failed before the first response (%s); retrying "
                      "elsewhere", request_id, engine, failure.described)  # fmt: skip
@@ -1531,6 +1529,36 @@ class Relay:
         log.info("request %s: engine %s no longer holds LoRA adapter %r; routing it again",
                  request_id, engine, lora_name)  # fmt: skip
         return True
+
+    @staticmethod
+    def past_refusal(
+        request_id: str,
+        engine: str,
+        cause: grpc.aio.AioRpcError,
+        described: str,
+        *,
+        unmeasured: bool,
+        longer: Callable[[], T | None],
+    ) -> T | None:
+        """Where `engine` refused a request with `cause` before anything was relayed, and the
+        request is `unmeasured` (its prompt's, or a pooling input's, tokens not known here):
+        an INVALID_ARGUMENT may be of its length, past that engine's context, so `longer()`,
+        where it goes instead, to an engine taking a longer context (logged; None: none
+        does, the refusal stands; not the one retry, as nothing ran). NoEngineAvailableError
+        (from `longer`: only engines out of routing take more) naming the refusal. None
+        for any other failure. Generate and the pooling tasks alike ask here."""
+        if cause.code() != grpc.StatusCode.INVALID_ARGUMENT or not unmeasured:
+            return None
+        try:
+            found = longer()
+        except NoEngineAvailableError as exc:
+            raise NoEngineAvailableError(
+                f"engine {engine} refused the request ({described}), maybe for its length; {exc}"
+            ) from None
+        if found is not None:
+            log.info("request %s: engine %s refused it (%s); sending it to one taking a "
+                     "longer context", request_id, engine, described)  # fmt: skip
+        return found
 
     @staticmethod
     def retries_elsewhere(request_id: str, engine: str, cause: grpc.aio.AioRpcError) -> bool:

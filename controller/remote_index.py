@@ -3,6 +3,7 @@ through its KvIndex RPCs instead of an index in the controller's process."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,6 +51,10 @@ _KEY_SPACE_NAMES = {space: name for name, space in _KEY_SPACES.items()}
 # long ago, by the time of the next query or of the read of `unavailable`, however far apart
 # the queries were; a single shed never counts).
 SHEDDING_DEGRADES_AFTER_S = 10.0
+
+# The query that asks a shedding indexer whether it answers queries again while no request
+# does (`ask_while_shedding`): a prompt of one block, admitted by the indexer as any query.
+_ONE_BLOCK = tuple(range(16))
 
 
 # Refusals that are answers (`resync_engine`): an indexer that knows nothing of the engine, or
@@ -156,7 +161,9 @@ class RemoteIndex:
     `unavailable` says whether the last call failed, without a call of its own (the
     controller's Health reads it); a query shed (RESOURCE_EXHAUSTED) counts only once
     queries have been shed, none answered, for `SHEDDING_DEGRADES_AFTER_S` (two sheds at
-    least: one alone never counts). `keying_mismatch` says whether
+    least: one alone never counts); `ask_while_shedding`, called by the controller's
+    index-stats refresh, asks one query meanwhile, so that shedding ends without traffic once
+    the indexer answers queries again. `keying_mismatch` says whether
     the indexer's last stats reported a worker keyed otherwise than the prompts are hashed.
 
     An engine the controller saw restart (`resync_engine`) has its hits ignored until the
@@ -401,6 +408,16 @@ class RemoteIndex:
             keep_best_hit(hits, m.worker_address or m.worker_id, hit)
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits
+
+    async def ask_while_shedding(self) -> None:
+        """While queries are shed, none answered since: one query of a single block, which
+        the indexer admits as any (`max_concurrent_prefix_queries`), so that the shedding
+        ends (`unavailable`) once it answers one, with no request to ask; shed, it counts as
+        any query shed. Nothing asked otherwise; a failure is what `unavailable` says."""
+        if self._shedding is None:
+            return
+        with contextlib.suppress(RemoteIndexError):
+            await self.match(_ONE_BLOCK, len(_ONE_BLOCK), "", "")
 
     async def resync_engine(self, engine: str, *, first_contact: bool = False) -> None:
         """A new process of `engine`: ignore its hits from now until the indexer has dropped

@@ -536,13 +536,16 @@ class Controller:
 
     async def _refresh_index_stats(self) -> None:
         """Every INDEX_STATS_INTERVAL_S from the start: the index-size gauges, and for a
-        remote index the one call that keeps its `unavailable` current while no request asks.
+        remote index the calls that keep its `unavailable` current while no request asks
+        (its stats, and one query while it sheds queries: `RemoteIndex.ask_while_shedding`).
         A read of a large shared index is long (it walks and decodes all of it, on this event
         loop: about 5 s for 1M blocks on Redis), so the wait after one grows with it
         (`refresh_wait_s`): routing keeps nine tenths of the loop."""
         while True:
             started = self.clock()
             stats = await self.try_index_stats()
+            if self.fleet.remote is not None:
+                await self.fleet.remote.ask_while_shedding()
             self.metrics.index_size.record(stats)
             if stats is not None:
                 self.fleet.indexed_blocks = blocks_by_engine(stats)

@@ -19,8 +19,10 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+import controller.remote_index
 import controller.service
 from controller.config import ControllerConfig
+from controller.remote_index import RemoteIndex
 from indexer.backend import IndexStats
 from indexer.memory_backend import MemoryBackend
 from kvplane.cli import app
@@ -35,6 +37,7 @@ from tests.controller.conftest import (
 )
 from tests.controller.test_fleet_events import scrape
 from tests.controller.test_processes import indexer_process
+from tests.controller.test_remote_index_faults import scrape_url
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.indexer.vllm_capture import live_messages
 from tests.polling import eventually
@@ -185,6 +188,61 @@ async def test_health_is_degraded_while_the_remote_indexer_is_down(
         assert await indexer_process(tmp_path, addresses, processes, listen) == remote
         await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
     finally:
+        await close_fleet(fleet)
+
+
+async def test_health_is_ready_again_without_traffic_once_the_indexer_answers_queries(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    redis: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The remote indexer sheds the controller's queries (RESOURCE_EXHAUSTED: one prefix
+    query in flight at most, here one held by its Redis stopped) until its Health is DEGRADED
+    (shedding that lasts: from the second shed here, rather than 10 s); its Redis resumed, and
+    no request since, the index-stats refresh asks one query of its own, answered: READY.
+    Before, nothing but a request's query ended the shedding: a controller with no traffic
+    stayed DEGRADED ("every query shed for N s") however long the indexer had answered."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(controller.remote_index, "SHEDDING_DEGRADES_AFTER_S", 0.0)
+    metrics = f"127.0.0.1:{free_port()}"
+    settings = (
+        f"max_concurrent_prefix_queries: 1\nmetrics_listen: {metrics}\nredis: {{timeout_s: 60.0}}\n"
+    )
+    target = await indexer_process(tmp_path, [], processes, backend=redis.url, settings=settings)
+    # The refresh's stats wait on the stopped Redis rather than time out meanwhile.
+    fleet = await make_fleet(2, index={"remote": target}, health={"rpc_timeout_s": 60.0})
+    holder = RemoteIndex(target, 60.0)
+    where = f"remote index at {target}"
+    assert redis.proc is not None
+
+    async def query_held() -> bool:
+        text = await asyncio.to_thread(scrape_url, f"http://{metrics}/metrics")
+        return "kvplane_indexer_prefix_queries_in_flight 1.0" in text
+
+    try:
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+        redis.proc.send_signal(signal.SIGSTOP)
+        held = asyncio.ensure_future(holder.match(list(range(32)), 16, "", ""))
+        try:
+            await eventually(query_held, 30, "the holder's query in flight")
+            for i in range(2):  # each routed by load, its query shed
+                call = fleet.gateway.Generate(generate_request(f"r{i}", [i] * 40))
+                replies = [r async for r in call]
+                assert replies[-1].WhichOneof("event") == "finished", replies[-1]
+            message = await index_shown_as(
+                fleet, pb.HEALTH_STATE_DEGRADED, f"{where}: RESOURCE_EXHAUSTED: more than 1 "
+            )
+            assert "(every query shed for " in message, message
+
+            redis.proc.send_signal(signal.SIGCONT)
+            await held
+            await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+            held.cancel()
+    finally:
+        await holder.close()
         await close_fleet(fleet)
 
 

@@ -12,6 +12,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -53,12 +54,16 @@ def engine_config(model: Path, instance_id: str) -> EngineConfig:
 
 
 @asynccontextmanager
-async def round_robin_fleet(engines: list[EngineApp], model: Path) -> AsyncIterator[Fleet]:
-    """A round-robin controller in front of `engines`, with `model`'s tokenizer."""
+async def round_robin_fleet(
+    engines: list[EngineApp], model: Path, **controller: Any
+) -> AsyncIterator[Fleet]:
+    """A round-robin controller in front of `engines`, with `model`'s tokenizer (and more
+    ControllerConfig fields, `controller`)."""
     fleet = await make_fleet(
         engines=engines,
         router={"policy": "round_robin"},
         tokenizer=str(model / "tokenizer.json"),
+        **controller,
     )
     try:
         yield fleet
@@ -384,6 +389,20 @@ SHORT_INPUT, LONG_INPUT = 32, 128  # the two pooling engines' max_model_len
 async def short_and_long(tmp_path: Path) -> AsyncIterator[Fleet]:
     """Two pooling-only engines of one model, one taking inputs of up to SHORT_INPUT tokens,
     the other LONG_INPUT, behind a round-robin controller with their tokenizer."""
+    async with short_and_long_fleet(tmp_path) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def short_and_long_untokenised(tmp_path: Path) -> AsyncIterator[Fleet]:
+    """`short_and_long`, behind a controller that tokenises no text of more than 10
+    characters (`tokenize_max_chars`): it cannot tell such an input's length."""
+    async with short_and_long_fleet(tmp_path, tokenize_max_chars=10) as fleet:
+        yield fleet
+
+
+@asynccontextmanager
+async def short_and_long_fleet(tmp_path: Path, **controller: Any) -> AsyncIterator[Fleet]:
     headless = write_headless_classifier(tmp_path)
     # The short engine listed first (by address), which routing by load alone picks among
     # idle engines.
@@ -400,7 +419,7 @@ async def short_and_long(tmp_path: Path) -> AsyncIterator[Fleet]:
         )
         for name, length, port in (("short", SHORT_INPUT, ports[0]), ("long", LONG_INPUT, ports[1]))
     ]
-    async with round_robin_fleet(engines, headless) as fleet:
+    async with round_robin_fleet(engines, headless, **controller) as fleet:
         yield fleet
 
 
@@ -448,6 +467,53 @@ async def test_a_pooling_input_past_every_engines_context_is_refused_naming_the_
         f"{LONG_INPUT}" in details, details  # fmt: skip
     info = await short_and_long.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
     assert info.max_context_length == LONG_INPUT
+
+
+async def test_a_text_input_the_short_engine_refuses_unmeasured_goes_to_the_long_one(
+    short_and_long_untokenised: Fleet,
+) -> None:
+    """A text input of more than SHORT_INPUT tokens that the controller does not tokenise:
+    the short engine (first by address, chosen among idle engines) refuses it
+    (INVALID_ARGUMENT), and it goes to the long engine and is served, in an Embed, a
+    Classify and a Score alike, as a Generate's text prompt does; one past both engines
+    ends with the long engine's refusal; with the long engine cordoned, UNAVAILABLE naming
+    the refusal and both engines. Before, the short engine's refusal was the answer, though
+    the long engine would have served it."""
+    fleet = short_and_long_untokenised
+    gateway = fleet.gateway
+    long_text = pb.TaskInput(item_id="long", text="hello " * 12)  # past SHORT_INPUT tokens
+    for n in range(2):
+        context = pb.TaskRequestContext(request_id=f"e{n}", model=MODEL)
+        embedded = await gateway.Embed(pb.EmbedRequest(context=context, inputs=[long_text]))
+        assert len(embedded.outputs) == 1
+        context = pb.TaskRequestContext(request_id=f"c{n}", model=MODEL)
+        classified = await gateway.Classify(
+            pb.ClassifyRequest(context=context, inputs=[_tokens(3), long_text])
+        )
+        assert len(classified.outputs) == 2
+        context = pb.TaskRequestContext(request_id=f"s{n}", model=MODEL)
+        group = pb.ScoreGroup(group_id="g", query=_tokens(4), candidates=[long_text])
+        scored = await gateway.Score(pb.ScoreRequest(context=context, groups=[group]))
+        assert len(scored.groups) == 1
+    huge = pb.TaskInput(item_id="huge", text="hello " * 60)
+    context = pb.TaskRequestContext(request_id="huge", model=MODEL)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await gateway.Embed(pb.EmbedRequest(context=context, inputs=[huge]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert f"more than max_model_len {LONG_INPUT}" in (caught.value.details() or "")
+
+    short, long = (fleet.address(e) for e in fleet.engines)
+    fleet.app.controller.fleet.registry.set_cordoned(long, True)
+    context = pb.TaskRequestContext(request_id="cordoned", model=MODEL)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await gateway.Embed(pb.EmbedRequest(context=context, inputs=[long_text]))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
+    details = caught.value.details() or ""
+    assert details.startswith(f"engine {short} refused the request (INVALID_ARGUMENT: "), details
+    assert details.endswith(
+        "maybe for its length; no embed engine takes traffic now: short "
+        f"max_context_length {SHORT_INPUT} < {SHORT_INPUT + 1}, long cordoned"
+    ), details
 
 
 async def test_a_batch_of_short_texts_is_tokenised_off_the_event_loop(

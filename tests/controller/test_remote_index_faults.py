@@ -234,7 +234,7 @@ async def test_a_shed_query_leaves_the_index_answering_until_shedding_persists(
     try:
 
         async def query_held() -> bool:
-            text = await asyncio.to_thread(_scrape, f"http://{metrics}/metrics")
+            text = await asyncio.to_thread(scrape_url, f"http://{metrics}/metrics")
             return "kvplane_indexer_prefix_queries_in_flight 1.0" in text
 
         await eventually(query_held, timeout_s=30, what="the holder's query in flight")
@@ -270,7 +270,7 @@ async def test_a_shed_query_leaves_the_index_answering_until_shedding_persists(
             await remote.close()
 
 
-def _scrape(url: str) -> str:
+def scrape_url(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
         return str(response.read().decode())
 

@@ -80,19 +80,10 @@ async def test_a_prompt_the_small_engine_refuses_is_served_by_the_large_one(
         assert route is not None and route["engine"] == large, route
         retried.append(route.get("retried_from"))
     assert [small] in retried, retried
-    stub = vpb_grpc.GenerateStub(fleet.channel)
     for i in range(2):
-        request = vpb.GenerateRequest(
-            request_id=f"vllm{i}",
-            model="builtin",
-            text=f"{i} {LONG_TEXT}",
-            stopping=vpb.StoppingCriteria(max_new_tokens=4),
-        )
-        call = stub.GenerateStream(request)
-        chunks = [r async for r in call]
-        assert chunks[-1].outputs.HasField("finish_info"), chunks[-1]
-        vllm_route = read_route(await call.trailing_metadata())
-        assert vllm_route is not None and vllm_route["engine"] == large, vllm_route
+        stopping = vpb.StoppingCriteria(max_new_tokens=4)
+        vllm_route = await vllm_served(fleet, f"vllm{i}", f"{i} {LONG_TEXT}", stopping)
+        assert vllm_route["engine"] == large, vllm_route
 
 
 async def test_a_prompt_past_every_engine_ends_with_the_largest_engines_refusal(
@@ -124,6 +115,40 @@ async def test_with_the_large_engine_out_of_routing_the_prompt_is_unavailable(
     assert f"engine {small} refused the request" in details, details
     assert "large cordoned" in details, details
     assert f"small max_context_length {SMALL * 16 + 1} < {SMALL * 16 + 2}" in details, details
+
+
+async def test_a_minimum_output_past_the_small_engine_goes_to_the_large_one_first(
+    fleet: Fleet,
+) -> None:
+    """A short text prompt (not tokenised here) asking at least 130 new tokens (`min_tokens`,
+    vllm.Generate's `min_new_tokens`): past the small engine's context (129) whatever the
+    prompt, so sent to the large one at once, never first to the small one to be refused; at
+    least 2000, past every engine's, refused before any engine is asked, naming the largest
+    context. Before, the minimum went unjudged while the prompt's length was unknown: every
+    other request went to the small engine first (its refusal re-routed), and one past every
+    engine was sent to each in turn, to end with the large one's refusal."""
+    large = fleet.address(fleet.engines[1])
+    text = "hello world " * 10  # past tokenize_max_chars: not tokenised here
+    for i in range(2):  # round robin: one of them would go to the small engine first
+        request = text_request(f"min{i}", f"{i} {text}")
+        request.stopping.min_tokens = request.stopping.max_tokens = 130
+        reply, route = await generate_routed(fleet, request)
+        assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+        assert route is not None and route["engine"] == large, route
+        assert "retried_from" not in route, route
+    for i in range(2):
+        stopping = vpb.StoppingCriteria(max_new_tokens=130, min_new_tokens=130)
+        vllm_route = await vllm_served(fleet, f"vllm-min{i}", f"{i} {text}", stopping)
+        assert vllm_route["engine"] == large and "retried_from" not in vllm_route, vllm_route
+    request = text_request("min-huge", text)
+    request.stopping.min_tokens = request.stopping.max_tokens = 2000
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate_routed(fleet, request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert caught.value.details() == (
+        "the request needs max_context_length 2000; the largest any engine serving model "
+        f"'builtin' takes is {LARGE * 16 + 1}"
+    ), caught.value.details()
 
 
 class Gated(Forwarding):
@@ -183,6 +208,21 @@ async def test_a_longer_engine_leaving_routing_during_the_refusal_leaves_it_unav
         assert "long cordoned" in details, details
     finally:
         await close_fleet(fleet)
+
+
+async def vllm_served(
+    fleet: Fleet, request_id: str, text: str, stopping: vpb.StoppingCriteria
+) -> dict[str, Any]:
+    """A vllm.Generate of `text` through the gateway, finished; its route."""
+    request = vpb.GenerateRequest(
+        request_id=request_id, model="builtin", text=text, stopping=stopping
+    )
+    call = vpb_grpc.GenerateStub(fleet.channel).GenerateStream(request)
+    chunks = [r async for r in call]
+    assert chunks[-1].outputs.HasField("finish_info"), chunks[-1]
+    route = read_route(await call.trailing_metadata())
+    assert route is not None
+    return route
 
 
 async def _stream(call: Any) -> list[pb.GenerateResponse]:
