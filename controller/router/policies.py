@@ -235,8 +235,10 @@ class KvplaneWeights:
       backlogged: then every engine is full, and the cache and the queues decide.
 
     - No cached prefix is worth a long wait: an engine whose prefill wait for the request
-      (`waiting` + `uncached`, in tokens) is more than `patience_tokens` longer than the
-      quickest engine's is not chosen (0 = off). The overlap weight keeps a conversation
+      (`waiting` + `uncached` + `host_weight` * `host_cached` + `disk_weight` *
+      `disk_cached`, in tokens: its queue, then the prompt's work there, loads included) is
+      more than `patience_tokens` longer than the quickest engine's is not chosen (0 =
+      off). The overlap weight keeps a conversation
       where its prefix is under ordinary queues; this bounds the rare collision with a huge
       cold prefill just sent to the same engine, which sets the TTFT p99. It trades reuse
       for tail latency, the more the tighter it is: at 60,000 tokens reuse fell below the
@@ -316,7 +318,10 @@ class KvplanePolicy(_Stateless):
             cached = device + host + disk
             uncached = prompt_tokens - cached
             active = c.active_requests  # a property: read once
-            prefill = overlap * (uncached + host_weight * host + disk_weight * disk)
+            # The prompt's work there, in tokens computed: those it computes, and those it
+            # loads from host memory or disk at their weights.
+            work = uncached + host_weight * host + disk_weight * disk
+            prefill = overlap * work
             queue = waiting
             if queue_knee > 0:
                 queue *= 1.0 + (1.0 - pressure) * waiting / queue_knee
@@ -340,8 +345,8 @@ class KvplanePolicy(_Stateless):
             )
             totals.append(total)
             # The engine's prefill wait for the request (`_patient`): its queue, then the
-            # prompt tokens it does not hold.
-            waits.append(waiting + uncached)
+            # prompt's work (a prefix it loads from disk is no wait saved whole).
+            waits.append(waiting + work)
         return _Scores(rows, totals, waits, backlogged)
 
     def choose(
@@ -397,7 +402,8 @@ class KvplanePolicy(_Stateless):
 class _Scores(NamedTuple):
     """What `KvplanePolicy._score` finds, in the candidates' order: each engine's cost row,
     its total (`EngineCost.total`, never None here), its prefill wait for the request (queue
-    + uncached prompt tokens), and whether the fleet is backlogged."""
+    + uncached prompt tokens + its host and disk tokens at their weights), and whether the
+    fleet is backlogged."""
 
     rows: list[EngineCost]
     totals: list[float]

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from controller.config import ControllerConfig
 from controller.fleet import Fleet
 from controller.remote_index import RemoteIndex, RemoteIndexError
+from controller.router import PrefixHit
 from indexer.batch import to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
@@ -32,6 +35,7 @@ from tests.controller.conftest import start_sim_engine
 from tests.controller.test_processes import KVPLANE
 from tests.partial_servicers import PartialKvIndex
 from tests.polling import eventually
+from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -243,6 +247,105 @@ async def test_every_index_backend_shows_the_router_a_prefix_on_disk_alike(
         await remote.close()
         await grpc_server.stop(None)
         await index.close()
+
+
+# Random histories of REPORT / REVOKE / CLEAR_ALL_AT_TIER, at random tiers, of TOKENS' blocks.
+_ENGINES = ("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
+_KV_TIERS = (kv.TIER_HBM, kv.TIER_DRAM, kv.TIER_SSD)
+_KINDS = (kv.ACTION_REPORT, kv.ACTION_REPORT, kv.ACTION_REVOKE, kv.ACTION_CLEAR_ALL_AT_TIER)
+# (engine, action type, tier, first block, blocks)
+_TierAction = tuple[str, kv.ExternalKvActionType.ValueType, kv.TierType.ValueType, int, int]
+_tier_actions = st.tuples(
+    st.sampled_from(_ENGINES),
+    st.sampled_from(_KINDS),
+    st.sampled_from(_KV_TIERS),
+    st.integers(0, len(CANONICAL_KEYS) - 1),
+    st.integers(1, len(CANONICAL_KEYS)),
+)
+
+
+def _model_hit(held: list[set[int]]) -> tuple[int, int, int]:
+    """The hit as "The router" in docs/controller.md defines it: along the prompt, each block
+    counted at the slowest tier the prefix has needed up to it (a block's fastest tier: HBM
+    device, DRAM host, SSD disk), up to the first block held on no tier."""
+    counts, slowest = [0, 0, 0], 0
+    for tiers in held:
+        if not tiers:
+            break
+        slowest = max(slowest, _KV_TIERS.index(min(tiers)))
+        counts[slowest] += 1
+    return counts[0], counts[1], counts[2]
+
+
+@pytest.mark.timeout(300)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(history=st.lists(_tier_actions, max_size=12))
+def test_every_index_backend_gives_the_router_the_same_tiered_hit_after_removals(
+    redis_server: RedisServer, history: list[_TierAction]
+) -> None:
+    """After any history of stores, removals and clears at any tier, the controller's hit of
+    each engine (device, host, disk blocks) is the same from its own memory index, from a
+    shared Redis, and from a remote `kvplane indexer` over either, and is the naive rule's:
+    a block revoked from its only tier (an SSD block evicted, say) ends the prefix there; a
+    block revoked from SSD while its GPU copy stays is still a device block."""
+
+    async def hits_of_each() -> tuple[dict[str, tuple[int, int, int]], list[object]]:
+        redis_server.flushall()
+        backends: list[MemoryBackend | RedisBackend] = [
+            MemoryBackend(PrefixIndex()),
+            await open_redis_backend(redis_server.url, buckets=8),
+        ]
+        servers, remotes, channels = [], [], []
+        held = {e: [set[int]() for _ in CANONICAL_KEYS] for e in _ENGINES}
+        try:
+            for backend in backends:
+                services, _, _ = index_services(
+                    backend, default_block_size=16, max_concurrent_prefix_queries=8
+                )
+                server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+                servers.append(server)
+                remotes.append(RemoteIndex(f"127.0.0.1:{port}", 5.0))
+                channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+            for engine, kind, tier, start, length in history:
+                hashes = CANONICAL_KEYS[start : start + length]
+                action = kv.ExternalKvAction(type=kind, tier=tier)
+                if kind == kv.ACTION_CLEAR_ALL_AT_TIER:
+                    for blocks in held[engine]:
+                        blocks.discard(tier)
+                else:
+                    action.hashes.extend(hashes)
+                    for n in range(start, start + len(hashes)):
+                        if kind == kv.ACTION_REPORT:
+                            held[engine][n].add(tier)
+                        else:
+                            held[engine][n].discard(tier)
+                batch = kv.ApplyExternalKvBatchRequest(
+                    worker_id=engine, worker_address=engine, actions=[action]
+                )
+                for channel in channels:
+                    await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(batch)
+            seen: list[object] = []
+            for backend, remote in zip(backends, remotes, strict=True):
+                for hits in (
+                    await Fleet._indexed_hits(backend, block_keys(TOKENS, 16)),
+                    (await remote.match(TOKENS, 16, "", ""))[1],
+                ):
+                    seen.append({e: tuple(hits.get(e, PrefixHit())) for e in _ENGINES})
+            return {e: _model_hit(held[e]) for e in _ENGINES}, seen
+        finally:
+            for channel in channels:
+                await channel.close()
+            for remote in remotes:
+                await remote.close()
+            for server in servers:
+                await server.stop(None)
+            for backend in backends:
+                await backend.close()
+
+    expected, seen = asyncio.run(hits_of_each())
+    assert seen == [expected] * 4
 
 
 class _HungIndex(PartialKvIndex):

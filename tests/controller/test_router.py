@@ -134,6 +134,39 @@ def test_no_cached_prefix_is_worth_a_wait_past_patience() -> None:
     assert patient.explain(req, backlogged, random.Random(0), 0).engine_id == "a"
 
 
+@pytest.mark.parametrize(
+    ("hit", "within", "past"),
+    [
+        # On disk, loading costs 0.75 of computing: its 40,960 tokens wait as 30,720.
+        (PrefixHit(disk_blocks=320), 70_000, 90_000),
+        # On host memory, at 0.25: as 10,240.
+        (PrefixHit(host_blocks=320), 90_000, 95_000),
+    ],
+    ids=["disk", "host"],
+)
+def test_a_prefix_loaded_from_disk_or_host_memory_is_no_wait_saved_past_patience(
+    hit: PrefixHit, within: int, past: int
+) -> None:
+    """The engine holding the 40k-token prompt on disk (or host memory) behind a queue: its
+    prefill wait is the queue and then the prompt's load at `disk_weight` (`host_weight`)
+    of computing it, which the cost counts too; past `patience_tokens` (60,000) longer than
+    computing the prompt on an idle engine it is not chosen. Before, the wait counted a
+    prefix on disk as held at no cost: the engine was chosen with a queue 90,000 tokens
+    long and 30,720 tokens to load, 79,760 tokens longer than the idle engine's wait."""
+    req = RouteRequest("r", 320 * BS + 5, BS, tuple(range(320)))
+    idle = roomy("b")
+
+    def holder(waiting: int) -> Candidate:
+        return roomy("a", queued_requests=1, waiting_tokens=waiting)._replace(hit=hit)
+
+    patient = Router(KvplanePolicy(KvplaneWeights(patience_tokens=60_000)))
+    unbounded = Router(KvplanePolicy(KvplaneWeights(patience_tokens=0)))
+    assert patient.explain(req, [holder(within), idle], random.Random(0), 0).engine_id == "a"
+    d = patient.explain(req, [holder(past), idle], random.Random(0), 0)
+    assert (d.engine_id, d.reason) == ("b", Reason.PATIENCE)
+    assert unbounded.explain(req, [holder(past), idle], random.Random(0), 0).engine_id == "a"
+
+
 def test_decode_load_weighs_by_the_passes_a_prompt_needs() -> None:
     """Every forward pass that also decodes is slower: a long prompt (many passes) avoids an
     engine with decodes running, a short one does not mind them."""

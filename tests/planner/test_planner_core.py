@@ -296,6 +296,32 @@ def test_queued_prompts_take_into_use_only_the_kv_their_cached_prefix_does_not_h
     assert decisions == []
 
 
+def test_idle_ticks_leave_the_share_computed_as_it_was_and_a_restart_measures_it_anew() -> None:
+    """The share of admitted prompt tokens computed is over the ticks that admitted any: an
+    hour of ticks with no pass (nothing admitted, the prompts still queued) leaves it at a
+    quarter, the KV demand at 0.525 (`test_queued_prompts_take_into_use_only_...`), and
+    never divides by zero. A planner restarted knows no share until a pass is reported: the
+    queued prompts count whole, 0.9."""
+    config = PlannerConfig(
+        sla=SlaTargets(ttft_ms=1000, itl_ms=100),
+        pools=(PoolConfig(max_engines=4),),
+        capacity=AS_MEASURED,
+    )
+    engines = (EngineObservation("a", "default", SERVING, KV_BOUND_LOAD, EngineRole.AGGREGATED),)
+    duration_s = (100 * (15.0 + 40.0 * 0.4) + 0.02 * 2_000) / 1000.0
+    batches = (ForwardPasses("a", 100, duration_s, 4 * 500, 4, 4 * 1_500),)
+    planner = Planner(config)
+    for now_s in range(0, 3_600, 30):
+        planner.decide(Observations(engines, batches if now_s < 60 else ()), now_s)
+        estimate = planner.estimate("default")
+        assert estimate is None or estimate.kv_demand == pytest.approx(0.525)
+    restarted = Planner(config)
+    for now_s in (3_600, 3_605):
+        restarted.decide(Observations(engines, ()), now_s)
+    estimate = restarted.estimate("default")
+    assert estimate is not None and estimate.kv_demand == pytest.approx(0.9)
+
+
 def test_a_decode_engine_s_queued_prompts_take_their_pulled_kv_into_use_whole() -> None:
     """The same load on a decode engine: its queued prompts' KV, pulled from a prefill engine,
     waits in its prefix cache as evictable blocks, found as hits at admission and taken into
