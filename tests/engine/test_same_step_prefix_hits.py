@@ -212,3 +212,34 @@ def test_a_failed_step_drops_the_kv_imported_on_top_of_blocks_it_never_wrote(
     outputs = run(core, [])
     assert announced_keys(core.take_kv_events(), announced) == core.block_manager.cached_keys()
     assert outputs["b/0"].new_token_ids == alone(builtin_dir, False, second)
+
+
+def test_a_failed_step_keeps_what_earlier_passes_computed_and_reports_no_unserved_hit(
+    builtin_dir: Path,
+) -> None:
+    """The failed pass was to compute the rest of a chunked prompt ("a") and the start of a
+    request admitted after it ("b") that hit, besides a's three blocks computed before, the
+    two that pass was to fill. "a" keeps its computed tokens (its block being filled is its
+    own: it recomputes just the chunk); "b" is preempted and, admitted again after "a" ended,
+    reports the hits it is served then, not those of the failed admission."""
+    runner = TorchModelRunner.from_pretrained(
+        builtin_dir, block_size=BLOCK_SIZE, num_blocks=64, native_kernels=False
+    )
+    core = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=56))
+    core.add_request(EngineRequest("a", FIRST, GREEDY))
+    core.step()  # 56 of its 100 prompt tokens: three full blocks and half of the fourth
+    core.add_request(EngineRequest("bad", (5, 100_000, 6), GREEDY))
+    second = EngineRequest("b", SECOND, GREEDY)
+    core.add_request(second)
+    with pytest.raises(InvalidBatchError):
+        core.step()
+    states = {s.request_id: s for s in core.scheduler.running + core.scheduler.waiting()}
+    assert states["a"].status is SequenceStatus.RUNNING
+    assert states["a"].num_computed_tokens == 56 and states["a"].num_preemptions == 0
+    assert states["b"].status is SequenceStatus.WAITING and states["b"].num_cached_tokens is None
+    core.abort("a")
+    core.abort("bad")
+    outputs = run(core, [])
+    usage = outputs["b/0"].usage
+    assert usage is not None and usage.cached_prompt_tokens == 3 * BLOCK_SIZE  # a's three
+    assert outputs["b/0"].new_token_ids == alone(builtin_dir, False, second)
