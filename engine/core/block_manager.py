@@ -42,12 +42,12 @@ covers), the scheduler caches a block as soon as it schedules the chunk that fil
 same step (another request with the same prefix, another output of the same request) takes it
 as a prefix hit, and reads it in the same forward pass, whose every layer writes the step's
 keys and values before attention reads them. Nothing but that pass may write those blocks:
-between the scheduling and the pass no block is allocated (so none of them is evicted). Their
-BlockStored events are held until the pass has run (`commit_scheduled`), with every event
-recorded after them, so the events stay in order and never announce KV that is not written;
-if the pass fails (`discard_scheduled`), the blocks leave the cache unannounced (with the KV
-imported in the step on top of them), and the sequences that took them as hits are told to
-compute them.
+their writers hold them until it runs (so none of them is evicted: later allocations of the
+step evict only unreferenced blocks). Their BlockStored events are held until the pass has
+run (`commit_scheduled`), with every event recorded after them, so the events stay in order
+and never announce KV that is not written; if the pass fails (`discard_scheduled`), the
+blocks leave the cache unannounced (with the KV imported in the step on top of them), and
+the sequences that took them as hits are told to compute them.
 
 Full prompt hits. The runner needs the logits of the last prompt token, so a hit never covers
 it: at most `(num_prompt_tokens - 1) // block_size` blocks are reused (a block-aligned prompt
