@@ -42,11 +42,12 @@ covers), the scheduler caches a block as soon as it schedules the chunk that fil
 same step (another request with the same prefix, another output of the same request) takes it
 as a prefix hit, and reads it in the same forward pass, whose every layer writes the step's
 keys and values before attention reads them. Nothing but that pass may write those blocks:
-between the scheduling and the pass no block is allocated (so none of them is evicted). Their
-BlockStored events are held until the pass has run (`commit_scheduled`), with every event
-recorded after them, so the events stay in order and never announce KV that is not written;
-if the pass fails (`discard_scheduled`), the blocks leave the cache unannounced, and the
-sequences that took them as hits are told to compute them.
+their writers hold them until it runs (so none of them is evicted: later allocations of the
+step evict only unreferenced blocks). Their BlockStored events are held until the pass has
+run (`commit_scheduled`), with every event recorded after them, so the events stay in order
+and never announce KV that is not written; if the pass fails (`discard_scheduled`), the
+blocks leave the cache unannounced (with the KV imported in the step on top of them), and
+the sequences that took them as hits are told to compute them.
 
 Full prompt hits. The runner needs the logits of the last prompt token, so a hit never covers
 it: at most `(num_prompt_tokens - 1) // block_size` blocks are reused (a block-aligned prompt
@@ -490,19 +491,33 @@ class BlockManager:
         """The step's forward pass did not run (it raised): its scheduled blocks hold no KV.
         They leave the prefix cache, with no event (their BlockStored was never taken; a key
         cached before, whose cached copy was evicted this step for a scheduled standby, is
-        taken over by a written standby or removed), and scheduled standbys are dropped.
-        Returns, for each table that holds one among its cached blocks, how many of its tokens
-        stay cached (the blocks before the first such): a sequence that took them as prefix
-        hits must compute them again."""
+        taken over by a written standby or removed), and scheduled standbys are dropped. So
+        does KV imported this step on top of them (an import takes scheduled blocks as hits):
+        no prefix reaches it any more, and its BlockStored would name a parent never
+        announced. Returns, for each table that holds one among its cached blocks, how many
+        of its tokens stay cached (the blocks before the first such): a sequence that took
+        them as prefix hits must compute them again."""
         blocks, self._scheduled = self._scheduled, []
         held, self._held_events = self._held_events, []
-        self._events.extend(event for event, scheduled in held if not scheduled)
-        new_keys = {
-            key
-            for event, scheduled in held
-            if scheduled and isinstance(event, BlockStored)
-            for key in event.block_keys
-        }
+        # The keys whose BlockStored is dropped, and the events still to be taken.
+        unannounced: set[BlockKey] = set()
+        for event, scheduled in held:
+            if isinstance(event, BlockStored) and (scheduled or event.parent_key in unannounced):
+                unannounced.update(event.block_keys)
+            elif isinstance(event, BlockRemoved) and not unannounced.isdisjoint(event.block_keys):
+                # An imported block evicted in this step: neither its store nor its removal.
+                announced = tuple(k for k in event.block_keys if k not in unannounced)
+                unannounced.difference_update(event.block_keys)
+                if announced:
+                    self._events.append(BlockRemoved(announced, event.medium))
+            else:
+                self._events.append(event)
+        scheduled_blocks = set(blocks)
+        blocks.extend(  # the imported blocks among them
+            imported
+            for key in unannounced
+            if (imported := self._cached.get(key)) is not None and imported not in scheduled_blocks
+        )
         for block_id in blocks:  # first, so that none of them takes a key over below
             if block_id in self._standby_key:
                 self._drop_standby(block_id)
@@ -514,7 +529,7 @@ class BlockManager:
             del self._cached[key]
             self._keys[block_id] = None
             self._contents[block_id] = None
-            if not self._take_over(key) and key not in new_keys:
+            if not self._take_over(key) and key not in unannounced:
                 removed.append(key)
             if self._ref_counts[block_id] == 0:  # its writer is gone: it holds nothing now
                 self._unlink(block_id)

@@ -128,10 +128,11 @@ class _RequestState:
         return Usage(
             prompt_tokens=len(self.request.prompt_token_ids),
             completion_tokens=sum(len(o.sequence.output_token_ids) for o in self.outputs),
-            # Output 0 computes the prompt; the others, admitted in the same step, take its
-            # blocks as prefix hits. vLLM's final output is made by the output that ends the
-            # request, typically a later one: its hits.
-            cached_prompt_tokens=max(o.sequence.num_cached_tokens or 0 for o in self.outputs),
+            # What the prompt found cached when the request was admitted: output 0's hits.
+            # The other outputs, admitted after it, also hit the prompt blocks it computes
+            # (that same step), which the prompt did not find cached (the router's prediction,
+            # vLLM's streamed usage: its first output's).
+            cached_prompt_tokens=self.outputs[0].sequence.num_cached_tokens or 0,
         )
 
 

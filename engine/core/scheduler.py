@@ -88,6 +88,8 @@ class Scheduler:
         self._waiting: dict[int, deque[Sequence]] = {}  # priority level -> FIFO
         self._num_waiting = 0
         self.running: list[Sequence] = []
+        # The sequences whose prefix hits the last `schedule` recorded (first admissions).
+        self._first_admitted: list[Sequence] = []
 
     # ---------------------------------------------------------------- queue
 
@@ -153,6 +155,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        self._first_admitted.clear()
         self.running.sort(key=lambda s: (-self._effective_priority(s, now_s), s.arrival_order))
         kept: list[Sequence] = []
         pending = deque(self.running)  # not yet given work this step, best first
@@ -232,6 +235,7 @@ class Scheduler:
             self._cache_scheduled(seq, num_cached + num_new)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                self._first_admitted.append(seq)
             out.num_cached_tokens += num_cached
             self.running.append(seq)
             out.scheduled.append(ScheduledWork(seq, num_new))
@@ -247,14 +251,22 @@ class Scheduler:
     def discard_step(self) -> list[Sequence]:
         """The forward pass of the last `schedule` did not run (it raised): the blocks its
         chunks were to fill leave the prefix cache, and the sequences that took some of them as
-        prefix hits are preempted (returned), to compute them when admitted again. The others
-        compute the chunk again at the next step."""
+        prefix hits are preempted (returned), to compute them when admitted again (their hits
+        never served, a first admission's are not reported). The others compute the chunk
+        again at the next step, the block it was to fill too (their own: it holds their
+        tokens computed before it)."""
         kept = self.block_manager.discard_scheduled()
+        size = self.block_manager.block_size
         out = SchedulerOutput()
         for seq in self.running[::-1]:  # each goes to its queue's front: keep their order
-            if kept.get(seq.seq_id, seq.num_computed_tokens) < seq.num_computed_tokens:
+            # A hit on an unwritten block: a whole one among the tokens it counts computed.
+            if kept.get(seq.seq_id, seq.num_computed_tokens) + size <= seq.num_computed_tokens:
                 self.running.remove(seq)
                 self._preempt(seq, out)
+        for seq in self._first_admitted:
+            if seq in out.preempted:
+                seq.num_cached_tokens = None
+        self._first_admitted.clear()
         return out.preempted
 
     def _can_allocate(self, seq: Sequence, num_tokens: int) -> bool:

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 
 from engine.core.api import (
+    AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     EngineRequest,
+    KvEvent,
     RequestOutput,
     SamplingParams,
     SchedulerConfig,
@@ -110,17 +113,22 @@ def test_the_other_outputs_of_a_request_hit_the_prompt_its_first_output_computes
         temperature=0.9, top_p=0.95, seed=7, num_sequences=3, max_tokens=8, ignore_eos=True
     )
     core = engine(builtin_dir, native_kernels)
-    outputs = run(core, [EngineRequest("n", SECOND, sampling)])
-    # Outputs 1 and 2 took the prompt's six full blocks as hits (never the last token's).
+    core.add_request(EngineRequest("n", SECOND, sampling))
+    first = core.step()
+    # Outputs 1 and 2 took the prompt's six full blocks as hits (never the last token's)...
+    assert first.stats is not None and first.stats.num_cached_tokens == 2 * 96
+    outputs = run(core, [])
+    # ... but the prompt itself found nothing cached: that is the request's usage.
     (usage,) = [out.usage for out in outputs.values() if out.usage is not None]
-    assert usage.cached_prompt_tokens == 96
+    assert usage.cached_prompt_tokens == 0
     # Output i samples with seed 7 + i: each equals a one-output request seeded so, alone.
     for index in range(3):
         seeded = SamplingParams(
             temperature=0.9, top_p=0.95, seed=7 + index, max_tokens=8, ignore_eos=True
         )
         expected = alone(builtin_dir, native_kernels, EngineRequest(f"s{index}", SECOND, seeded))
-        assert outputs[f"n/{index}"].new_token_ids == expected
+        first_token = tuple(o.new_token_ids for o in first.outputs if o.output_index == index)
+        assert first_token[0] + outputs[f"n/{index}"].new_token_ids == expected
 
 
 def test_a_failed_step_leaves_no_hit_on_blocks_it_never_wrote(builtin_dir: Path) -> None:
@@ -144,3 +152,94 @@ def test_a_failed_step_leaves_no_hit_on_blocks_it_never_wrote(builtin_dir: Path)
     outputs = run(core, [])
     assert outputs["a/0"].new_token_ids == alone(builtin_dir, None, first)
     assert outputs["b/0"].new_token_ids == alone(builtin_dir, None, second)
+
+
+def announced_keys(events: list[KvEvent], keys: set[int] | None = None) -> set[int]:
+    """Replay `events` on `keys`: the keys they leave announced. Every BlockStored names a
+    parent announced before it, every BlockRemoved keys announced before it."""
+    keys = set() if keys is None else keys
+    for event in events:
+        if isinstance(event, BlockStored):
+            assert event.parent_key is None or event.parent_key in keys, "parent never announced"
+            keys.update(event.block_keys)
+        elif isinstance(event, BlockRemoved):
+            assert keys.issuperset(event.block_keys), "removal of a key never announced"
+            keys.difference_update(event.block_keys)
+        elif isinstance(event, AllBlocksCleared):
+            keys.clear()
+    return keys
+
+
+def test_a_failed_step_drops_the_kv_imported_on_top_of_blocks_it_never_wrote(
+    builtin_dir: Path,
+) -> None:
+    """A DECODE engine imports a request's held (pulled) KV as it admits it, taking the blocks
+    cached so far as hits: here the five shared blocks that a request admitted before it in
+    the same step was to compute. The pass fails: those five leave the cache unannounced, and
+    so does the imported sixth block chained on them (its BlockStored would name a parent the
+    index never heard of)."""
+    prefill = engine(builtin_dir, None)  # the prefill engine the KV is pulled from
+    prefill.add_request(
+        EngineRequest("p", SECOND, SamplingParams(temperature=0.0, max_tokens=1), kv_session_id="s")
+    )
+    run(prefill, [])
+    session = prefill.kv_session_tokens("s")
+    assert session is not None and len(session) == 6 * BLOCK_SIZE
+    pulled = prefill.read_kv_session("s", 0, 6)
+    size = len(pulled) // 6
+    blocks = [pulled[i * size : (i + 1) * size] for i in range(6)]
+
+    runner = TorchModelRunner.from_pretrained(
+        builtin_dir, block_size=BLOCK_SIZE, num_blocks=16, native_kernels=False
+    )
+    core = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=512))
+    # A running request fills the pool: the pulled KV is held, imported at admission.
+    core.add_request(EngineRequest("full", tuple(range(3, 243)), GREEDY))
+    core.step()
+    core.add_request(EngineRequest("a", FIRST, GREEDY))
+    second = EngineRequest("b", SECOND, GREEDY)
+    assert core.import_or_hold_kv_blocks(second, blocks, max_held_bytes=len(pulled)) == "held"
+    core.add_request(second)
+    core.abort("full")
+    announced = announced_keys(core.take_kv_events())
+    core.add_request(EngineRequest("bad", (5, 100_000, 6), GREEDY))
+    with pytest.raises(InvalidBatchError):
+        core.step()
+    announced = announced_keys(core.take_kv_events(), announced)
+    assert announced == core.block_manager.cached_keys()
+    core.block_manager.check_invariants()
+    core.abort("bad")
+    outputs = run(core, [])
+    assert announced_keys(core.take_kv_events(), announced) == core.block_manager.cached_keys()
+    assert outputs["b/0"].new_token_ids == alone(builtin_dir, False, second)
+
+
+def test_a_failed_step_keeps_what_earlier_passes_computed_and_reports_no_unserved_hit(
+    builtin_dir: Path,
+) -> None:
+    """The failed pass was to compute the rest of a chunked prompt ("a") and the start of a
+    request admitted after it ("b") that hit, besides a's three blocks computed before, the
+    two that pass was to fill. "a" keeps its computed tokens (its block being filled is its
+    own: it recomputes just the chunk); "b" is preempted and, admitted again after "a" ended,
+    reports the hits it is served then, not those of the failed admission."""
+    runner = TorchModelRunner.from_pretrained(
+        builtin_dir, block_size=BLOCK_SIZE, num_blocks=64, native_kernels=False
+    )
+    core = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=56))
+    core.add_request(EngineRequest("a", FIRST, GREEDY))
+    core.step()  # 56 of its 100 prompt tokens: three full blocks and half of the fourth
+    core.add_request(EngineRequest("bad", (5, 100_000, 6), GREEDY))
+    second = EngineRequest("b", SECOND, GREEDY)
+    core.add_request(second)
+    with pytest.raises(InvalidBatchError):
+        core.step()
+    states = {s.request_id: s for s in core.scheduler.running + core.scheduler.waiting()}
+    assert states["a"].status is SequenceStatus.RUNNING
+    assert states["a"].num_computed_tokens == 56 and states["a"].num_preemptions == 0
+    assert states["b"].status is SequenceStatus.WAITING and states["b"].num_cached_tokens is None
+    core.abort("a")
+    core.abort("bad")
+    outputs = run(core, [])
+    usage = outputs["b/0"].usage
+    assert usage is not None and usage.cached_prompt_tokens == 3 * BLOCK_SIZE  # a's three
+    assert outputs["b/0"].new_token_ids == alone(builtin_dir, False, second)

@@ -60,9 +60,9 @@ async def test_stream_contract_with_two_outputs() -> None:
     assert responses[-1].WhichOneof("event") == "finished"
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 10, 50)
     assert usage.HasField("cached_prompt_tokens")
-    # Output 1, admitted with output 0, hits the prompt blocks output 0 computes in that same
-    # step (vLLM's count): 9 blocks, never the one holding the last prompt token.
-    assert usage.cached_prompt_tokens == 36
+    # What the prompt found cached: nothing (output 1 takes the blocks output 0 computes in
+    # the same step as hits, but the prompt was not cached when it came; vLLM's streamed usage).
+    assert usage.cached_prompt_tokens == 0
 
 
 async def test_cached_prompt_tokens_reports_prefix_hits() -> None:
@@ -86,7 +86,14 @@ async def test_cached_prompt_tokens_reports_prefix_hits() -> None:
             engine.stub, generate_request(fresh, kv=pb.KvOptions(bypass_prefix_cache=True))
         )
         after_bypass = await collect(engine.stub, generate_request(fresh))
+        # Two outputs of a new prompt: the second hits what the first computes, but the
+        # prompt found nothing cached (what the router predicts, and checks it against).
+        other = list(range(200, 240))
+        two_fresh = await collect(engine.stub, generate_request(other, n=2))
+        two_again = await collect(engine.stub, generate_request(other, n=2))
     assert first[-1].usage.cached_prompt_tokens == 0
+    assert two_fresh[-1].usage.cached_prompt_tokens == 0
+    assert two_again[-1].usage.cached_prompt_tokens == 36  # all but the last token's block
     assert bypass_fresh[-1].usage.cached_prompt_tokens == 0
     assert after_bypass[-1].usage.cached_prompt_tokens == 36  # all but the last token's block
     # All 10 full prompt blocks of the first request are reused.
