@@ -37,6 +37,7 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_zmq_endpoint,
 )
 from kvplane.errors import ConfigError
 from kvplane.zmq_ip import is_ipv4_wildcard
@@ -83,6 +84,11 @@ class SimTimingConfig(StrictModel):
     eos_after: StrictInt | None = Field(default=None, gt=0)
 
 
+# The transports the vLLM-compatible publisher binds (a data-parallel rank's own endpoint is
+# derived from each: engine.server.zmq_publisher.rank_endpoint).
+_PUBLISHER_TRANSPORTS = frozenset({"tcp", "ipc", "inproc"})
+
+
 class KvEventsConfig(StrictModel):
     """Where KV events go besides `SubscribeKvEvents` (always on)."""
 
@@ -111,11 +117,17 @@ class KvEventsConfig(StrictModel):
             return value[1:-1]
         return value
 
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        """A bind address (`*` allowed) the publisher's sockets take: refused here, before
+        the engine serves, rather than when they bind."""
+        if value is not None:
+            check_zmq_endpoint(value, bind=True, transports=_PUBLISHER_TRANSPORTS)
+        return value
+
     @model_validator(mode="after")
     def _check_endpoints(self) -> KvEventsConfig:
-        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
-            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"kv_events.{name} must be a ZMQ address like tcp://HOST:PORT")
         if self.advertised_host and self.advertised_host in BIND_WILDCARD_HOSTS:
             raise ValueError(
                 f"kv_events.advertised_host {self.advertised_host!r} is a bind wildcard: set "

@@ -50,6 +50,7 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_zmq_endpoint,
     parse_host_port,
 )
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
@@ -74,32 +75,6 @@ def _check_replica_name(value: str) -> str:
 
 # The controller's `index.replica_name` and the indexer's `replica_name` (`lease_holder`).
 ReplicaName = Annotated[str, AfterValidator(_check_replica_name)]
-# The transports libzmq knows (`zmq_bind`/`zmq_connect`); which ones this build supports,
-# connect / bind tells (EPROTONOSUPPORT).
-_ZMQ_TRANSPORTS = frozenset(
-    {"tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "udp", "ws", "wss", "norm"}
-)
-
-
-def check_zmq_endpoint(endpoint: str, *, bind: bool = False) -> str:
-    """`transport://address` with a transport libzmq knows; for tcp, the address is
-    `HOST:PORT`, where `*` (any interface, any port) is for binding only. Raises ValueError
-    otherwise. What it cannot see (a host name that does not resolve, a transport this build
-    lacks) the source reports when it connects or binds."""
-    transport, sep, address = endpoint.partition("://")
-    if not (transport and sep and address):
-        raise ValueError(f"expected a ZMQ endpoint like tcp://HOST:PORT, got {endpoint!r}")
-    if transport not in _ZMQ_TRANSPORTS:
-        raise ValueError(f"unknown ZMQ transport {transport!r} in {endpoint!r}")
-    if transport == "tcp":
-        host, sep, port = address.rpartition(":")
-        if not (host and sep and (port == "*" or (port.isascii() and port.isdigit()))):
-            raise ValueError(f"expected tcp://HOST:PORT, got {endpoint!r}")
-        if port != "*" and int(port) > 65535:
-            raise ValueError(f"port out of range in {endpoint!r}")
-        if not bind and "*" in (host, port):
-            raise ValueError(f"'*' in {endpoint!r} is for binding (bind: true): give the address")
-    return endpoint
 
 
 def _tier(name: MediumTarget) -> Tier | None:

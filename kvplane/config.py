@@ -89,6 +89,38 @@ def parse_dial_target(value: str) -> tuple[str, int]:
     return host, port
 
 
+# The transports libzmq knows (`zmq_bind`/`zmq_connect`); which ones this build supports,
+# connect / bind tells (EPROTONOSUPPORT).
+ZMQ_TRANSPORTS = frozenset(
+    {"tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "udp", "ws", "wss", "norm"}
+)
+
+
+def check_zmq_endpoint(
+    endpoint: str, *, bind: bool = False, transports: frozenset[str] = ZMQ_TRANSPORTS
+) -> str:
+    """`transport://address` with a transport of `transports` (default: every one libzmq
+    knows); for tcp, the address is `HOST:PORT`, where `*` (any interface, any port) is for
+    binding only. Raises ValueError otherwise. What it cannot see (a host name that does not
+    resolve, a transport this build lacks) the socket reports when it connects or binds: an
+    indexer's source, an engine's KV-event publisher."""
+    transport, sep, address = endpoint.partition("://")
+    if not (transport and sep and address):
+        raise ValueError(f"expected a ZMQ endpoint like tcp://HOST:PORT, got {endpoint!r}")
+    if transport not in transports:
+        known = "unknown" if transport not in ZMQ_TRANSPORTS else "unsupported"
+        raise ValueError(f"{known} ZMQ transport {transport!r} in {endpoint!r}")
+    if transport == "tcp":
+        host, sep, port = address.rpartition(":")
+        if not (host and sep and (port == "*" or (port.isascii() and port.isdigit()))):
+            raise ValueError(f"expected tcp://HOST:PORT, got {endpoint!r}")
+        if port != "*" and int(port) > 65535:
+            raise ValueError(f"port out of range in {endpoint!r}")
+        if not bind and "*" in (host, port):
+            raise ValueError(f"'*' in {endpoint!r} is for binding (bind: true): give the address")
+    return endpoint
+
+
 class TlsConfig(StrictModel):
     cert_file: Path
     key_file: Path
