@@ -20,9 +20,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from controller.router import APPROXIMATE_TTL_S, POLICY_NAMES, BusyThresholds, KvplaneWeights
-from indexer.backends import check_backend_url, check_redis_options
+from indexer.backends import REDIS_SCHEMES, check_backend_url, check_redis_options
 from indexer.config import (
     DEFAULT_WRITER_LEASE_S,
+    LEASE_KEYS,
     RedisBackendConfig,
     ReplicaName,
     WriterLeaseSeconds,
@@ -37,6 +38,8 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_ceilings,
+    check_needs,
     parse_dial_target,
 )
 from kvplane.server import MIN_PING_INTERVAL_S
@@ -73,6 +76,15 @@ class EngineEntry(StrictModel):
     def _check_address(cls, value: str) -> str:
         parse_dial_target(value)
         return value
+
+    @model_validator(mode="after")
+    def _check_array_tail(self) -> EngineEntry:
+        check_needs(self, ("array_tail",), "kv_events zmq or grpc", met=self.kv_events.followed)
+        return self
+
+
+# The settings of a remote indexer, read only with `remote`.
+_REMOTE_KEYS = ("remote_key_space", "remote_hash_seed", "remote_tls", "remote_token_file")
 
 
 class IndexConfig(StrictModel):
@@ -128,6 +140,9 @@ class IndexConfig(StrictModel):
                 f"set either remote (a kvplane indexer) or backend {self.backend!r}, not both"
             )
         check_redis_options(self.backend, "redis" in self.model_fields_set)
+        redis = self.backend.startswith(REDIS_SCHEMES)
+        check_needs(self, LEASE_KEYS, f"a Redis backend (backend is {self.backend})", met=redis)
+        check_needs(self, _REMOTE_KEYS, "remote (a kvplane indexer)", met=self.remote is not None)
         algo = None if self.remote_key_space == "canonical" else VllmHashAlgo(self.remote_key_space)
         problem = unseeded_problem(
             self.remote_hash_seed, algo, "remote_hash_seed", "remote_key_space"
@@ -290,9 +305,13 @@ class HealthConfig(StrictModel):
     hold_down_ready_polls: StrictInt = Field(default=3, ge=1)
 
     @model_validator(mode="after")
-    def _check_hold_down(self) -> HealthConfig:
-        if self.hold_down_max_s < self.hold_down_s:
-            raise ValueError("health.hold_down_max_s must be at least hold_down_s")
+    def _check_waits_and_hold_down(self) -> HealthConfig:
+        check_ceilings(
+            self,
+            ("backoff_initial_s", "backoff_max_s"),
+            ("eject_for_s", "eject_max_s"),
+            ("hold_down_s", "hold_down_max_s"),
+        )
         if self.hold_down_after_flaps == 1:
             # One leave of ready (a restart) comes back at its first READY: held down at
             # its first flap, every restart would be.

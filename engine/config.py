@@ -37,6 +37,7 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_needs,
     check_zmq_endpoint,
 )
 from kvplane.errors import ConfigError
@@ -84,6 +85,8 @@ class SimTimingConfig(StrictModel):
     eos_after: StrictInt | None = Field(default=None, gt=0)
 
 
+# The settings of the vLLM-compatible ZMQ publisher, read only with `zmq_enabled: true`.
+_ZMQ_KEYS = ("endpoint", "replay_endpoint", "topic", "hwm")
 # The transports the vLLM-compatible publisher binds (a data-parallel rank's own endpoint is
 # derived from each: engine.server.zmq_publisher.rank_endpoint).
 _PUBLISHER_TRANSPORTS = frozenset({"tcp", "ipc", "inproc"})
@@ -128,6 +131,7 @@ class KvEventsConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_endpoints(self) -> KvEventsConfig:
+        check_needs(self, _ZMQ_KEYS, "zmq_enabled: true", met=self.zmq_enabled)
         if self.advertised_host and self.advertised_host in BIND_WILDCARD_HOSTS:
             raise ValueError(
                 f"kv_events.advertised_host {self.advertised_host!r} is a bind wildcard: set "
@@ -190,6 +194,11 @@ class LoraConfig(StrictModel):
     max_loras: StrictInt = Field(default=8, gt=0)
     # Highest adapter rank accepted (vLLM's default, 16); above: FAILED_PRECONDITION.
     max_lora_rank: StrictInt = Field(default=16, gt=0)
+
+    @model_validator(mode="after")
+    def _check_enabled(self) -> LoraConfig:
+        check_needs(self, ("max_loras", "max_lora_rank"), "enabled: true", met=self.enabled)
+        return self
 
 
 class EngineConfig(ServerConfig):

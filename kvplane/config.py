@@ -121,6 +121,26 @@ def check_zmq_endpoint(
     return endpoint
 
 
+def check_ceilings(config: BaseModel, *pairs: tuple[str, str]) -> None:
+    """Raise ValueError at the first (floor, ceiling) pair of `config`'s fields whose ceiling
+    is below its floor (a doubling wait's longest below its first), naming both."""
+    for floor, ceiling in pairs:
+        low, high = getattr(config, floor), getattr(config, ceiling)
+        if high < low:
+            raise ValueError(f"{ceiling} ({high:g}) is below {floor} ({low:g})")
+
+
+def check_needs(config: BaseModel, keys: tuple[str, ...], needs: str, *, met: bool) -> None:
+    """Settings read only beside another (`needs`, as a user sets it: `remote`,
+    `zmq_enabled: true`) are refused while it is not (`met` false): they would do nothing,
+    and whoever set one expects it to. Raises ValueError naming the first of `keys` given."""
+    if met:
+        return
+    for key in keys:
+        if key in config.model_fields_set:
+            raise ValueError(f"{key} is only read with {needs}: set that, or remove {key}")
+
+
 class TlsConfig(StrictModel):
     cert_file: Path
     key_file: Path
