@@ -371,7 +371,7 @@ def validate_config(
         by_source: dict[str, list[str]] = {}
         by_flag: dict[str, list[str]] = {}  # the problems blamed on flags, by param hint
         for err in exc.errors():
-            loc = [str(part) for part in err["loc"]]
+            loc = _key_path(err["loc"], data)
             flag: str | None = None
             if loc and loc[0] in flag_fields:
                 flag, loc = _flag_name(loc[0]), loc[1:]
@@ -400,6 +400,27 @@ def validate_config(
             flag, problems = next(iter(by_flag.items()))
             raise CommandLineError(message, param_hint=flag, problem="; ".join(problems)) from exc
         raise ConfigError(message) from exc
+
+
+def _key_path(loc: tuple[int | str, ...], data: object) -> list[str]:
+    """An error's location as the keys the user wrote: pydantic puts a tagged union's tag
+    between a list item and its keys (`sources.0.zmq.topic`, the source's `kind: zmq`), which
+    names no key; it is left out (`sources.0.topic`). Found by walking `data`: a step that is
+    not a key of the mapping it is in but is the value of one (its tag), once per mapping."""
+    path: list[str] = []
+    node, tag_seen = data, False
+    for part in loc:
+        if isinstance(node, dict):
+            if part not in node and not tag_seen and part in node.values():
+                tag_seen = True
+                continue
+            node, tag_seen = node.get(part), False
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node, tag_seen = node[part], False
+        else:
+            node, tag_seen = None, False
+        path.append(str(part))
+    return path
 
 
 def _flags_involved(

@@ -80,15 +80,14 @@ REFUSED = [
     pytest.param(
         "indexer",
         f"sources: [{_ZMQ}, replay_bytes: 1048576}}]",
-        f"sources.0.zmq: replay_bytes {_NEEDS} replay_endpoint: set that, or remove replay_bytes",
+        f"sources.0: replay_bytes {_NEEDS} replay_endpoint: set that, or remove replay_bytes",
         f"sources: [{_ZMQ}, replay_endpoint: 'tcp://127.0.0.1:5558', replay_bytes: 1048576}}]",
         id="indexer-replay_bytes",
     ),
     pytest.param(
         "indexer",
         f"sources: [{_OPENENGINE}, discover_zmq: false, array_tail: vllm}}]",
-        f"sources.0.openengine: array_tail {_NEEDS} discover_zmq: true: set that, or remove "
-        "array_tail",
+        f"sources.0: array_tail {_NEEDS} discover_zmq: true: set that, or remove array_tail",
         f"sources: [{_OPENENGINE}, array_tail: vllm}}]",
         id="indexer-array_tail",
     ),
@@ -146,3 +145,21 @@ def test_up_refuses_a_member_config_before_any_member_starts(tmp_path: Path) -> 
         f"invalid config in {fleet}, member e0: lora: max_lora_rank {_NEEDS} enabled: true: "
         "set that, or remove max_lora_rank",
     )
+
+
+@pytest.mark.parametrize(
+    ("source", "problem"),
+    [
+        (f"{_ZMQ}, topc: kv@}}", "sources.0.topc: Extra inputs are not permitted"),
+        ("{kind: zmq, worker_id: endpoint}", "sources.0.endpoint: Field required"),
+        (f"{_OPENENGINE}, tls: {{ca: x}}}}", "sources.0.tls.ca: Extra inputs are not permitted"),
+    ],
+)
+def test_a_source_key_is_named_by_the_path_written(
+    tmp_path: Path, source: str, problem: str
+) -> None:
+    """A source's keys are named as the file spells them: was `sources.0.zmq.topc`, the
+    source's `kind` put in the path as if it were a key."""
+    path = tmp_path / "indexer.yaml"
+    path.write_text(f"listen: 127.0.0.1:0\nsources: [{source}]\n")
+    _refused(["indexer", "serve", "--config", str(path)], f"invalid config in {path}: {problem}")
