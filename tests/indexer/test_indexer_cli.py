@@ -649,6 +649,29 @@ def test_serve_stops_with_one_line_on_what_a_redis_refuses_for_good(tmp_path: Pa
         guarded.stop()
 
 
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "cannot read redis.password_file {file}: No such file or directory"),
+        ("  \n", "redis.password_file {file} is empty"),
+    ],
+)
+def test_serve_names_the_password_file_it_cannot_use(
+    tmp_path: Path, content: str | None, problem: str
+) -> None:
+    """Read as every secret file is (`kvplane.config.read_token_file`), before Redis is
+    dialled: was `redis password_file` with Python's errno text naming the file twice, and an
+    empty file sent as an empty password."""
+    file = tmp_path / "password"
+    if content is not None:
+        file.write_text(content)
+    _assert_serve_says(
+        tmp_path / "indexer.yaml",
+        f"backend: redis://127.0.0.1:1/0\nredis: {{password_file: {file}}}\n",
+        problem.format(file=file),
+    )
+
+
 def _assert_fails_with_one_line(args: list[str], last_line: str) -> list[str]:
     """`kvplane ARGS` exits 1 with `last_line` last on stderr and no traceback; returns the
     lines of stderr. (`python -m` from the repository root runs this checkout's code.)"""
