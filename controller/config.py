@@ -192,7 +192,7 @@ class RouterConfig(StrictModel):
     # the client to retry later, rather than queued on the least loaded of them. Off: queued.
     reject_when_all_busy: StrictBool = False
     # Requests whose metadata has this key stick to the engine that served the same value.
-    session_metadata_key: str | None = None
+    session_metadata_key: str | None = Field(default=None, min_length=1)
     # How long blocks just routed count as held before the engine's events arrive (and in any
     # case until the request's first token).
     pending_ttl_s: StrictFloat = Field(default=10.0, ge=0)

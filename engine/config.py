@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -207,8 +207,8 @@ class EngineConfig(ServerConfig):
     # tokenizer.json).
     model: str = SIM_MODEL
     # The name clients put in `GenerateRequest.model`; None -> `sim` or the directory's name.
-    served_model_name: str | None = None
-    served_model_aliases: list[str] = Field(default_factory=list)
+    served_model_name: str | None = Field(default=None, min_length=1)
+    served_model_aliases: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     role: EngineRoleName = EngineRoleName.aggregated
     runner: RunnerName = RunnerName.auto
     # `auto`: the sampling values of the model's generation_config.json (temperature, top_p,
@@ -234,7 +234,7 @@ class EngineConfig(ServerConfig):
     # None -> the model's own limit (config.json) or 4096 for sim.
     max_model_len: StrictInt | None = Field(default=None, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "cpu"
+    device: str = Field(default="cpu", min_length=1)
     # torch intra-op threads for the torch runner; None keeps torch's default. On small
     # machines shared with other processes, 1 is often several times faster for small steps.
     num_threads: StrictInt | None = Field(default=None, ge=1)

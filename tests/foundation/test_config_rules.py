@@ -116,7 +116,7 @@ MODELS: dict[str, type[BaseModel]] = {
 def _refused(args: list[str], error: str) -> None:
     """`kvplane ARGS` exits 1 with `error` as its one line. (The old code served, or started
     the fleet, instead: the timeout ends such a process.)"""
-    out = subprocess.run([*KVPLANE, *args], capture_output=True, timeout=120)
+    out = subprocess.run([*KVPLANE, *args], capture_output=True, timeout=60)
     assert out.returncode == 1, out.stderr
     assert out.stderr.decode().splitlines() == [f"kvplane: error: {error}"]
 
@@ -163,3 +163,22 @@ def test_a_source_key_is_named_by_the_path_written(
     path = tmp_path / "indexer.yaml"
     path.write_text(f"listen: 127.0.0.1:0\nsources: [{source}]\n")
     _refused(["indexer", "serve", "--config", str(path)], f"invalid config in {path}: {problem}")
+
+
+@pytest.mark.parametrize(
+    ("command", "text", "key"),
+    [
+        ("engine", "served_model_name: ''", "served_model_name"),
+        ("engine", "served_model_aliases: [llama, '']", "served_model_aliases.1"),
+        ("controller", "router: {session_metadata_key: ''}", "router.session_metadata_key"),
+    ],
+)
+def test_an_empty_name_is_refused(tmp_path: Path, command: str, text: str, key: str) -> None:
+    """A name given empty (an unset shell variable in a template) is a mistake, not a
+    choice: was an engine served under its default name, a session key no request carries."""
+    path = tmp_path / f"{command}.yaml"
+    path.write_text(f"listen: 127.0.0.1:0\n{text}\n")
+    _refused(
+        [command, "serve", "--config", str(path)],
+        f"invalid config in {path}: {key}: String should have at least 1 character",
+    )
