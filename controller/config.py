@@ -20,9 +20,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from controller.router import APPROXIMATE_TTL_S, POLICY_NAMES, BusyThresholds, KvplaneWeights
-from indexer.backends import check_backend_url, check_redis_options
+from indexer.backends import REDIS_SCHEMES, check_backend_url, check_redis_options
 from indexer.config import (
     DEFAULT_WRITER_LEASE_S,
+    LEASE_KEYS,
     RedisBackendConfig,
     ReplicaName,
     WriterLeaseSeconds,
@@ -37,6 +38,8 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_ceilings,
+    check_needs,
     parse_dial_target,
 )
 from kvplane.server import MIN_PING_INTERVAL_S
@@ -73,6 +76,15 @@ class EngineEntry(StrictModel):
     def _check_address(cls, value: str) -> str:
         parse_dial_target(value)
         return value
+
+    @model_validator(mode="after")
+    def _check_array_tail(self) -> EngineEntry:
+        check_needs(self, ("array_tail",), "kv_events zmq or grpc", met=self.kv_events.followed)
+        return self
+
+
+# The settings of a remote indexer, read only with `remote`.
+_REMOTE_KEYS = ("remote_key_space", "remote_hash_seed", "remote_tls", "remote_token_file")
 
 
 # The settings of how the controller asks a remote indexer (`IndexConfig.remote`), which
@@ -141,6 +153,9 @@ class IndexConfig(StrictModel):
                 f"(backend {self.backend!r}) and would ignore {'it' if len(stray) == 1 else 'them'}"
             )
         check_redis_options(self.backend, "redis" in self.model_fields_set)
+        redis = self.backend.startswith(REDIS_SCHEMES)
+        check_needs(self, LEASE_KEYS, f"a Redis backend (backend is {self.backend})", met=redis)
+        check_needs(self, _REMOTE_KEYS, "remote (a kvplane indexer)", met=self.remote is not None)
         algo = None if self.remote_key_space == "canonical" else VllmHashAlgo(self.remote_key_space)
         problem = unseeded_problem(
             self.remote_hash_seed, algo, "remote_hash_seed", "remote_key_space"
@@ -191,7 +206,7 @@ class RouterConfig(StrictModel):
     # the client to retry later, rather than queued on the least loaded of them. Off: queued.
     reject_when_all_busy: StrictBool = False
     # Requests whose metadata has this key stick to the engine that served the same value.
-    session_metadata_key: str | None = None
+    session_metadata_key: str | None = Field(default=None, min_length=1)
     # How long blocks just routed count as held before the engine's events arrive (and in any
     # case until the request's first token).
     pending_ttl_s: StrictFloat = Field(default=10.0, ge=0)
@@ -305,9 +320,13 @@ class HealthConfig(StrictModel):
     hold_down_ready_polls: StrictInt = Field(default=3, ge=1)
 
     @model_validator(mode="after")
-    def _check_hold_down(self) -> HealthConfig:
-        if self.hold_down_max_s < self.hold_down_s:
-            raise ValueError("health.hold_down_max_s must be at least hold_down_s")
+    def _check_waits_and_hold_down(self) -> HealthConfig:
+        check_ceilings(
+            self,
+            ("backoff_initial_s", "backoff_max_s"),
+            ("eject_for_s", "eject_max_s"),
+            ("hold_down_s", "hold_down_max_s"),
+        )
         if self.hold_down_after_flaps == 1:
             # One leave of ready (a restart) comes back at its first READY: held down at
             # its first flap, every restart would be.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -37,6 +37,8 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_needs,
+    check_zmq_endpoint,
 )
 from kvplane.errors import ConfigError
 from kvplane.zmq_ip import is_ipv4_wildcard
@@ -83,6 +85,13 @@ class SimTimingConfig(StrictModel):
     eos_after: StrictInt | None = Field(default=None, gt=0)
 
 
+# The settings of the vLLM-compatible ZMQ publisher, read only with `zmq_enabled: true`.
+_ZMQ_KEYS = ("endpoint", "replay_endpoint", "topic", "hwm")
+# The transports the vLLM-compatible publisher binds (a data-parallel rank's own endpoint is
+# derived from each: engine.server.zmq_publisher.rank_endpoint).
+_PUBLISHER_TRANSPORTS = frozenset({"tcp", "ipc", "inproc"})
+
+
 class KvEventsConfig(StrictModel):
     """Where KV events go besides `SubscribeKvEvents` (always on)."""
 
@@ -111,11 +120,18 @@ class KvEventsConfig(StrictModel):
             return value[1:-1]
         return value
 
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        """A bind address (`*` allowed) the publisher's sockets take: refused here, before
+        the engine serves, rather than when they bind."""
+        if value is not None:
+            check_zmq_endpoint(value, bind=True, transports=_PUBLISHER_TRANSPORTS)
+        return value
+
     @model_validator(mode="after")
     def _check_endpoints(self) -> KvEventsConfig:
-        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
-            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"kv_events.{name} must be a ZMQ address like tcp://HOST:PORT")
+        check_needs(self, _ZMQ_KEYS, "zmq_enabled: true", met=self.zmq_enabled)
         if self.advertised_host and self.advertised_host in BIND_WILDCARD_HOSTS:
             raise ValueError(
                 f"kv_events.advertised_host {self.advertised_host!r} is a bind wildcard: set "
@@ -179,6 +195,11 @@ class LoraConfig(StrictModel):
     # Highest adapter rank accepted (vLLM's default, 16); above: FAILED_PRECONDITION.
     max_lora_rank: StrictInt = Field(default=16, gt=0)
 
+    @model_validator(mode="after")
+    def _check_enabled(self) -> LoraConfig:
+        check_needs(self, ("max_loras", "max_lora_rank"), "enabled: true", met=self.enabled)
+        return self
+
 
 class EngineConfig(ServerConfig):
     listen: str = "127.0.0.1:50061"
@@ -186,8 +207,8 @@ class EngineConfig(ServerConfig):
     # tokenizer.json).
     model: str = SIM_MODEL
     # The name clients put in `GenerateRequest.model`; None -> `sim` or the directory's name.
-    served_model_name: str | None = None
-    served_model_aliases: list[str] = Field(default_factory=list)
+    served_model_name: str | None = Field(default=None, min_length=1)
+    served_model_aliases: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     role: EngineRoleName = EngineRoleName.aggregated
     runner: RunnerName = RunnerName.auto
     # `auto`: the sampling values of the model's generation_config.json (temperature, top_p,
@@ -213,7 +234,7 @@ class EngineConfig(ServerConfig):
     # None -> the model's own limit (config.json) or 4096 for sim.
     max_model_len: StrictInt | None = Field(default=None, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "cpu"
+    device: str = Field(default="cpu", min_length=1)
     # torch intra-op threads for the torch runner; None keeps torch's default. On small
     # machines shared with other processes, 1 is often several times faster for small steps.
     num_threads: StrictInt | None = Field(default=None, ge=1)

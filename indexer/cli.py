@@ -28,6 +28,7 @@ from kvplane.cli_common import (
     token_of,
     usage_error_for,
 )
+from kvplane.config import check_zmq_endpoint
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from kvplane.zmq_heartbeat import seconds_problem as heartbeat_seconds_problem
 
@@ -65,8 +66,6 @@ def _medium(option: str, value: str, *, skip: bool = True) -> Any:
 def _check_endpoint(option: str, endpoint: str, *, bind: bool = False) -> None:
     """The rules `indexer serve` applies to a source's endpoints (`check_zmq_endpoint`), as a
     usage error naming the option."""
-    from indexer.config import check_zmq_endpoint
-
     with usage_error_for(option):
         check_zmq_endpoint(endpoint, bind=bind)
 

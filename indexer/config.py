@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from indexer.backends import check_backend_url, check_redis_options
+from indexer.backends import REDIS_SCHEMES, check_backend_url, check_redis_options
 from indexer.batch import Component, Tier
 from indexer.cache_groups import CacheGroup, component_of_kind
 from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES
@@ -50,6 +50,8 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_needs,
+    check_zmq_endpoint,
     parse_host_port,
 )
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
@@ -63,6 +65,9 @@ BlockSize = Annotated[StrictInt, Field(gt=0, le=MAX_UINT32)]
 # and the indexer's `writer_lease_s`.
 DEFAULT_WRITER_LEASE_S = 10.0
 WriterLeaseSeconds = Annotated[StrictFloat, Field(gt=0)]
+# The writer lease's settings (the indexer's and the controller's `index:`), read only with a
+# Redis backend: replicas share the index there.
+LEASE_KEYS = ("writer_lease_s", "replica_name")
 
 
 def _check_replica_name(value: str) -> str:
@@ -74,32 +79,6 @@ def _check_replica_name(value: str) -> str:
 
 # The controller's `index.replica_name` and the indexer's `replica_name` (`lease_holder`).
 ReplicaName = Annotated[str, AfterValidator(_check_replica_name)]
-# The transports libzmq knows (`zmq_bind`/`zmq_connect`); which ones this build supports,
-# connect / bind tells (EPROTONOSUPPORT).
-_ZMQ_TRANSPORTS = frozenset(
-    {"tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "udp", "ws", "wss", "norm"}
-)
-
-
-def check_zmq_endpoint(endpoint: str, *, bind: bool = False) -> str:
-    """`transport://address` with a transport libzmq knows; for tcp, the address is
-    `HOST:PORT`, where `*` (any interface, any port) is for binding only. Raises ValueError
-    otherwise. What it cannot see (a host name that does not resolve, a transport this build
-    lacks) the source reports when it connects or binds."""
-    transport, sep, address = endpoint.partition("://")
-    if not (transport and sep and address):
-        raise ValueError(f"expected a ZMQ endpoint like tcp://HOST:PORT, got {endpoint!r}")
-    if transport not in _ZMQ_TRANSPORTS:
-        raise ValueError(f"unknown ZMQ transport {transport!r} in {endpoint!r}")
-    if transport == "tcp":
-        host, sep, port = address.rpartition(":")
-        if not (host and sep and (port == "*" or (port.isascii() and port.isdigit()))):
-            raise ValueError(f"expected tcp://HOST:PORT, got {endpoint!r}")
-        if port != "*" and int(port) > 65535:
-            raise ValueError(f"port out of range in {endpoint!r}")
-        if not bind and "*" in (host, port):
-            raise ValueError(f"'*' in {endpoint!r} is for binding (bind: true): give the address")
-    return endpoint
 
 
 def _tier(name: MediumTarget) -> Tier | None:
@@ -229,6 +208,12 @@ class ZmqSourceConfig(_SourceCommon):
         return self.worker_id, self.worker_address
 
     @model_validator(mode="after")
+    def _check_replay_settings(self) -> ZmqSourceConfig:
+        replay = self.replay_endpoint is not None
+        check_needs(self, ("replay_timeout_s", "replay_bytes"), "replay_endpoint", met=replay)
+        return self
+
+    @model_validator(mode="after")
     def _check_endpoints(self) -> ZmqSourceConfig:
         # (The replay endpoint is always connected to: the source's DEALER.)
         for field, endpoint, bind in (
@@ -271,6 +256,11 @@ class OpenEngineSourceConfig(_SourceCommon):
     def _check_target(cls, value: str) -> str:
         parse_host_port(value)
         return value
+
+    @model_validator(mode="after")
+    def _check_array_tail(self) -> OpenEngineSourceConfig:
+        check_needs(self, ("array_tail",), "discover_zmq: true", met=self.discover_zmq)
+        return self
 
 
 SourceConfig = Annotated[ZmqSourceConfig | OpenEngineSourceConfig, Field(discriminator="kind")]
@@ -337,7 +327,7 @@ class IndexerConfig(ServerConfig):
     # are followed by the one replica holding its writer lease, which expires this long after
     # its last renewal (renewed every third of it); another replica takes over within about
     # this long after the holder stops, from a fresh replay or snapshot (indexer.writer_lease,
-    # docs/indexer.md "Several indexer replicas"). Unused with `memory`.
+    # docs/indexer.md "Several indexer replicas"). Refused with `memory` (LEASE_KEYS).
     writer_lease_s: WriterLeaseSeconds = DEFAULT_WRITER_LEASE_S
     # This replica's name in the writer leases: a new process under the same name (the
     # replica restarted) takes its leases back at once rather than after writer_lease_s, and
@@ -366,6 +356,8 @@ class IndexerConfig(ServerConfig):
     @model_validator(mode="after")
     def _redis_needs_a_redis_backend(self) -> IndexerConfig:
         check_redis_options(self.backend, "redis" in self.model_fields_set)
+        redis = self.backend.startswith(REDIS_SCHEMES)
+        check_needs(self, LEASE_KEYS, f"a Redis backend (backend is {self.backend})", met=redis)
         return self
 
     @model_validator(mode="after")

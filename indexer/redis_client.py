@@ -15,6 +15,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from kvplane.config import read_token_file
 from kvplane.errors import ConfigError, KvplaneError
 
 
@@ -87,11 +88,7 @@ class RedisOptions:
     def read_password(self) -> str | None:
         if self.password_file is None:
             return self.password
-        try:
-            return self.password_file.read_text().strip()
-        except OSError as exc:
-            where = self.password_file
-            raise ConfigError(f"cannot read redis password_file {where}: {exc}") from exc
+        return read_token_file(self.password_file, "redis.password_file")
 
 
 class _FcallCluster(RedisCluster):

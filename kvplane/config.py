@@ -89,6 +89,58 @@ def parse_dial_target(value: str) -> tuple[str, int]:
     return host, port
 
 
+# The transports libzmq knows (`zmq_bind`/`zmq_connect`); which ones this build supports,
+# connect / bind tells (EPROTONOSUPPORT).
+ZMQ_TRANSPORTS = frozenset(
+    {"tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "udp", "ws", "wss", "norm"}
+)
+
+
+def check_zmq_endpoint(
+    endpoint: str, *, bind: bool = False, transports: frozenset[str] = ZMQ_TRANSPORTS
+) -> str:
+    """`transport://address` with a transport of `transports` (default: every one libzmq
+    knows); for tcp, the address is `HOST:PORT`, where `*` (any interface, any port) is for
+    binding only. Raises ValueError otherwise. What it cannot see (a host name that does not
+    resolve, a transport this build lacks) the socket reports when it connects or binds: an
+    indexer's source, an engine's KV-event publisher."""
+    transport, sep, address = endpoint.partition("://")
+    if not (transport and sep and address):
+        raise ValueError(f"expected a ZMQ endpoint like tcp://HOST:PORT, got {endpoint!r}")
+    if transport not in transports:
+        known = "unknown" if transport not in ZMQ_TRANSPORTS else "unsupported"
+        raise ValueError(f"{known} ZMQ transport {transport!r} in {endpoint!r}")
+    if transport == "tcp":
+        host, sep, port = address.rpartition(":")
+        if not (host and sep and (port == "*" or (port.isascii() and port.isdigit()))):
+            raise ValueError(f"expected tcp://HOST:PORT, got {endpoint!r}")
+        if port != "*" and int(port) > 65535:
+            raise ValueError(f"port out of range in {endpoint!r}")
+        if not bind and "*" in (host, port):
+            raise ValueError(f"'*' in {endpoint!r} is for binding (bind: true): give the address")
+    return endpoint
+
+
+def check_ceilings(config: BaseModel, *pairs: tuple[str, str]) -> None:
+    """Raise ValueError at the first (floor, ceiling) pair of `config`'s fields whose ceiling
+    is below its floor (a doubling wait's longest below its first), naming both."""
+    for floor, ceiling in pairs:
+        low, high = getattr(config, floor), getattr(config, ceiling)
+        if high < low:
+            raise ValueError(f"{ceiling} ({high:g}) is below {floor} ({low:g})")
+
+
+def check_needs(config: BaseModel, keys: tuple[str, ...], needs: str, *, met: bool) -> None:
+    """Settings read only beside another (`needs`, as a user sets it: `remote`,
+    `zmq_enabled: true`) are refused while it is not (`met` false): they would do nothing,
+    and whoever set one expects it to. Raises ValueError naming the first of `keys` given."""
+    if met:
+        return
+    for key in keys:
+        if key in config.model_fields_set:
+            raise ValueError(f"{key} is only read with {needs}: set that, or remove {key}")
+
+
 class TlsConfig(StrictModel):
     cert_file: Path
     key_file: Path
@@ -319,7 +371,7 @@ def validate_config(
         by_source: dict[str, list[str]] = {}
         by_flag: dict[str, list[str]] = {}  # the problems blamed on flags, by param hint
         for err in exc.errors():
-            loc = [str(part) for part in err["loc"]]
+            loc = _key_path(err["loc"], data)
             flag: str | None = None
             if loc and loc[0] in flag_fields:
                 flag, loc = _flag_name(loc[0]), loc[1:]
@@ -348,6 +400,27 @@ def validate_config(
             flag, problems = next(iter(by_flag.items()))
             raise CommandLineError(message, param_hint=flag, problem="; ".join(problems)) from exc
         raise ConfigError(message) from exc
+
+
+def _key_path(loc: tuple[int | str, ...], data: object) -> list[str]:
+    """An error's location as the keys the user wrote: pydantic puts a tagged union's tag
+    between a list item and its keys (`sources.0.zmq.topic`, the source's `kind: zmq`), which
+    names no key; it is left out (`sources.0.topic`). Found by walking `data`: a step that is
+    not a key of the mapping it is in but is the value of one (its tag), once per mapping."""
+    path: list[str] = []
+    node, tag_seen = data, False
+    for part in loc:
+        if isinstance(node, dict):
+            if part not in node and not tag_seen and part in node.values():
+                tag_seen = True
+                continue
+            node, tag_seen = node.get(part), False
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node, tag_seen = node[part], False
+        else:
+            node, tag_seen = None, False
+        path.append(str(part))
+    return path
 
 
 def _flags_involved(

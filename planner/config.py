@@ -35,6 +35,7 @@ from kvplane.config import (
     StrictFloat,
     StrictInt,
     StrictModel,
+    check_ceilings,
     parse_dial_target,
     parse_host_port,
 )
@@ -263,11 +264,7 @@ class LiveConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_actuator(self) -> LiveConfig:
-        if self.start_backoff_max_s < self.start_backoff_s:
-            raise ValueError(
-                f"start_backoff_max_s ({self.start_backoff_max_s:g}) is below start_backoff_s "
-                f"({self.start_backoff_s:g})"
-            )
+        check_ceilings(self, ("start_backoff_s", "start_backoff_max_s"))
         local = sorted({"engine_args", "workdir"} & self.model_fields_set)
         if self.kubernetes is not None and local:
             raise ValueError(

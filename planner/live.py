@@ -847,6 +847,16 @@ def _describe(decision: Decision) -> str:
     return f"{what} ({decision.reason.value})"
 
 
+def _make_workdir(workdir: Path) -> None:
+    """Make `live.workdir` (and its parents), or say in one line why it cannot be."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"live.workdir {workdir} is a file, not a folder") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot make live.workdir {workdir}: {exc.strerror or exc}") from None
+
+
 async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
     """`kvplane planner run`: the core over the actuator `live:` chooses (local engine
     processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are removed from the
@@ -889,7 +899,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             )
         else:
             workdir = live.workdir or Path(scratch)
-            workdir.mkdir(parents=True, exist_ok=True)
+            _make_workdir(workdir)
             actuator = LocalProcesses(
                 controller=live.controller,
                 engine_args=live.engine_args,

@@ -182,6 +182,43 @@ def test_serve_refuses_a_zmq_endpoint_in_use_with_one_line(tmp_path: Path) -> No
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
+    ("key", "endpoint", "problem"),
+    [
+        ("endpoint", "tcp://127.0.0.1", "expected tcp://HOST:PORT, got 'tcp://127.0.0.1'"),
+        (
+            "replay_endpoint",
+            "tcp://127.0.0.1:99999",
+            "port out of range in 'tcp://127.0.0.1:99999'",
+        ),
+        ("endpoint", "pgm://eth0;239.1.1.1:5555", "unsupported ZMQ transport 'pgm'"),
+    ],
+)
+def test_serve_refuses_a_zmq_endpoint_it_cannot_bind_before_serving(
+    tmp_path: Path, key: str, endpoint: str, problem: str
+) -> None:
+    """A KV-event endpoint without a port (or out of range, or on a transport the publisher
+    does not bind) is the config's error, naming the key, before anything serves. Was: the
+    engine logged that it served, then exited on libzmq's `Invalid argument`, naming no key
+    (and `kvplane up` had already started the members before it)."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        f"listen: 127.0.0.1:0\nkv_events: {{zmq_enabled: true, {key}: '{endpoint}'}}\n"
+    )
+    result = subprocess.run(
+        [*_kvplane(), "engine", "serve", "--config", str(config)],
+        cwd=REPO,
+        capture_output=True,
+        timeout=50,
+    )
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.decode().strip().splitlines()
+    assert len(lines) == 1, lines  # no "serving ..." before it
+    assert lines[0].startswith(f"kvplane: error: invalid config in {config}: kv_events.{key}: ")
+    assert problem in lines[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
     ("config", "flags", "line"),
     [
         ("", ["--model", "sim", "--runner", "pooling"], b"runner: pooling needs a torch model"),

@@ -372,7 +372,7 @@ def test_a_bad_config_is_one_line_and_exit_code_1(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     lines = result.stderr.decode().strip().splitlines()
-    assert len(lines) == 1 and "sources.0.zmq.worker_id" in lines[0]
+    assert len(lines) == 1 and "sources.0.worker_id" in lines[0]
 
 
 async def test_admin_match_prints_an_answer_beyond_grpcs_default_size(tmp_path: Path) -> None:
@@ -554,17 +554,16 @@ def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_pat
         ),
         (
             "sources:\n  - {kind: zmq, worker_id: w0, endpoint: '127.0.0.1:5557'}\n",
-            "sources.0.zmq: endpoint: expected a ZMQ endpoint like tcp://HOST:PORT, "
+            "sources.0: endpoint: expected a ZMQ endpoint like tcp://HOST:PORT, "
             "got '127.0.0.1:5557'",
         ),
         (
             "sources:\n  - {kind: zmq, worker_id: w0, endpoint: 'tcp://127.0.0.1'}\n",
-            "sources.0.zmq: endpoint: expected tcp://HOST:PORT, got 'tcp://127.0.0.1'",
+            "sources.0: endpoint: expected tcp://HOST:PORT, got 'tcp://127.0.0.1'",
         ),
         (
             "sources:\n  - {kind: openengine, target: '127.0.0.1:9', data_parallel_ranks: [-1]}\n",
-            "sources.0.openengine.data_parallel_ranks.0: Input should be greater than or equal "
-            "to 0",
+            "sources.0.data_parallel_ranks.0: Input should be greater than or equal to 0",
         ),
         (
             "backend: redis://127.0.0.1:6379/abc\n",
@@ -648,6 +647,29 @@ def test_serve_stops_with_one_line_on_what_a_redis_refuses_for_good(tmp_path: Pa
         )
     finally:
         guarded.stop()
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "cannot read redis.password_file {file}: No such file or directory"),
+        ("  \n", "redis.password_file {file} is empty"),
+    ],
+)
+def test_serve_names_the_password_file_it_cannot_use(
+    tmp_path: Path, content: str | None, problem: str
+) -> None:
+    """Read as every secret file is (`kvplane.config.read_token_file`), before Redis is
+    dialled: was `redis password_file` with Python's errno text naming the file twice, and an
+    empty file sent as an empty password."""
+    file = tmp_path / "password"
+    if content is not None:
+        file.write_text(content)
+    _assert_serve_says(
+        tmp_path / "indexer.yaml",
+        f"backend: redis://127.0.0.1:1/0\nredis: {{password_file: {file}}}\n",
+        problem.format(file=file),
+    )
 
 
 def _assert_fails_with_one_line(args: list[str], last_line: str) -> list[str]:

@@ -59,7 +59,7 @@ def test_heartbeats_are_bounded_as_libzmq_takes_them(
     fields: dict[str, object], message: str
 ) -> None:
     error = _error(_zmq(**fields))
-    assert error.startswith("invalid config in indexer.yaml: sources.0.zmq: ")
+    assert error.startswith("invalid config in indexer.yaml: sources.0: ")
     assert message in error
 
 
@@ -82,9 +82,9 @@ def test_a_sources_heartbeats_reach_its_zmq_settings(
     ("data", "where"),
     [
         ({"block_size": 1 << 32}, "block_size"),
-        (_zmq(block_size=1 << 32), "sources.0.zmq.block_size"),
-        (_openengine(data_parallel_ranks=[0, -1]), "sources.0.openengine.data_parallel_ranks.1"),
-        (_openengine(data_parallel_ranks=[1 << 32]), "sources.0.openengine.data_parallel_ranks.0"),
+        (_zmq(block_size=1 << 32), "sources.0.block_size"),
+        (_openengine(data_parallel_ranks=[0, -1]), "sources.0.data_parallel_ranks.1"),
+        (_openengine(data_parallel_ranks=[1 << 32]), "sources.0.data_parallel_ranks.0"),
     ],
 )
 def test_uint32_wire_fields_are_bounded(data: dict[str, object], where: str) -> None:
@@ -128,7 +128,7 @@ def test_uint32_wire_fields_take_their_whole_range() -> None:
 )
 def test_zmq_endpoints_have_zmqs_shape(fields: dict[str, object], message: str) -> None:
     error = _error(_zmq(**fields))
-    assert error.startswith("invalid config in indexer.yaml: sources.0.zmq: ")
+    assert error.startswith("invalid config in indexer.yaml: sources.0: ")
     assert message in error
 
 
@@ -154,15 +154,15 @@ def test_valid_zmq_endpoints_load(fields: dict[str, object]) -> None:
         ({"auth": None, "block_size": True}, "block_size"),
         ({"max_concurrent_prefix_queries": "64"}, "max_concurrent_prefix_queries"),
         ({"max_request_bytes": 1.0}, "max_request_bytes"),
-        (_zmq(bind="yes"), "sources.0.zmq.bind"),
-        (_zmq(block_size=True), "sources.0.zmq.block_size"),
-        (_zmq(replay_timeout_s="5"), "sources.0.zmq.replay_timeout_s"),
-        (_zmq(heartbeat_interval_s="5"), "sources.0.zmq.heartbeat_interval_s"),
-        (_zmq(heartbeat_timeout_s=True), "sources.0.zmq.heartbeat_timeout_s"),
-        (_zmq(receive_queue_bytes=1.5e8), "sources.0.zmq.receive_queue_bytes"),
-        (_zmq(replay_bytes="1GiB"), "sources.0.zmq.replay_bytes"),
-        (_openengine(discover_zmq="no"), "sources.0.openengine.discover_zmq"),
-        (_openengine(data_parallel_ranks=[True]), "sources.0.openengine.data_parallel_ranks.0"),
+        (_zmq(bind="yes"), "sources.0.bind"),
+        (_zmq(block_size=True), "sources.0.block_size"),
+        (_zmq(replay_timeout_s="5"), "sources.0.replay_timeout_s"),
+        (_zmq(heartbeat_interval_s="5"), "sources.0.heartbeat_interval_s"),
+        (_zmq(heartbeat_timeout_s=True), "sources.0.heartbeat_timeout_s"),
+        (_zmq(receive_queue_bytes=1.5e8), "sources.0.receive_queue_bytes"),
+        (_zmq(replay_bytes="1GiB"), "sources.0.replay_bytes"),
+        (_openengine(discover_zmq="no"), "sources.0.discover_zmq"),
+        (_openengine(data_parallel_ranks=[True]), "sources.0.data_parallel_ranks.0"),
         ({"backend": "redis://h:1/0", "redis": {"buckets": "16"}}, "redis.buckets"),
         ({"backend": "redis://h:1/0", "redis": {"timeout_s": True}}, "redis.timeout_s"),
         ({"backend": "redis://h:1/0", "redis": {"max_buffered_batches": True}}, "redis."),
@@ -187,7 +187,8 @@ def test_yamls_own_ints_bools_and_floats_load(tmp_path: Path) -> None:
         "redis: {buckets: 64, timeout_s: 2, connect_timeout_s: 0.25}\n"
         "sources:\n"
         "  - {kind: zmq, worker_id: w0, endpoint: 'tcp://*:5557', bind: true,\n"
-        "     replay_timeout_s: 3, block_size: 16, receive_queue_bytes: 1048576,\n"
+        "     replay_endpoint: 'tcp://127.0.0.1:5558', replay_timeout_s: 3, block_size: 16,\n"
+        "     receive_queue_bytes: 1048576,\n"
         "     replay_bytes: 4194304}\n"
         "  - {kind: openengine, target: '127.0.0.1:9000', discover_zmq: false,\n"
         "     data_parallel_ranks: [0, 1]}\n"

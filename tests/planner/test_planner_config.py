@@ -111,6 +111,30 @@ def test_a_metrics_address_in_use_is_one_line_before_any_engine_starts(tmp_path:
     assert not work.exists()  # refused before the engines' folder (port files, logs) is made
 
 
+@pytest.mark.parametrize(
+    ("workdir", "problem"),
+    [
+        ("{file}", "live.workdir {file} is a file, not a folder"),
+        ("{file}/engines", "cannot make live.workdir {file}/engines: Not a directory"),
+    ],
+)
+def test_a_workdir_that_cannot_be_a_folder_is_one_line(
+    tmp_path: Path, workdir: str, problem: str
+) -> None:
+    """`live.workdir` naming a file (or a folder under one): one line naming the setting,
+    exit 1, before any engine starts. Was a FileExistsError's traceback."""
+    file = tmp_path / "not-a-folder"
+    file.write_text("")
+    path = tmp_path / "planner.yaml"
+    path.write_text(
+        f"live: {{controller: '127.0.0.1:1', workdir: '{workdir.format(file=file)}'}}\n"
+    )
+    result = CliRunner().invoke(app, ["planner", "run", "--config", str(path)])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ConfigError)
+    assert str(result.exception) == problem.format(file=file)
+
+
 _LIVE = {"controller": "127.0.0.1:8100"}
 
 
