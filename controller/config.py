@@ -87,11 +87,6 @@ class EngineEntry(StrictModel):
 _REMOTE_KEYS = ("remote_key_space", "remote_hash_seed", "remote_tls", "remote_token_file")
 
 
-# The settings of how the controller asks a remote indexer (`IndexConfig.remote`), which
-# nothing else reads.
-_REMOTE_ONLY = ("remote_key_space", "remote_hash_seed", "remote_tls", "remote_token_file")
-
-
 class IndexConfig(StrictModel):
     # `memory` (embedded), `redis://HOST:PORT[/DB]` or `redis+cluster://HOST:PORT`.
     backend: str = "memory"
@@ -103,7 +98,7 @@ class IndexConfig(StrictModel):
     # engine` sources fed by vLLM: `sha256` (vLLM's default) or `sha256_cbor`, with
     # `remote_hash_seed` the engines' PYTHONHASHSEED (unset: vLLM's default seed; refused
     # with `canonical`, which has no seed). These and `remote_tls` / `remote_token_file` are
-    # refused without `remote` (`_REMOTE_ONLY`): nothing else reads them.
+    # refused without `remote` (`_REMOTE_KEYS`): nothing else reads them.
     remote_key_space: Literal["canonical", "sha256", "sha256_cbor"] = "canonical"
     remote_hash_seed: str | None = None
     # Dial the remote indexer with TLS ({ca_file, cert_file, key_file, server_name}; see
@@ -144,13 +139,6 @@ class IndexConfig(StrictModel):
         if self.remote is not None and "backend" in self.model_fields_set:
             raise ValueError(
                 f"set either remote (a kvplane indexer) or backend {self.backend!r}, not both"
-            )
-        stray = [name for name in _REMOTE_ONLY if name in self.model_fields_set]
-        if self.remote is None and stray:
-            raise ValueError(
-                f"{' and '.join(stray)} {'is' if len(stray) == 1 else 'are'} for remote (a "
-                f"kvplane indexer), which is not set: the controller keeps its own index "
-                f"(backend {self.backend!r}) and would ignore {'it' if len(stray) == 1 else 'them'}"
             )
         check_redis_options(self.backend, "redis" in self.model_fields_set)
         redis = self.backend.startswith(REDIS_SCHEMES)

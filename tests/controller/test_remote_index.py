@@ -128,14 +128,13 @@ def test_a_hash_seed_without_a_vllm_key_space_is_refused(tmp_path: Path) -> None
     [
         (
             "{remote_key_space: sha256, remote_hash_seed: '7'}",
-            "index: remote_key_space and remote_hash_seed are for remote (a kvplane indexer), "
-            "which is not set: the controller keeps its own index (backend 'memory') and would "
-            "ignore them",
+            "index: remote_key_space is only read with remote (a kvplane indexer): set that, or "
+            "remove remote_key_space",
         ),
         (
             "{backend: 'redis://127.0.0.1:1', remote_token_file: token}",
-            "index: remote_token_file is for remote (a kvplane indexer), which is not set: the "
-            "controller keeps its own index (backend 'redis://127.0.0.1:1') and would ignore it",
+            "index: remote_token_file is only read with remote (a kvplane indexer): set that, or "
+            "remove remote_token_file",
         ),
     ],
 )
