@@ -491,9 +491,12 @@ class Eligibility:
         context (the refusal stands: its own words name the largest limit)."""
         bounds = self._of(model, role)
         past = None if bounds.alike else self._past_context(model, refused_by, longest_context)
-        if past is None:
+        record = self.registry.by_engine_id(refused_by)
+        if past is None or record is None:
             return None
-        needs = needs.with_prompt(past - needs.min_output_tokens)
+        # The least prompt past it, by what its own hop took (a prefill engine's: the prompt
+        # and one token, `RequestNeeds.on_hop_of`).
+        needs = needs.with_prompt(past - needs.on_hop_of(record).min_output_tokens)
         try:
             return self._taking(model, bounds, candidates, needs)
         except BeyondFleetError:

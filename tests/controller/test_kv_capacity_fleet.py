@@ -223,3 +223,37 @@ async def test_a_minimum_output_past_the_prefill_engines_context_is_still_prefil
         ), caught.value.details()
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_prompt_a_short_prefill_engine_refuses_skips_the_other_short_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prefill engines whose caches hold 128 tokens beside one whose cache holds 1024,
+    round robin, a text prompt of 480 tokens not tokenised here asking at least 100 new
+    tokens: a short prefill engine's refusal says the prompt is 128 tokens at least (its hop
+    is the prompt and one token, whatever `min_tokens`), so it goes to the long prefill
+    engine at once, never to the other short one."""
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
+    engines = [
+        await builtin_engine("p-short0", EngineRoleName.prefill, SMALL),
+        await builtin_engine("p-short1", EngineRoleName.prefill, SMALL),
+        await builtin_engine("p-long", EngineRoleName.prefill, LARGE),
+        await builtin_engine("d0", EngineRoleName.decode, LARGE),
+    ]
+    fleet = await make_fleet(
+        engines=engines, tokenize_max_chars=100, router={"policy": "round_robin"}
+    )
+    try:
+        long_prefill = fleet.address(engines[2])
+        refused_by = []
+        for i in range(6):
+            request = text_request(f"long{i}", f"{i} {LONG_TEXT}")
+            request.stopping.min_tokens = request.stopping.max_tokens = 100
+            reply, route = await generate_routed(fleet, request)
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            assert route is not None and route["prefill"]["engine"] == long_prefill, route
+            refused_by.append(route.get("retried_from", []))
+        assert all(len(refusals) <= 1 for refusals in refused_by), refused_by
+        assert any(refused_by), refused_by
+    finally:
+        await close_fleet(fleet)
