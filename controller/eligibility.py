@@ -26,10 +26,12 @@ it goes to one taking a longer context: `Eligibility.past_refusal`; its `min_tok
 is judged all the same, a context the prompt can only lengthen), the number of
 outputs, the logprob candidates, and the options a request uses (text or token input,
 logprobs, guided decoding, priority, stop in output, cache salt, prefix cache bypass).
-Every hop's engine is checked alike. An engine that does not report a limit or an option
-may take any. `max_output_tokens` is not: an engine caps an output at its
-context (LENGTH). An OpenEngine Generate and a `vllm.Generate` are read alike
-(`needs_of`: each API's fields read into `_Asks`, judged by one set of rules, `_needs`).
+Every hop's engine is checked alike, but for the output a prefill engine's hop produces:
+the prompt and one token, whatever `min_tokens` asks (`RequestNeeds.on_hop_of`). An engine
+that does not report a limit or an option may take any. `max_output_tokens` is not: an
+engine caps an output at its context (LENGTH). An OpenEngine Generate and a `vllm.Generate`
+are read alike (`needs_of`: each API's fields read into `_Asks`, judged by one set of rules,
+`_needs`).
 
 A pooling task (Embed, Classify, Score) is routed alike by its longest input, where the
 gateway knows its tokens (token ids, or text it tokenises), to an engine with the task whose
@@ -161,6 +163,21 @@ class RequestNeeds(NamedTuple):
         prompt = ((CONTEXT_LIMIT, context), (KV_CACHE_LIMIT, context - 1))
         rest = tuple(limit for limit in self.limits if limit[0] not in _PROMPT_LIMITS)
         return RequestNeeds((*prompt, *rest), self.options, self.min_output_tokens)
+
+    def on_hop_of(self, record: EngineRecord) -> RequestNeeds:
+        """What the engine of `record` must take of it on its own hop: a PREFILL engine
+        computes the prompt and samples one token, never sent, whatever output the request
+        must produce (engine/server/kv_transfer.py `prefill_request`), so its context and
+        KV cache need the prompt and one token alone; any other engine, all of it."""
+        identity = record.identity
+        fewer = self.min_output_tokens - 1
+        if not fewer or identity is None or identity.role is not Role.PREFILL:
+            return self
+        limits = tuple(
+            (path, need - fewer) if path in _PROMPT_LIMITS else (path, need)
+            for path, need in self.limits
+        )
+        return RequestNeeds(limits, self.options)
 
 
 # The limits a request's context needs (`RequestNeeds.with_prompt`).
@@ -390,10 +407,11 @@ def _lacks(records: Iterable[EngineRecord], model: str | None, needs: RequestNee
         if record.identity is None:
             continue
         facts = record.identity.facts_of(model)
-        path = unmet(facts, needs)
+        hop = needs.on_hop_of(record)
+        path = unmet(facts, hop)
         if path is None:
             continue
-        need = dict(needs.limits).get(path)
+        need = dict(hop.limits).get(path)
         has = limits_of(facts).get(path)
         told.append(
             f"{record.engine_id} {path} {has} < {need}"
@@ -473,9 +491,12 @@ class Eligibility:
         context (the refusal stands: its own words name the largest limit)."""
         bounds = self._of(model, role)
         past = None if bounds.alike else self._past_context(model, refused_by, longest_context)
-        if past is None:
+        record = self.registry.by_engine_id(refused_by)
+        if past is None or record is None:
             return None
-        needs = needs.with_prompt(past - needs.min_output_tokens)
+        # The least prompt past it, by what its own hop took (a prefill engine's: the prompt
+        # and one token, `RequestNeeds.on_hop_of`).
+        needs = needs.with_prompt(past - needs.on_hop_of(record).min_output_tokens)
         try:
             return self._taking(model, bounds, candidates, needs)
         except BeyondFleetError:
@@ -556,7 +577,7 @@ class Eligibility:
             record = self.registry.by_engine_id(candidate.engine_id)
             if record is None or record.identity is None:
                 continue
-            if unmet(record.identity.facts_of(model), needs) is None:
+            if unmet(record.identity.facts_of(model), needs.on_hop_of(record)) is None:
                 out.append(candidate)
         return tuple(out), needs
 
@@ -580,7 +601,7 @@ class Eligibility:
             for r in routable
             if r not in holding
             and r.identity is not None
-            and unmet(r.identity.facts_of(model), needs) is None
+            and unmet(r.identity.facts_of(model), needs.on_hop_of(r)) is None
         ]
         if without:
             why += f"; it would go to {', '.join(without)}, which do not hold {lora_name!r}"

@@ -182,3 +182,78 @@ async def test_a_fronted_fleet_is_not_sent_a_prompt_no_engine_of_it_holds() -> N
     finally:
         for fleet in (upper, small_fleet, large_fleet):
             await close_fleet(fleet)
+
+
+async def test_a_minimum_output_past_the_prefill_engines_context_is_still_prefilled_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill engine whose cache holds 128 tokens beside a decode engine whose cache holds
+    1024: a request asking at least 200 new tokens (`min_tokens`) is prefilled on the first,
+    which computes the prompt and one token alone (`prefill_request`), and decoded on the
+    second, whether its prompt's tokens are known here (token ids) or not (a text prompt past
+    `tokenize_max_chars`). Its minimum was judged against the prefill engine's context too,
+    as if it produced the output: with a text prompt, UNAVAILABLE "no prefill engine
+    available", and with token ids alike. A minimum past the decode engine's is still refused
+    before any engine is asked, naming the decode engine's context."""
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
+    engines = [
+        await builtin_engine("p0", EngineRoleName.prefill, SMALL),
+        await builtin_engine("d0", EngineRoleName.decode, LARGE),
+    ]
+    fleet = await make_fleet(engines=engines, tokenize_max_chars=100)
+    try:
+        prefill, decode = (fleet.address(e) for e in fleet.engines)
+        text = text_request("min-text", "hello world " * 10)  # not tokenised here
+        tokens = generate_request("min-tokens", list(range(1, 31)))
+        tokens.model = "builtin"
+        for request in (text, tokens):
+            request.stopping.min_tokens = request.stopping.max_tokens = 200
+            reply, route = await generate_routed(fleet, request)
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            assert reply[-1].usage.completion_tokens == 200, reply[-1]
+            assert route is not None and route["engine"] == decode, route
+            assert route["prefill"]["engine"] == prefill, route
+        huge = text_request("min-huge", "hello world " * 10)
+        huge.stopping.min_tokens = huge.stopping.max_tokens = 2000
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await generate_routed(fleet, huge)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        assert f"the largest any engine serving model 'builtin' takes is {LARGE * 16 + 1}" in (
+            caught.value.details() or ""
+        ), caught.value.details()
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_prompt_a_short_prefill_engine_refuses_skips_the_other_short_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prefill engines whose caches hold 128 tokens beside one whose cache holds 1024,
+    round robin, a text prompt of 480 tokens not tokenised here asking at least 100 new
+    tokens: a short prefill engine's refusal says the prompt is 128 tokens at least (its hop
+    is the prompt and one token, whatever `min_tokens`), so it goes to the long prefill
+    engine at once, never to the other short one."""
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
+    engines = [
+        await builtin_engine("p-short0", EngineRoleName.prefill, SMALL),
+        await builtin_engine("p-short1", EngineRoleName.prefill, SMALL),
+        await builtin_engine("p-long", EngineRoleName.prefill, LARGE),
+        await builtin_engine("d0", EngineRoleName.decode, LARGE),
+    ]
+    fleet = await make_fleet(
+        engines=engines, tokenize_max_chars=100, router={"policy": "round_robin"}
+    )
+    try:
+        long_prefill = fleet.address(engines[2])
+        refused_by = []
+        for i in range(6):
+            request = text_request(f"long{i}", f"{i} {LONG_TEXT}")
+            request.stopping.min_tokens = request.stopping.max_tokens = 100
+            reply, route = await generate_routed(fleet, request)
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            assert route is not None and route["prefill"]["engine"] == long_prefill, route
+            refused_by.append(route.get("retried_from", []))
+        assert all(len(refusals) <= 1 for refusals in refused_by), refused_by
+        assert any(refused_by), refused_by
+    finally:
+        await close_fleet(fleet)
