@@ -133,7 +133,7 @@ class Candidate(NamedTuple):
         active_prefix_sharers: int | None,
     ) -> Candidate:
         """This candidate with the router's own knowledge (`Router.with_inflight`): what
-        `_replace` of those three fields gives, spelled out, since the router makes one per
+        `_replace` of those four fields gives, spelled out, since the router makes one per
         engine for every request and `_replace` (generic, by keyword) cost about as much as
         the rest of that scan at hundreds of engines. Unpacking `self` fails loudly if a field
         is added here and not below."""
