@@ -8,8 +8,9 @@ peers' documented policies live in `controller.router.peers`.
 A policy only chooses; the `Router` applies session affinity first and, for a policy whose
 `filters_busy` is true (only `kvplane`), skips busy engines. Two more attributes say what the
 router adds to the candidates: `credits_pending_prefixes` (blocks just routed count as cached;
-every policy but `dynamo_cost`) and `counts_active_blocks` (refcounted active blocks; only
-`dynamo_cost`).
+every policy but `dynamo_cost`) and `counts_active_blocks` (refcounted active blocks, and how
+many active requests share a prompt's prefix: `dynamo_cost`, and `kvplane` for its memory and
+hot prefix terms).
 Randomness is always the `random.Random` passed in, so a seeded run is reproducible.
 """
 
