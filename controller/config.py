@@ -184,6 +184,9 @@ class RouterConfig(StrictModel):
     patience_tokens: StrictFloat = Field(default=_DEFAULT_WEIGHTS.patience_tokens, ge=0)
     # What each token of KV an engine cannot hold for the request costs; 0 turns it off.
     memory_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.memory_weight, ge=0)
+    # A prefix that this many requests in flight share is hot: recomputing it on another
+    # engine costs the overlap weight divided by their number; 0 turns it off.
+    hot_prefix_requests: StrictInt = Field(default=_DEFAULT_WEIGHTS.hot_prefix_requests, ge=0)
     # `kvplane` skips busy engines (controller.router.router.BusyThresholds): KV usage or
     # queued requests at these thresholds, while at most busy_max_fraction of them are busy.
     busy_kv_usage: StrictFloat | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
@@ -257,6 +260,7 @@ class RouterConfig(StrictModel):
             backlog_overlap_weight=self.backlog_overlap_weight,
             patience_tokens=self.patience_tokens,
             memory_weight=self.memory_weight,
+            hot_prefix_requests=self.hot_prefix_requests,
         )
 
     def busy(self) -> BusyThresholds:

@@ -10,8 +10,9 @@ counter negative.
 
 A tracker built with `count_blocks` also refcounts each engine's active block keys, from
 `begin` to `finish`: blocks that several active requests share (a common prefix) count once
-(`InFlight.active_blocks`), and `active_overlap` says how many of a new prompt's blocks are
-already active there. Only policies that read them pay for it (`Policy.counts_active_blocks`).
+(`InFlight.active_blocks`), and `active_prefix` says how many of a new prompt's blocks are
+already active there, and how many active requests share all of them. Only policies that read
+them pay for it (`Policy.counts_active_blocks`).
 """
 
 from __future__ import annotations
@@ -64,13 +65,17 @@ class InFlightTracker:
     def of(self, engine_id: str) -> InFlight:
         return self._by_engine.get(engine_id, _IDLE)
 
-    def active_overlap(self, engine_id: str, block_keys: Sequence[int]) -> int:
-        """How many of `block_keys` the engine's active requests hold (0 unless counting)."""
+    def active_prefix(self, engine_id: str, block_keys: Sequence[int]) -> tuple[int, int]:
+        """How many of `block_keys` the engine's active requests hold, and how many of those
+        requests hold all of them (the last one's refcount: a prompt's chained keys make the
+        held ones a prefix, and a request that holds a block holds the blocks before it).
+        (0, 0) unless counting."""
         refs = self._block_refs.get(engine_id)
         if not refs:
-            return 0
+            return 0, 0
         # A prompt's chained block keys are distinct, so the intersection counts each once.
-        return len(refs.keys() & block_keys)
+        overlap = len(refs.keys() & block_keys)
+        return overlap, refs.get(block_keys[overlap - 1], 0) if overlap else 0
 
     def begin(
         self,

@@ -118,19 +118,26 @@ class Candidate(NamedTuple):
     # `InFlight.active_blocks`); None unless the policy counts active blocks, or when the
     # router has no active request there (none to hold them: read as 0).
     active_overlap_blocks: int | None = None
+    # How many of the engine's active requests hold all of those blocks: requests in flight
+    # there that share the request's prefix that far (None when `active_overlap_blocks` is).
+    active_prefix_sharers: int | None = None
     # The engine publishes no KV events and the router predicts its cache from its own
     # routing (`kv_events: approximate`: `controller.router.router.PendingPrefixes`).
     predicts_cache: bool = False
 
     def as_routed(
-        self, hit: PrefixHit, inflight: InFlight, active_overlap_blocks: int | None
+        self,
+        hit: PrefixHit,
+        inflight: InFlight,
+        active_overlap_blocks: int | None,
+        active_prefix_sharers: int | None,
     ) -> Candidate:
         """This candidate with the router's own knowledge (`Router.with_inflight`): what
-        `_replace` of those three fields gives, spelled out, since the router makes one per
+        `_replace` of those four fields gives, spelled out, since the router makes one per
         engine for every request and `_replace` (generic, by keyword) cost about as much as
         the rest of that scan at hundreds of engines. Unpacking `self` fails loudly if a field
         is added here and not below."""
-        engine_id, _, load, _, total_kv_blocks, block_size, cached_blocks, _, predicts = self
+        engine_id, _, load, _, total_kv_blocks, block_size, cached_blocks, _, _, predicts = self
         return Candidate(
             engine_id,
             hit,
@@ -140,6 +147,7 @@ class Candidate(NamedTuple):
             block_size,
             cached_blocks,
             active_overlap_blocks,
+            active_prefix_sharers,
             predicts,
         )
 

@@ -8,8 +8,9 @@ peers' documented policies live in `controller.router.peers`.
 A policy only chooses; the `Router` applies session affinity first and, for a policy whose
 `filters_busy` is true (only `kvplane`), skips busy engines. Two more attributes say what the
 router adds to the candidates: `credits_pending_prefixes` (blocks just routed count as cached;
-every policy but `dynamo_cost`) and `counts_active_blocks` (refcounted active blocks; only
-`dynamo_cost`).
+every policy but `dynamo_cost`) and `counts_active_blocks` (refcounted active blocks, and how
+many active requests share a prompt's prefix: `dynamo_cost`, and `kvplane` for its memory and
+hot prefix terms).
 Randomness is always the `random.Random` passed in, so a seeded run is reproducible.
 """
 
@@ -192,7 +193,8 @@ class KvplaneWeights:
               + decode_weight * (active + decoding * (waiting + uncached) / pass_tokens)
               + memory_weight * overflow
         overlap = idle_overlap_weight + (overlap_weight - idle_overlap_weight) * pressure,
-                  at least backlog_overlap_weight once the shortest queue reaches backlog_tokens
+                  at least backlog_overlap_weight once the shortest queue reaches backlog_tokens,
+                  else divided by `sharers` (at least 1) once they are hot_prefix_requests
 
     `waiting` = prefill tokens queued on the engine; `active` = its requests; `decoding` = its
     running requests (polled), at most `pass_decodes`; `pressure` = the candidates' mean cache
@@ -206,6 +208,18 @@ class KvplaneWeights:
       queueing it would save. With full caches (`overlap_weight`) a prefix stored twice evicts
       something else; with room to spare (`idle_overlap_weight`) a prefix stays where it is for
       every later turn of its conversation, and leaving it only buys a shorter queue.
+    - That loss is for a prefix few requests reuse. A hot one, which `sharers` requests in
+      flight share (`_hot_prefix_sharers`: all that the engines holding the most of the prompt
+      hold), is worth a second copy: computing it once more, and storing it once more, is paid
+      once for all the requests that will then find it on either engine. So from
+      `hot_prefix_requests` sharers up, the overlap is divided by their number (at least 1:
+      the prefill itself is still done). A burst sharing a long system prompt then spreads
+      once the holder's load passes about `overlap` / `sharers` times the prompt, instead of
+      collapsing onto the holder (30 requests of a 640-token prompt did, on three engines). A
+      lone request in flight, most often the previous turn of the same conversation, is no
+      sign of a hot prefix (default 2: dividing by 1 + sharers lost reuse on the conversation
+      trace); 0 = off. Not while the fleet is backlogged: then every engine is busy, a second
+      copy shortens no wait, and its prefill adds to them.
     - The queue costs more than its length while caches have room (`queue_knee` tokens double
       it): a request must not wait behind a huge prefill for the sake of its cache. With full
       caches the knee fades out (moving would evict, and reuse comes first).
@@ -272,6 +286,7 @@ class KvplaneWeights:
     backlog_overlap_weight: float = 36.0
     patience_tokens: float = 100_000.0
     memory_weight: float = 16.0
+    hot_prefix_requests: int = 2
 
 
 class KvplanePolicy(_Stateless):
@@ -281,8 +296,10 @@ class KvplanePolicy(_Stateless):
 
     def __init__(self, weights: KvplaneWeights | None = None) -> None:
         self.weights = weights or KvplaneWeights()
-        # The memory term reads the blocks the router's requests hold on each engine.
-        self.counts_active_blocks = self.weights.memory_weight > 0
+        # The memory term reads the blocks the router's requests hold on each engine, the hot
+        # prefix rule how many of them share the prompt's prefix.
+        w = self.weights
+        self.counts_active_blocks = w.memory_weight > 0 or w.hot_prefix_requests > 0
 
     def costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[EngineCost]:
         return self._score(request, candidates).rows
@@ -304,19 +321,23 @@ class KvplanePolicy(_Stateless):
             # Even the shortest queue is long: the fleet is backlogged, and recomputing a
             # cached prefix only adds to everyone's wait.
             overlap = max(overlap, w.backlog_overlap_weight)
+        prompt_tokens = request.num_prompt_tokens
+        cacheable = request.max_cacheable_blocks
+        hits = [request.cached_tokens(c.hit, cacheable) for c in candidates]
+        if w.hot_prefix_requests > 0 and overlap > 1.0 and not backlogged:
+            sharers = _hot_prefix_sharers(request, candidates, hits)
+            if sharers >= w.hot_prefix_requests:
+                # A hot prefix: a copy elsewhere is paid once for all the requests sharing it.
+                overlap = max(1.0, overlap / sharers)
         memory_weight = 0.0 if backlogged else w.memory_weight
         host_weight, disk_weight = w.host_weight, w.disk_weight
         queue_knee, decode_weight = w.queue_knee, w.decode_weight
         pass_tokens, pass_decodes = w.pass_tokens, w.pass_decodes
-        prompt_tokens = request.num_prompt_tokens
-        cacheable = request.max_cacheable_blocks
         rows: list[EngineCost] = []
         totals: list[float] = []
         waits: list[float] = []
-        for c, waiting in zip(candidates, queues, strict=True):
-            device, host, disk = request.cached_tokens(c.hit, cacheable)
-            cached = device + host + disk
-            uncached = prompt_tokens - cached
+        for c, waiting, (device, host, disk) in zip(candidates, queues, hits, strict=True):
+            uncached = prompt_tokens - device - host - disk
             active = c.active_requests  # a property: read once
             # The prompt's work there, in tokens computed: those it computes, and those it
             # loads from host memory or disk at their weights.
@@ -409,6 +430,29 @@ class _Scores(NamedTuple):
     totals: list[float]
     waits: list[float]
     backlogged: bool
+
+
+def _hot_prefix_sharers(
+    request: RouteRequest, candidates: Sequence[Candidate], hits: Sequence[tuple[int, int, int]]
+) -> int:
+    """How many requests in flight share all of the prompt's prefix that the engines holding
+    the most of it hold (`hits`: each candidate's device, host and disk tokens of the prompt):
+    on each such engine, its active requests that hold all of that prefix. None on an engine
+    that caches more of the prompt than its active requests hold: a finished conversation's
+    turns, say, which no request in flight shares."""
+    best = max((sum(hit) for hit in hits), default=0)
+    if not best:
+        return 0
+    blocks = best // request.block_size
+    sharers = 0
+    for c, hit in zip(candidates, hits, strict=True):
+        if (
+            c.active_prefix_sharers
+            and sum(hit) == best
+            and (c.active_overlap_blocks or 0) >= blocks
+        ):
+            sharers += c.active_prefix_sharers
+    return sharers
 
 
 def _kv_overflow_tokens(request: RouteRequest, c: Candidate) -> int:

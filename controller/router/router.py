@@ -326,8 +326,11 @@ class Router:
                 # as 0), rather than a copy of it for every engine on every request.
                 out.append(c)
                 continue
-            overlap = self.inflight.active_overlap(c.engine_id, keys) if count else None
-            out.append(c.as_routed(hit, inflight, overlap))
+            if count:
+                overlap, sharers = self.inflight.active_prefix(c.engine_id, keys)
+                out.append(c.as_routed(hit, inflight, overlap, sharers))
+            else:
+                out.append(c.as_routed(hit, inflight, None, None))
         return out
 
     def explain(

@@ -1,6 +1,6 @@
 """In-flight accounting against a naive model, under any order of route / first token /
-finish / engine removal (including duplicates and unknown ids); with `dynamo_cost`, whose
-router refcounts active blocks, the distinct active blocks too."""
+finish / engine removal (including duplicates and unknown ids); with the policies whose router
+refcounts active blocks, the distinct active blocks too, and how many requests share a prefix."""
 
 from __future__ import annotations
 
@@ -73,5 +73,9 @@ def test_inflight_matches_a_naive_model(
             assert router.inflight.of(e) == expected
             probe = tuple(range(8))
             active = {k for v in mine for k in v[3]} if counts_blocks else set()
-            assert router.inflight.active_overlap(e, probe) == len(active & set(probe))
+            overlap = len(active & set(probe))
+            # ... and the requests that hold all of that prefix.
+            holding = [v for v in mine if overlap and set(probe[:overlap]) <= set(v[3])]
+            sharers = len(holding) if counts_blocks else 0
+            assert router.inflight.active_prefix(e, probe) == (overlap, sharers)
     assert len(router.inflight) == len(model)

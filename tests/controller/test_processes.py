@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -420,3 +421,55 @@ async def test_a_controller_killed_and_restarted_gives_a_restarted_engine_the_fl
         request.lora_name = "x"
         events = [r.WhichOneof("event") async for r in gateway.Generate(request)]
         assert events[-1] == "finished"
+
+
+@pytest.mark.timeout(120)
+async def test_a_burst_sharing_a_long_system_prompt_is_spread_over_the_engines(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Three `kvplane engine serve --model sim` processes behind `kvplane controller serve`
+    (`kvplane` policy): one engine has served a 640-token system prompt, then 30 requests
+    that start with it and differ in a 20-token question arrive at once. The requests in
+    flight sharing the prompt amortise computing it again elsewhere (`hot_prefix_discount`),
+    so no engine serves more than two thirds of the burst. (Without the discount,
+    recomputing the prompt elsewhere cost about 30 x 660 token equivalents with caches nearly
+    empty, far more than the holder's load: it served 28 of the 30.) Which engine served a
+    request is the one the index places its whole prompt on (its question is its own)."""
+    engines = [
+        await asyncio.to_thread(sim_engine_process, tmp_path, processes, f"e{i}") for i in range(3)
+    ]
+    _, target = await asyncio.to_thread(
+        controller_process, tmp_path, "controller", "127.0.0.1:0", processes, engines,
+        settings="router: {policy: kvplane, seed: 1}\n",
+    )  # fmt: skip
+    system = list(range(3000, 3640))  # 40 blocks of 16
+
+    def prompt(question: int) -> list[int]:
+        return [*system, *range(10_000 + 20 * question, 10_020 + 20 * question)]
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        gateway, admin = pb_grpc.OpenEngineStub(channel), apb_grpc.AdminStub(channel)
+        await eventually(lambda: _routable(admin, 3), 30, "the three engines routed")
+
+        async def ask(question: int) -> None:
+            request = generate_request(f"q{question}", prompt(question), max_tokens=64)
+            events = [r.WhichOneof("event") async for r in gateway.Generate(request)]
+            assert events[-1] == "finished"
+
+        servers: dict[int, list[str]] = {}
+
+        async def served(questions: range) -> bool:
+            """Whether the index places each question's prompt (41 full blocks) on one engine
+            (noted in `servers`)."""
+            for question in questions:
+                query = apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt(question)))
+                matches = (await admin.Match(query)).matches
+                servers[question] = [m.engine for m in matches if m.device_blocks >= 41]
+            return all(len(servers[q]) == 1 for q in questions)
+
+        await ask(0)
+        await eventually(lambda: served(range(1)), 30, "the first prompt indexed")
+        await asyncio.gather(*(ask(q) for q in range(1, 31)))
+        await eventually(lambda: served(range(1, 31)), 30, "the burst's prompts indexed")
+        shares = Counter(servers[q][0] for q in range(1, 31))
+        assert len(shares) > 1 and max(shares.values()) <= 20, shares

@@ -369,23 +369,73 @@ def test_a_softmax_temperature_weighs_engines_by_their_share_of_the_cost_spread(
     assert min(even.values()) >= 250, even
 
 
-def test_shared_system_prefix_never_collapses_onto_one_engine() -> None:
-    """Every prompt starts with the same 2-block system prefix, which only e0 holds at first.
-    Engines learn the prefix as they serve it; nothing finishes (a burst)."""
+@pytest.mark.parametrize("engines", [3, 8])
+@pytest.mark.parametrize(("prefix_blocks", "tail_blocks"), [(2, 6), (4, 1), (8, 1), (16, 1)])
+@pytest.mark.parametrize("caches", ["unknown", "roomy"])
+def test_shared_system_prefix_never_collapses_onto_one_engine(
+    engines: int, prefix_blocks: int, tail_blocks: int, caches: str
+) -> None:
+    """Every prompt starts with the same system prefix, which only e0 holds at first: a short
+    one before a long user part, or a long one (up to 16 blocks) before a one-block question.
+    Engines learn the prefix as they serve it; nothing finishes (a burst). Whatever the burst
+    (30, 60, 90 requests), every engine serves some and none more than half: a hot prefix is
+    worth replicating even where caches have room ("roomy": the overlap weight is
+    `idle_overlap_weight`), since the requests in flight that share it amortise its prefill
+    (`KvplaneWeights.hot_prefix_requests`). Unknown cache sizes read as full caches."""
     for name in ("kvplane", "dynamo_cost", "least_loaded", "round_robin", "power_of_two"):
         router = Router(make_policy(name))
         rng = random.Random(7)
         holders = {"e0"}
         picks: Counter[str] = Counter()
         for i in range(90):
-            keys = (1000, 1001, *range(10 * i, 10 * i + 6))
+            tail = range(10 * i, 10 * i + tail_blocks)
+            keys = (*range(1000, 1000 + prefix_blocks), *tail)
             req = RouteRequest(f"r{i}", len(keys) * BS + 3, BS, keys)
-            engines = [cand(f"e{k}", 2 if f"e{k}" in holders else 0) for k in range(3)]
-            d = router.route(req, engines, rng, float(i))
+            fleet = [
+                cand(f"e{k}", prefix_blocks if f"e{k}" in holders else 0) for k in range(engines)
+            ]
+            if caches == "roomy":
+                fleet = [
+                    c._replace(total_kv_blocks=10_000, block_size=BS, cached_blocks=100)
+                    for c in fleet
+                ]
+            d = router.route(req, fleet, rng, float(i))
             holders.add(d.engine_id)
             picks[d.engine_id] += 1
-        assert len(picks) == 3, name
-        assert max(picks.values()) <= 45, (name, picks)
+            if i + 1 in (30, 60, 90):
+                assert len(picks) == engines, (name, i + 1, picks)
+                assert max(picks.values()) <= (i + 1) // 2, (name, i + 1, picks)
+
+
+def test_a_hot_prefix_costs_the_overlap_weight_over_the_requests_sharing_it() -> None:
+    """An engine holds a 16-block prefix that `sharers` of its active requests hold too:
+    recomputing it elsewhere costs the overlap weight divided by their number, from two up.
+    One sharer (a conversation's previous turn, most often) changes nothing, nor do sharers
+    of only part of what the holder caches (its own earlier turns, which none of them hold),
+    nor any number while the fleet is backlogged."""
+    policy = KvplanePolicy(KvplaneWeights(overlap_weight=12.0, backlog_tokens=0))
+    req = request(blocks=17, extra=3)  # 16 shared blocks, one of its own
+
+    def elsewhere(cached: int, active: int, sharers: int) -> float:
+        holder = cand("holder", cached)._replace(
+            active_overlap_blocks=active, active_prefix_sharers=sharers
+        )
+        rows = policy.costs(req, [holder, cand("cold")])
+        return rows[1].prefill_cost
+
+    full = 12.0 * (17 * BS + 3)
+    assert elsewhere(16, 16, 0) == elsewhere(16, 16, 1) == full
+    assert elsewhere(16, 16, 2) == full / 2
+    assert elsewhere(16, 16, 6) == full / 6
+    assert elsewhere(16, 16, 100) == 1.0 * (17 * BS + 3)  # still computed: at least 1
+    assert elsewhere(16, 8, 6) == full  # the holder caches more than they hold
+    holder = cand("holder", 16)._replace(active_overlap_blocks=16, active_prefix_sharers=6)
+    off = KvplanePolicy(KvplaneWeights(overlap_weight=12.0, hot_prefix_requests=0))
+    assert off.costs(req, [holder, cand("cold")])[1].prefill_cost == full
+    # Nor while the fleet is backlogged (every queue at least `backlog_tokens`).
+    backlogged = KvplanePolicy(KvplaneWeights(overlap_weight=12.0, backlog_overlap_weight=0))
+    queued = [c._replace(load=LoadSnapshot(waiting_tokens=200_000)) for c in (holder, cand("cold"))]
+    assert backlogged.costs(req, queued)[1].prefill_cost == full
 
 
 def test_inflight_accounting_charges_at_once_and_releases() -> None:
@@ -678,7 +728,9 @@ def test_active_blocks_are_refcounted_from_route_to_finish() -> None:
     router.route(request("x", blocks=4), [cand("a")], rng, 0)  # keys 0..3
     router.route(request("y", blocks=6), [cand("a")], rng, 0)  # keys 0..5
     assert router.inflight.of("a").active_blocks == 6
-    assert router.inflight.active_overlap("a", (0, 1, 2, 7, 8)) == 3
+    # 3 of the prompt's blocks are active there, and both requests hold all three.
+    assert router.inflight.active_prefix("a", (0, 1, 2, 7, 8)) == (3, 2)
+    assert router.inflight.active_prefix("a", (0, 1, 2, 3, 4, 9)) == (5, 1)  # only y holds 4
     router.first_token("y")  # the prefill ends, the blocks stay active until the finish
     assert router.inflight.of("a").active_blocks == 6
     router.finish("y")
@@ -687,26 +739,29 @@ def test_active_blocks_are_refcounted_from_route_to_finish() -> None:
     assert router.inflight.of("a").active_blocks == 4
     router.finish("x")
     assert router.inflight.of("a") == InFlight()
-    assert router.inflight.active_overlap("a", (0, 1, 2, 3)) == 0
+    assert router.inflight.active_prefix("a", (0, 1, 2, 3)) == (0, 0)
     router.route(request("z", blocks=3), [cand("b")], rng, 0)
     router.forget_engine("b")
     assert router.inflight.of("b") == InFlight()
-    assert router.inflight.active_overlap("b", (0, 1, 2)) == 0
+    assert router.inflight.active_prefix("b", (0, 1, 2)) == (0, 0)
     router.route(request("w", blocks=2), [cand("b")], rng, 0)
     assert router.inflight.of("b").active_blocks == 2
 
 
 def test_only_policies_that_read_active_blocks_pay_for_them() -> None:
-    for policy in (make_policy("least_loaded"), KvplanePolicy(KvplaneWeights(memory_weight=0))):
+    blind = KvplanePolicy(KvplaneWeights(memory_weight=0, hot_prefix_requests=0))
+    for policy in (make_policy("least_loaded"), blind):
         router = Router(policy)
         rng = random.Random(0)
         router.route(request("x", blocks=4), [cand("a")], rng, 0)
         assert router.inflight.of("a").active_blocks == 0
-        assert router.inflight.active_overlap("a", (0, 1, 2, 3)) == 0
+        assert router.inflight.active_prefix("a", (0, 1, 2, 3)) == (0, 0)
         view = router.with_inflight([cand("a")], request("probe"), 0)
         assert view[0].active_overlap_blocks is None
     counting = [n for n in POLICY_NAMES if make_policy(n).counts_active_blocks]
-    assert counting == ["kvplane", "dynamo_cost"]  # kvplane's memory term reads them
+    assert counting == ["kvplane", "dynamo_cost"]  # kvplane's memory and hot prefix terms
+    for weights in (KvplaneWeights(memory_weight=0), KvplaneWeights(hot_prefix_requests=0)):
+        assert KvplanePolicy(weights).counts_active_blocks
 
 
 def sized(eid: str, device: int = 0, *, used: int, total: int = 10, **inflight: int) -> Candidate:
@@ -903,14 +958,16 @@ def test_of_equally_loaded_decode_engines_the_one_holding_the_prompt_skips_the_h
 
 
 def test_the_router_view_of_a_candidate_replaces_only_its_own_fields() -> None:
-    """`Candidate.as_routed` (the router's hit, in-flight count and active overlap) keeps
-    every other field of the candidate as it was."""
-    candidate = Candidate(
-        "e", PrefixHit(1, 2), LoadSnapshot(running_requests=3), InFlight(1), 10, 16, 5, None, True
-    )
-    routed = candidate.as_routed(PrefixHit(3, 0), InFlight(2, 1), 4)
+    """`Candidate.as_routed` (the router's hit, in-flight count, active overlap and its
+    sharers) keeps every other field of the candidate as it was."""
+    load = LoadSnapshot(running_requests=3)
+    candidate = Candidate("e", PrefixHit(1, 2), load, InFlight(1), 10, 16, 5, None, None, True)
+    routed = candidate.as_routed(PrefixHit(3, 0), InFlight(2, 1), 4, 2)
     assert routed == candidate._replace(
-        hit=PrefixHit(3, 0), inflight=InFlight(2, 1), active_overlap_blocks=4
+        hit=PrefixHit(3, 0),
+        inflight=InFlight(2, 1),
+        active_overlap_blocks=4,
+        active_prefix_sharers=2,
     )
 
 
