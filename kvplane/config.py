@@ -123,11 +123,13 @@ def check_zmq_endpoint(
 
 def check_ceilings(config: BaseModel, *pairs: tuple[str, str]) -> None:
     """Raise ValueError at the first (floor, ceiling) pair of `config`'s fields whose ceiling
-    is below its floor (a doubling wait's longest below its first), naming both."""
+    is below its floor (a doubling wait's longest below its first), naming both; a ceiling
+    left at its default is said to be one (a floor set alone above it: set the ceiling too)."""
     for floor, ceiling in pairs:
         low, high = getattr(config, floor), getattr(config, ceiling)
         if high < low:
-            raise ValueError(f"{ceiling} ({high:g}) is below {floor} ({low:g})")
+            default = "" if ceiling in config.model_fields_set else ", its default"
+            raise ValueError(f"{ceiling} ({high:g}{default}) is below {floor} ({low:g})")
 
 
 def check_needs(config: BaseModel, keys: tuple[str, ...], needs: str, *, met: bool) -> None:

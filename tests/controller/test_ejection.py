@@ -62,6 +62,11 @@ class BrokenGenerate(Forwarding):
             yield response
 
 
+# An ejection of 10 minutes (its ceiling too: a first one above the default is refused): a
+# test that waits for its end fails instead.
+LONG_EJECTION = {"eject_for_s": 600, "eject_max_s": 600}
+
+
 async def fleet_with_broken(
     num_healthy: int, num_broken: int = 1, **health: Any
 ) -> tuple[Fleet, FrontedEngine[BrokenGenerate]]:
@@ -112,7 +117,7 @@ def broken_address(broken: FrontedEngine[BrokenGenerate]) -> str:
 
 
 async def test_an_engine_failing_every_request_leaves_routing_and_clients_are_served() -> None:
-    fleet, broken = await fleet_with_broken(2, eject_after_failures=3, eject_for_s=600)
+    fleet, broken = await fleet_with_broken(2, eject_after_failures=3, **LONG_EJECTION)
     try:
         # Each failure is retried once elsewhere: the client sees none of them.
         await until_calls(fleet, broken.servicer, 3)
@@ -169,7 +174,7 @@ async def test_never_more_than_half_of_the_fleet_is_ejected() -> None:
     """When every engine fails, the fault is not an outlier's: one of two stays in routing
     and the clients get its failure rather than no engine at all. /metrics counts each
     failure that would have ejected it."""
-    fleet, _ = await fleet_with_broken(0, 2, eject_after_failures=1, eject_for_s=600)
+    fleet, _ = await fleet_with_broken(0, 2, eject_after_failures=1, **LONG_EJECTION)
     try:
         outcomes = [await generate(fleet) for _ in range(4)]
         assert outcomes == [["INTERNAL"]] * 4
@@ -187,7 +192,7 @@ async def test_never_more_than_half_of_the_fleet_is_ejected() -> None:
 async def test_an_engine_saying_not_now_is_not_ejected() -> None:
     """UNAVAILABLE is how a draining engine refuses a vllm.Generate: retried elsewhere, but
     no fault of the engine's, however many in a row."""
-    fleet, broken = await fleet_with_broken(2, eject_after_failures=2, eject_for_s=600)
+    fleet, broken = await fleet_with_broken(2, eject_after_failures=2, **LONG_EJECTION)
     broken.servicer.code = grpc.StatusCode.UNAVAILABLE
     try:
         await until_calls(fleet, broken.servicer, 6)

@@ -11,12 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from controller.config import ControllerConfig
 from engine.config import EngineConfig
 from indexer.config import IndexerConfig
-from kvplane.config import ServerConfig
+from kvplane.config import ServerConfig, validate_config
+from kvplane.errors import ConfigError
 from kvplane.up.config import FleetConfig
 from planner.config import PlannerConfig
 
@@ -104,3 +106,26 @@ def test_the_walk_finds_nested_settings() -> None:
     assert {"health.poll_interval_s", "index.redis.buckets", "engines.kv_events"} <= controller
     assert ("sources", "replay_endpoint") in set(_settings(IndexerConfig))
     assert ("live", "kubernetes", "leader_election", "lease_name") in set(_settings(PlannerConfig))
+
+
+def _yaml_examples() -> Iterator[tuple[str, str]]:
+    """(doc:line, text) of every ```yaml block of the config docs."""
+    for doc in sorted({doc for docs in DOCS.values() for doc in docs}):
+        text = (ROOT / doc).read_text()
+        for match in re.finditer(r"```ya?ml\n(.*?)```", text, re.S):
+            yield f"{doc}:{text.count(chr(10), 0, match.start()) + 1}", match.group(1)
+
+
+@pytest.mark.parametrize(("where", "text"), list(_yaml_examples()), ids=lambda v: v[:40])
+def test_every_yaml_example_in_the_docs_loads(where: str, text: str) -> None:
+    """A config a doc shows is one its reader can copy: it loads as a config of its doc (a
+    rule that refuses a setting shown there, as it is shown, fails here)."""
+    doc = where.partition(":")[0]
+    problems = []
+    for model in [model for model, docs in DOCS.items() if doc in docs]:
+        try:
+            validate_config(model, yaml.safe_load(text), where, frozenset())
+            return
+        except ConfigError as exc:
+            problems.append(str(exc))
+    pytest.fail(" / ".join(problems))

@@ -65,7 +65,7 @@ REFUSED = [
     pytest.param(
         "controller",
         "health: {eject_for_s: 200}",
-        "health: eject_max_s (120) is below eject_for_s (200)",
+        "health: eject_max_s (120, its default) is below eject_for_s (200)",
         "health: {eject_for_s: 200, eject_max_s: 600}",
         id="controller-eject",
     ),
