@@ -135,11 +135,16 @@ def check_ceilings(config: BaseModel, *pairs: tuple[str, str]) -> None:
 def check_needs(config: BaseModel, keys: tuple[str, ...], needs: str, *, met: bool) -> None:
     """Settings read only beside another (`needs`, as a user sets it: `remote`,
     `zmq_enabled: true`) are refused while it is not (`met` false): they would do nothing,
-    and whoever set one expects it to. Raises ValueError naming the first of `keys` given."""
+    and whoever set one expects it to. Raises ValueError naming the first of `keys` given
+    another value than its default (a file that spells a default out, as a template may,
+    asks for nothing that is not done)."""
     if met:
         return
+    fields = type(config).model_fields
     for key in keys:
-        if key in config.model_fields_set:
+        if key in config.model_fields_set and getattr(config, key) != fields[key].get_default(
+            call_default_factory=True
+        ):
             raise ValueError(f"{key} is only read with {needs}: set that, or remove {key}")
 
 

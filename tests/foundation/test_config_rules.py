@@ -182,3 +182,20 @@ def test_an_empty_name_is_refused(tmp_path: Path, command: str, text: str, key: 
         [command, "serve", "--config", str(path)],
         f"invalid config in {path}: {key}: String should have at least 1 character",
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "text"),
+    [
+        ("controller", "index: {backend: memory, writer_lease_s: 10.0, replica_name: null}"),
+        ("indexer", "backend: memory\nwriter_lease_s: 10.0\nreplica_name: null"),
+        ("engine", "kv_events: {zmq_enabled: false, topic: null}"),
+    ],
+)
+def test_a_default_spelt_out_is_not_refused(tmp_path: Path, command: str, text: str) -> None:
+    """A file that writes a setting's default beside what it needs switched off (as a template
+    writing every key out does) asks for nothing that is not done: it loads. Only another
+    value is refused (REFUSED above)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text + "\n")
+    load_config(MODELS[command], path)
