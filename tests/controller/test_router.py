@@ -737,6 +737,9 @@ def test_active_blocks_are_refcounted_from_route_to_finish() -> None:
     # 3 of the prompt's blocks are active there, and both requests hold all three.
     assert router.inflight.active_prefix("a", (0, 1, 2, 7, 8)) == (3, 2)
     assert router.inflight.active_prefix("a", (0, 1, 2, 3, 4, 9)) == (5, 1)  # only y holds 4
+    # The prompt's leading active blocks: past its first block not active there, none counts
+    # (with chained keys a later one cannot be active; these are not chained).
+    assert router.inflight.active_prefix("a", (0, 1, 7, 3, 4)) == (2, 2)
     router.first_token("y")  # the prefill ends, the blocks stay active until the finish
     assert router.inflight.of("a").active_blocks == 6
     router.finish("y")
