@@ -281,6 +281,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             block_size=plan.request.block_size,
             tokenized=plan.tokenized,
             index_error=plan.view.index_error or "",
+            hot_prefix_sharers=decision.hot_prefix_sharers,
         )
         predicted = {c.engine_id for c in plan.view.candidates if c.predicts_cache}
         for row in decision.costs:

@@ -550,6 +550,14 @@ def route(
                 "load with 0 cached tokens on every engine"
             )
         head += _predicted_note(d["costs"])
+        sharers = d.get("hot_prefix_sharers", 0)
+        if sharers:
+            # Why an engine without the prefix shows a small PREFILL (the rule divided it).
+            head += (
+                f"\nhot prefix: {sharers} requests in flight share the cached prefix, so "
+                f"recomputing it elsewhere costs the overlap weight / {sharers} "
+                "(router.hot_prefix_requests)"
+            )
         rows = [
             [
                 c.get("instance_id"),

@@ -185,7 +185,8 @@ class RouterConfig(StrictModel):
     # What each token of KV an engine cannot hold for the request costs; 0 turns it off.
     memory_weight: StrictFloat = Field(default=_DEFAULT_WEIGHTS.memory_weight, ge=0)
     # A prefix that this many requests in flight share is hot: recomputing it on another
-    # engine costs the overlap weight divided by their number; 0 turns it off.
+    # engine costs the overlap weight divided by their number; 0 turns it off (1 is refused:
+    # dividing by one changes nothing).
     hot_prefix_requests: StrictInt = Field(default=_DEFAULT_WEIGHTS.hot_prefix_requests, ge=0)
     # `kvplane` skips busy engines (controller.router.router.BusyThresholds): KV usage or
     # queued requests at these thresholds, while at most busy_max_fraction of them are busy.
@@ -228,6 +229,18 @@ class RouterConfig(StrictModel):
     def _check_policy(cls, value: str) -> str:
         if value not in POLICY_NAMES:
             raise ValueError(f"unknown policy {value!r}; choose from {', '.join(POLICY_NAMES)}")
+        return value
+
+    @field_validator("hot_prefix_requests")
+    @classmethod
+    def _check_hot_prefix_requests(cls, value: int) -> int:
+        if value == 1:
+            # Dividing by one sharer changes nothing: 1 would read as "any prefix in flight
+            # is hot" and act as 2.
+            raise ValueError(
+                "hot_prefix_requests 1 divides the overlap weight by 1, which changes nothing: "
+                "use 2 or more, or 0 to turn the rule off"
+            )
         return value
 
     @model_validator(mode="after")

@@ -66,16 +66,22 @@ class InFlightTracker:
         return self._by_engine.get(engine_id, _IDLE)
 
     def active_prefix(self, engine_id: str, block_keys: Sequence[int]) -> tuple[int, int]:
-        """How many of `block_keys` the engine's active requests hold, and how many of those
-        requests hold all of them (the last one's refcount: a prompt's chained keys make the
-        held ones a prefix, and a request that holds a block holds the blocks before it).
-        (0, 0) unless counting."""
+        """How many of `block_keys`, from the first, the engine's active requests hold, and
+        how many of those requests hold all of them (the last one's refcount: a request that
+        holds a block holds the blocks before it). (0, 0) unless counting."""
         refs = self._block_refs.get(engine_id)
         if not refs:
             return 0, 0
-        # A prompt's chained block keys are distinct, so the intersection counts each once.
-        overlap = len(refs.keys() & block_keys)
-        return overlap, refs.get(block_keys[overlap - 1], 0) if overlap else 0
+        # Chained keys (each names its whole prefix): the active ones are the prompt's first
+        # ones, so the walk stops at the first that is not active rather than looking up all
+        # of them (a long prompt, at every engine with requests in flight: intersecting its
+        # 416 keys took 60% of a decision at 256 engines).
+        overlap = 0
+        for key in block_keys:
+            if key not in refs:
+                break
+            overlap += 1
+        return overlap, refs[block_keys[overlap - 1]] if overlap else 0
 
     def begin(
         self,

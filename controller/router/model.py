@@ -285,3 +285,7 @@ class Decision(NamedTuple):
     # disk).
     predicted_cached_tokens: int
     costs: tuple[EngineCost, ...] = ()
+    # How many requests in flight share the prompt's cached prefix, when the policy found it
+    # hot and divided its overlap weight by them (`KvplaneWeights.hot_prefix_requests`);
+    # 0 otherwise. What `admin route` shows to say why a cold engine's prefill costs less.
+    hot_prefix_sharers: int = 0

@@ -324,11 +324,13 @@ class KvplanePolicy(_Stateless):
         prompt_tokens = request.num_prompt_tokens
         cacheable = request.max_cacheable_blocks
         hits = [request.cached_tokens(c.hit, cacheable) for c in candidates]
+        hot_sharers = 0
         if w.hot_prefix_requests > 0 and overlap > 1.0 and not backlogged:
             sharers = _hot_prefix_sharers(request, candidates, hits)
             if sharers >= w.hot_prefix_requests:
                 # A hot prefix: a copy elsewhere is paid once for all the requests sharing it.
                 overlap = max(1.0, overlap / sharers)
+                hot_sharers = sharers
         memory_weight = 0.0 if backlogged else w.memory_weight
         host_weight, disk_weight = w.host_weight, w.disk_weight
         queue_knee, decode_weight = w.queue_knee, w.decode_weight
@@ -368,7 +370,7 @@ class KvplanePolicy(_Stateless):
             # The engine's prefill wait for the request (`_patient`): its queue, then the
             # prompt's work (a prefix it loads from disk is no wait saved whole).
             waits.append(waiting + work)
-        return _Scores(rows, totals, waits, backlogged)
+        return _Scores(rows, totals, waits, backlogged, hot_sharers)
 
     def choose(
         self,
@@ -378,7 +380,7 @@ class KvplanePolicy(_Stateless):
         now_s: float,
     ) -> Decision:
         w = self.weights
-        rows, totals, waits, backlogged = self._score(request, candidates)
+        rows, totals, waits, backlogged, hot_sharers = self._score(request, candidates)
         allowed = self._patient(waits, backlogged)
         # Every engine is allowed but where patience cuts some (rarely).
         allowed_totals = totals if len(allowed) == len(totals) else [totals[i] for i in allowed]
@@ -403,7 +405,7 @@ class KvplanePolicy(_Stateless):
             reason = Reason.CACHE
         else:
             reason = Reason.LOAD
-        return Decision(row.engine_id, reason, self.name, cached, tuple(rows))
+        return Decision(row.engine_id, reason, self.name, cached, tuple(rows), hot_sharers)
 
     def _backlogged(self, queues: Sequence[float]) -> bool:
         """Even the shortest prefill queue is at least `backlog_tokens` long."""
@@ -423,13 +425,15 @@ class KvplanePolicy(_Stateless):
 class _Scores(NamedTuple):
     """What `KvplanePolicy._score` finds, in the candidates' order: each engine's cost row,
     its total (`EngineCost.total`, never None here), its prefill wait for the request (queue
-    + uncached prompt tokens + its host and disk tokens at their weights), and whether the
-    fleet is backlogged."""
+    + uncached prompt tokens + its host and disk tokens at their weights), whether the
+    fleet is backlogged, and the requests in flight sharing a hot prefix (0: none, or the
+    rule did not apply: `Decision.hot_prefix_sharers`)."""
 
     rows: list[EngineCost]
     totals: list[float]
     waits: list[float]
     backlogged: bool
+    hot_prefix_sharers: int
 
 
 def _hot_prefix_sharers(

@@ -610,3 +610,38 @@ def test_help_shows_the_server_dialled_without_a_target(command: list[str], defa
     assert result.exit_code == 0, result.output
     described = " ".join(result.output.split("--target", 1)[1].split("\n  -", 1)[0].split())
     assert described.endswith(f"[default: ({default})]"), described
+
+
+async def test_route_explains_a_hot_prefix_by_the_requests_in_flight_sharing_it(
+    tmp_path: Path,
+) -> None:
+    """With requests in flight that share the prompt's cached prefix (`kvplane`'s hot-prefix
+    rule, `router.hot_prefix_requests`), `route` says how many share it: why an engine
+    without the prefix shows a PREFILL cost divided by their number."""
+    engines = [await start_sim_engine(f"e{i}", 1.0, num_kv_blocks=2000) for i in range(3)]
+    fleet = await make_fleet(engines=engines)
+    inflight = fleet.app.controller.router.inflight
+    calls = []
+    try:
+        t = ["--target", fleet.target]
+        [r async for r in fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))]
+        tokens = tmp_path / "tokens.txt"
+        tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
+        await wait_for_holder(tokens, t)
+        for i in range(4):  # long answers, left unread: in flight until cancelled
+            call = fleet.gateway.Generate(generate_request(f"q{i}", [*PREFIX, 10 + i], 2000))
+            await call.read()
+            calls.append(call)
+        assert len(inflight) == 4
+
+        route = await cli_json("route", "--tokens-file", str(tokens), *t)
+        table = await cli("route", "--tokens-file", str(tokens), *t)
+        assert len(inflight) == 4  # the four still shared the prefix when it was explained
+        assert route["hot_prefix_sharers"] == 4, route
+        assert table.exit_code == 0, table.output
+        assert "hot prefix: 4 requests in flight share the cached prefix" in table.output
+        assert "overlap weight / 4" in table.output
+    finally:
+        for call in calls:
+            call.cancel()
+        await close_fleet(fleet)

@@ -86,6 +86,24 @@ def test_a_busy_fraction_above_one_is_rejected(tmp_path: Path) -> None:
         load_config(ControllerConfig, path)
 
 
+def test_hot_prefix_requests_is_off_at_0_and_from_2_up(tmp_path: Path) -> None:
+    """`router.hot_prefix_requests`: 0 turns the rule off, 2 or more sharers make a prefix
+    hot; 1 (which divides by one, changing nothing, as 2 would behave) and negative numbers
+    are refused with the reason."""
+    path = tmp_path / "c.yaml"
+    for value in (0, 2, 1_000_000):
+        path.write_text(f"router: {{hot_prefix_requests: {value}}}\n")
+        weights = load_config(ControllerConfig, path).router.weights()
+        assert weights.hot_prefix_requests == value
+    path.write_text("router: {hot_prefix_requests: 1}\n")
+    with pytest.raises(ConfigError, match="hot_prefix_requests 1 divides the overlap weight"):
+        load_config(ControllerConfig, path)
+    for bad in ("-1", "1.5", "two"):
+        path.write_text(f"router: {{hot_prefix_requests: {bad}}}\n")
+        with pytest.raises(ConfigError, match="hot_prefix_requests"):
+            load_config(ControllerConfig, path)
+
+
 def test_rejecting_when_all_busy_is_off_by_default_and_needs_a_busy_threshold(
     tmp_path: Path,
 ) -> None:

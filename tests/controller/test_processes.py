@@ -430,7 +430,7 @@ async def test_a_burst_sharing_a_long_system_prompt_is_spread_over_the_engines(
     """Three `kvplane engine serve --model sim` processes behind `kvplane controller serve`
     (`kvplane` policy): one engine has served a 640-token system prompt, then 30 requests
     that start with it and differ in a 20-token question arrive at once. The requests in
-    flight sharing the prompt amortise computing it again elsewhere (`hot_prefix_discount`),
+    flight sharing the prompt amortise computing it again elsewhere (`hot_prefix_requests`),
     so no engine serves more than two thirds of the burst. (Without the discount,
     recomputing the prompt elsewhere cost about 30 x 660 token equivalents with caches nearly
     empty, far more than the holder's load: it served 28 of the 30.) Which engine served a

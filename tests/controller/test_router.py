@@ -429,6 +429,12 @@ def test_a_hot_prefix_costs_the_overlap_weight_over_the_requests_sharing_it() ->
     assert elsewhere(16, 16, 6) == full / 6
     assert elsewhere(16, 16, 100) == 1.0 * (17 * BS + 3)  # still computed: at least 1
     assert elsewhere(16, 8, 6) == full  # the holder caches more than they hold
+    # The decision says by how many it divided (what `admin route` shows), 0 when it did not.
+    rng = random.Random(0)
+    hot = cand("holder", 16)._replace(active_overlap_blocks=16, active_prefix_sharers=6)
+    assert policy.choose(req, [hot, cand("cold")], rng, 0).hot_prefix_sharers == 6
+    lone = hot._replace(active_prefix_sharers=1)
+    assert policy.choose(req, [lone, cand("cold")], rng, 0).hot_prefix_sharers == 0
     holder = cand("holder", 16)._replace(active_overlap_blocks=16, active_prefix_sharers=6)
     off = KvplanePolicy(KvplaneWeights(overlap_weight=12.0, hot_prefix_requests=0))
     assert off.costs(req, [holder, cand("cold")])[1].prefill_cost == full
@@ -731,6 +737,9 @@ def test_active_blocks_are_refcounted_from_route_to_finish() -> None:
     # 3 of the prompt's blocks are active there, and both requests hold all three.
     assert router.inflight.active_prefix("a", (0, 1, 2, 7, 8)) == (3, 2)
     assert router.inflight.active_prefix("a", (0, 1, 2, 3, 4, 9)) == (5, 1)  # only y holds 4
+    # The prompt's leading active blocks: past its first block not active there, none counts
+    # (with chained keys a later one cannot be active; these are not chained).
+    assert router.inflight.active_prefix("a", (0, 1, 7, 3, 4)) == (2, 2)
     router.first_token("y")  # the prefill ends, the blocks stay active until the finish
     assert router.inflight.of("a").active_blocks == 6
     router.finish("y")

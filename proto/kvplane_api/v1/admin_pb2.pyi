@@ -434,6 +434,7 @@ class RouteExplanation(_message.Message):
     COSTS_FIELD_NUMBER: _builtins.int
     TOKENIZED_FIELD_NUMBER: _builtins.int
     INDEX_ERROR_FIELD_NUMBER: _builtins.int
+    HOT_PREFIX_SHARERS_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     reason: _builtins.str
@@ -445,6 +446,11 @@ class RouteExplanation(_message.Message):
     """false: a text prompt without a tokenizer (cache-blind)"""
     index_error: _builtins.str
     """set when the index could not answer: routed by load alone"""
+    hot_prefix_sharers: _builtins.int
+    """Requests in flight that share the prompt's cached prefix, when the policy found it hot
+    and divided its overlap weight by their number (kvplane router.hot_prefix_requests): why
+    an engine without the prefix costs less to prefill it. 0: no hot prefix.
+    """
     @_builtins.property
     def costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCost]: ...
     def __init__(
@@ -460,10 +466,11 @@ class RouteExplanation(_message.Message):
         costs: _abc.Iterable[Global___EngineCost] | None = ...,
         tokenized: _builtins.bool = ...,
         index_error: _builtins.str = ...,
+        hot_prefix_sharers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "costs", b"costs", "engine", b"engine", "index_error", b"index_error", "instance_id", b"instance_id", "num_prompt_tokens", b"num_prompt_tokens", "policy", b"policy", "predicted_cached_tokens", b"predicted_cached_tokens", "reason", b"reason", "tokenized", b"tokenized"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "costs", b"costs", "engine", b"engine", "hot_prefix_sharers", b"hot_prefix_sharers", "index_error", b"index_error", "instance_id", b"instance_id", "num_prompt_tokens", b"num_prompt_tokens", "policy", b"policy", "predicted_cached_tokens", b"predicted_cached_tokens", "reason", b"reason", "tokenized", b"tokenized"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
