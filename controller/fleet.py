@@ -89,7 +89,7 @@ from controller.registry import (
     poll_failure,
 )
 from controller.remote_index import RemoteIndex, keep_best_hit
-from controller.router import Candidate, LoadSnapshot, PrefixHit
+from controller.router import Candidate, LoadSnapshot, PrefixHit, make_policy
 from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
@@ -437,6 +437,9 @@ class Fleet:
         produced (`controller.event_lag`)."""
         self.config = config
         self.index = index
+        # What an index hit is worth to the configured policy: an engine indexed rank by rank
+        # is seen holding its worthiest rank's hit (`keep_best_hit`).
+        self._hit_worth = make_policy(config.router.policy, config.router.weights()).hit_worth
         health = config.health
         self.registry = Registry(
             health.backoff_initial_s,
@@ -530,6 +533,7 @@ class Fleet:
                 backoff_s=(health.backoff_initial_s, health.backoff_max_s),
                 routes=lambda engine: self.registry.by_engine_id(engine) is not None,
                 block_size_of=self._hashing_block_size,
+                hit_worth=self._hit_worth,
             )
             if config.index.remote is not None
             else None
@@ -868,7 +872,7 @@ class Fleet:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:
                 try:
-                    hits = await self._indexed_hits(self.index, keys)
+                    hits = await self._indexed_hits(self.index, keys, self._hit_worth)
                 except KvplaneError as exc:  # the shared Redis is down, loading or refusing
                     index_error = str(exc)
         if index_error is not None:
@@ -904,13 +908,16 @@ class Fleet:
             self._on_cache_predicted(address, candidate.capacity_blocks)
 
     @staticmethod
-    async def _indexed_hits(index: IndexBackend, keys: Sequence[int]) -> dict[str, PrefixHit]:
-        """Each engine's cached prefix of `keys` in the controller's own index."""
+    async def _indexed_hits(
+        index: IndexBackend, keys: Sequence[int], worth: Callable[[PrefixHit], float]
+    ) -> dict[str, PrefixHit]:
+        """Each engine's cached prefix of `keys` in the controller's own index (an engine's
+        worthiest rank's by `worth`, `keep_best_hit`)."""
         hits: dict[str, PrefixHit] = {}
         for match in await index.match_prefix_by_tier(keys, 0):
             device = _device_blocks(match.tiers)
             hit = PrefixHit.along(device, match.matched_blocks, match.any_tier_blocks)
-            keep_best_hit(hits, engine_worker_id(match.worker_id), hit)
+            keep_best_hit(hits, engine_worker_id(match.worker_id), hit, worth)
         return hits
 
     # ---- polling ----

@@ -29,10 +29,16 @@ from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 log = logging.getLogger(__name__)
 
 
-def keep_best_hit(hits: dict[str, PrefixHit], engine: str, hit: PrefixHit) -> None:
-    """Record `hit` for `engine` unless it already has a better one: an engine followed rank
-    by rank (one worker per data-parallel rank) holds what its best rank holds."""
-    if engine not in hits or hit > hits[engine]:
+def keep_best_hit(
+    hits: dict[str, PrefixHit], engine: str, hit: PrefixHit, worth: Callable[[PrefixHit], float]
+) -> None:
+    """Record `hit` for `engine` unless it already has one worth as much (`worth`: the
+    routing policy's `Policy.hit_worth`, what a hit saves as the policy weighs the tiers):
+    an engine followed rank by rank (one worker per data-parallel rank) holds what its
+    worthiest rank holds, the rank the policy would choose. Of equal worths, the larger hit
+    by tier order (device, host, disk)."""
+    kept = hits.get(engine)
+    if kept is None or (worth(hit), hit) > (worth(kept), kept):
         hits[engine] = hit
 
 
@@ -182,6 +188,7 @@ class RemoteIndex:
         clock: Callable[[], float] = time.monotonic,
         routes: Callable[[str], bool] = lambda engine: True,
         block_size_of: Callable[[str], int | None] = lambda engine: None,
+        hit_worth: Callable[[PrefixHit], float] = PrefixHit.blocks,
     ) -> None:
         initial_s, _ = backoff_s
         # Every call fails at once while the indexer is down, without asking it; every
@@ -202,6 +209,9 @@ class RemoteIndex:
         # The block size the controller hashes prompts for an engine in (None: not known
         # yet): a worker whose engine stores blocks of another size matches none of them.
         self._block_size_of = block_size_of
+        # What a hit is worth to the routing policy (`Policy.hit_worth`; by default every
+        # block alike): `match` gives an engine indexed rank by rank its worthiest rank's hit.
+        self._hit_worth = hit_worth
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
@@ -388,7 +398,8 @@ class RemoteIndex:
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
     ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
         """The prompt's block keys and each worker's cached prefix (none for an engine in
-        `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
+        `restarted`; an engine's worthiest rank's, `keep_best_hit`); a KvplaneError of one
+        line when the indexer fails or is paused."""
         request = self._match_request(token_ids, block_size, lora_name, cache_salt)
         try:
             reply = await self._ask(
@@ -405,7 +416,7 @@ class RemoteIndex:
                 continue
             device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
             hit = PrefixHit.along(device, m.matched_blocks, m.any_tier_blocks)
-            keep_best_hit(hits, m.worker_address or m.worker_id, hit)
+            keep_best_hit(hits, m.worker_address or m.worker_id, hit, self._hit_worth)
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits
 

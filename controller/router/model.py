@@ -83,11 +83,22 @@ class PrefixHit(NamedTuple):
     (DRAM) before the first block on neither; and how many more after those follow on any
     tier, disk (SSD) included, before the first miss. So a block is counted at the slowest
     tier the prefix has needed up to it: device, device, host, device, disk, host gives 2
-    device, 2 host and 2 disk blocks."""
+    device, 2 host and 2 disk blocks.
+
+    The fourth block there counts though vLLM would serve it only if its offload store held
+    it too: past its GPU prefix, vLLM asks its KV connector for the blocks that continue it in
+    the store (the OffloadingConnector's lookup from the first block not on the GPU), not the
+    GPU again. The index's runs (`along`) cannot tell that walk, and the store keeps every
+    block vLLM computes, so a block still on the GPU is rarely missing from it (docs/
+    controller.md, "The router")."""
 
     device_blocks: int = 0
     host_blocks: int = 0
     disk_blocks: int = 0
+
+    def blocks(self) -> int:
+        """The leading blocks held, whatever their tier (every block alike)."""
+        return self.device_blocks + self.host_blocks + self.disk_blocks
 
     @staticmethod
     def along(device_blocks: int, servable_blocks: int, any_tier_blocks: int) -> PrefixHit:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
+from controller.router.model import Candidate, Decision, EngineCost, PrefixHit, Reason, RouteRequest
 from controller.router.policies import blind_costs, decision_for
 
 
@@ -111,6 +111,11 @@ class SglangCacheAware:
     def forget_engine(self, engine_id: str) -> None:
         self._trees.pop(engine_id, None)
 
+    def hit_worth(self, hit: PrefixHit) -> float:
+        """Every block alike: it routes by its own tree, and reads the index's hit only for the
+        decision's predicted cached tokens, which count all tiers."""
+        return hit.blocks()
+
 
 class DynamoCost:
     name = "dynamo_cost"
@@ -160,6 +165,10 @@ class DynamoCost:
     def forget_engine(self, engine_id: str) -> None:
         return None
 
+    def hit_worth(self, hit: PrefixHit) -> float:
+        """Its device blocks: the only ones this selector counts as cached."""
+        return hit.device_blocks
+
 
 class LlmdLongestPrefix:
     name = "llmd_longest_prefix"
@@ -181,8 +190,7 @@ class LlmdLongestPrefix:
         query = max(len(request.block_keys), 1)
         scores = []
         for c in candidates:
-            blocks = c.hit.device_blocks * self.device_weight + c.hit.host_blocks * self.host_weight
-            scores.append(min(blocks / query, 1.0))
+            scores.append(min(self.hit_worth(c.hit) / query, 1.0))
         best = max(scores)
         tied = [i for i, s in enumerate(scores) if s == best]
         chosen = candidates[tied[0] if len(tied) == 1 else rng.choice(tied)]
@@ -194,3 +202,7 @@ class LlmdLongestPrefix:
 
     def forget_engine(self, engine_id: str) -> None:
         return None
+
+    def hit_worth(self, hit: PrefixHit) -> float:
+        """Its blocks weighted by where they live (disk blocks add nothing): its score."""
+        return hit.device_blocks * self.device_weight + hit.host_blocks * self.host_weight

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
+from controller.router.model import Candidate, Decision, EngineCost, PrefixHit, Reason, RouteRequest
 
 
 class Policy(Protocol):
@@ -52,6 +52,13 @@ class Policy(Protocol):
         """The request was sent to `engine_id` (policies with their own state learn here)."""
         ...
 
+    def hit_worth(self, hit: PrefixHit) -> float:
+        """What `hit` is worth to this policy, in blocks, as it weighs the tiers: of two hits,
+        the one it would route to (all else equal) is worth more. An engine whose
+        data-parallel ranks are indexed one by one is routed as holding its worthiest rank's
+        hit (`controller.remote_index.keep_best_hit`)."""
+        ...
+
     def forget_engine(self, engine_id: str) -> None: ...
 
 
@@ -65,6 +72,11 @@ class _Stateless:
 
     def forget_engine(self, engine_id: str) -> None:
         return None
+
+    def hit_worth(self, hit: PrefixHit) -> float:
+        """Every block alike: the cache a blind policy reads is the decision's predicted cached
+        tokens, which count all tiers (`decision_for`)."""
+        return hit.blocks()
 
 
 def blind_costs(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple[EngineCost, ...]:
@@ -300,6 +312,16 @@ class KvplanePolicy(_Stateless):
         # prefix rule how many of them share the prompt's prefix.
         w = self.weights
         self.counts_active_blocks = w.memory_weight > 0 or w.hot_prefix_requests > 0
+
+    def hit_worth(self, hit: PrefixHit) -> float:
+        """The prefill the hit saves: its blocks, less what loading those past the device tier
+        costs (`host_weight`, `disk_weight` of computing them), as `work` in `_score`."""
+        w = self.weights
+        return (
+            hit.device_blocks
+            + (1.0 - w.host_weight) * hit.host_blocks
+            + (1.0 - w.disk_weight) * hit.disk_blocks
+        )
 
     def costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[EngineCost]:
         return self._score(request, candidates).rows

@@ -5,6 +5,7 @@ export each engine's event lag on /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import time
@@ -266,24 +267,40 @@ class RankedZmqEngine(Forwarding):
         return pb.GetKvEventSourcesResponse(sources=sources)
 
 
-async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> None:
-    """Each rank is a worker of its own in the index (`<address>/dp<r>`); the router sees the
-    engine holding what its best rank holds, and removing the engine removes every rank."""
+@contextlib.asynccontextmanager
+async def ranked_fleet() -> AsyncIterator[tuple[EngineFleet[Any], str, list[FakeKvPublisher]]]:
+    """A controller in front of one engine followed rank by rank (`RankedZmqEngine`, two
+    ranks): the fleet, the engine's address and its ranks' publishers, subscribed to."""
     context = zmq.asyncio.Context()
     ranks = [FakeKvPublisher(context), FakeKvPublisher(context)]
     for publisher in ranks:
         publisher.start_replay()
     engine = await start_fronted_engine("ranked", lambda inner: RankedZmqEngine(inner, ranks))
     fleet = await make_fleet(engines=[engine])
-    address = f"127.0.0.1:{engine.port}"
-    prefix = list(range(5000, 5000 + 4 * BLOCK))
     try:
         for publisher in ranks:
             await publisher.wait_subscribed()
+        yield fleet, f"127.0.0.1:{engine.port}", ranks
+    finally:
+        await close_fleet(fleet)
+        for publisher in ranks:
+            await publisher.close()
+        context.term()
+
+
+async def publish_on_rank(ranks: list[FakeKvPublisher], rank: int, event: list[Any]) -> None:
+    """One batch of `event` on rank `rank`'s publisher, numbered 0 and stamped now."""
+    batch = msgpack.packb([time.time(), [event], rank])
+    await ranks[rank].publish([b"", (0).to_bytes(8, "big"), batch])
+
+
+async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> None:
+    """Each rank is a worker of its own in the index (`<address>/dp<r>`); the router sees the
+    engine holding what its best rank holds, and removing the engine removes every rank."""
+    prefix = list(range(5000, 5000 + 4 * BLOCK))
+    async with ranked_fleet() as (fleet, address, ranks):
         stored = ["BlockStored", [11, 12, 13, 14], None, prefix, BLOCK, None, "GPU"]
-        await ranks[1].publish(
-            [b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [stored], 1])]
-        )
+        await publish_on_rank(ranks, 1, stored)
 
         async def held() -> bool:
             return await index_holder(fleet, [*prefix, 1], 4) == address
@@ -294,11 +311,38 @@ async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> N
         assert f"{address}/dp1" in {w.worker_id for w in (await index.stats()).workers}
         await fleet.admin.RemoveEngine(apb.EngineRef(engine=address))
         assert not [w for w in (await index.stats()).workers if w.worker_id.startswith(address)]
-    finally:
-        await close_fleet(fleet)
-        for publisher in ranks:
-            await publisher.close()
-        context.term()
+
+
+async def test_an_engine_s_best_rank_is_the_one_that_saves_the_most_prefill() -> None:
+    """Of an engine's ranks, the router takes the hit worth the most to its policy, not the
+    one with the most device blocks: 4 host blocks of the prompt on one rank save `kvplane`
+    more prefill (each 1 - host_weight of a block) than 1 device block on the other, so
+    admin `match` and `route` show the engine holding the 4 host blocks."""
+    prefix = list(range(6000, 6000 + 4 * BLOCK))
+    prompt = [*prefix, 1]
+    async with ranked_fleet() as (fleet, address, ranks):
+        index = fleet.app.controller.index
+        assert index is not None
+        await publish_on_rank(
+            ranks, 1, ["BlockStored", [31, 32, 33, 34], None, prefix, BLOCK, None, "CPU"]
+        )
+        await publish_on_rank(
+            ranks, 0, ["BlockStored", [41], None, prefix[:BLOCK], BLOCK, None, "GPU"]
+        )
+        keys = block_keys(prompt, BLOCK)
+
+        async def both_ranks_indexed() -> bool:
+            workers = {m.worker_id for m in await index.match_prefix_by_tier(keys, 0)}
+            return workers == {f"{address}/dp0", f"{address}/dp1"}
+
+        await eventually(both_ranks_indexed, WAIT_S)
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt)))
+        [held] = match.matches
+        assert (held.device_blocks, held.host_blocks, held.disk_blocks) == (0, 4, 0)
+        route = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt)))
+        [row] = route.costs
+        assert (row.cached_tokens, row.host_cached_tokens) == (0, 4 * BLOCK)
+        assert route.predicted_cached_tokens == 4 * BLOCK
 
 
 async def test_implausible_event_stamps_are_counted_not_taken_as_lag(

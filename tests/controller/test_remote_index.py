@@ -240,7 +240,7 @@ async def test_every_index_backend_shows_the_router_a_prefix_on_disk_alike(
         if backend == "remote":
             _, hits = await remote.match(TOKENS, 16, "", "")
         else:
-            hits = await Fleet._indexed_hits(index, block_keys(TOKENS, 16))
+            hits = await Fleet._indexed_hits(index, block_keys(TOKENS, 16), PrefixHit.blocks)
         assert {e: tuple(hits[e]) for e in _TIERED} == {e: hit for e, (_, hit) in _TIERED.items()}
     finally:
         await remote.close()
@@ -328,7 +328,7 @@ def test_every_index_backend_gives_the_router_the_same_tiered_hit_after_removals
             seen: list[object] = []
             for backend, remote in zip(backends, remotes, strict=True):
                 for hits in (
-                    await Fleet._indexed_hits(backend, block_keys(TOKENS, 16)),
+                    await Fleet._indexed_hits(backend, block_keys(TOKENS, 16), PrefixHit.blocks),
                     (await remote.match(TOKENS, 16, "", ""))[1],
                 ):
                     seen.append({e: tuple(hits.get(e, PrefixHit())) for e in _ENGINES})

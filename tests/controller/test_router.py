@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from controller.remote_index import keep_best_hit
 from controller.router import (
     POLICY_NAMES,
     AllEnginesBusyError,
@@ -916,6 +917,33 @@ def test_llmd_longest_prefix_weights_host_blocks_at_0_8() -> None:
     req = request(blocks=10)
     assert policy.choose(req, [cand("host", 0, 5), cand("dev", 5)], rng, 0).engine_id == "dev"
     assert policy.choose(req, [cand("host", 0, 5), cand("dev", 3)], rng, 0).engine_id == "host"
+
+
+@pytest.mark.parametrize("name", ["kvplane", "dynamo_cost", "llmd_longest_prefix"])
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (PrefixHit(1), PrefixHit(0, 4)),
+        (PrefixHit(2), PrefixHit(0, 0, 4)),
+        (PrefixHit(1), PrefixHit(0, 0, 8)),
+    ],
+)
+def test_an_engine_s_ranks_merge_into_the_hit_its_policy_would_route_to(
+    name: str, one: PrefixHit, other: PrefixHit
+) -> None:
+    """An engine indexed rank by rank holds its worthiest rank's hit (`keep_best_hit` with
+    the policy's `hit_worth`): the one the policy chooses when the two ranks' hits are two
+    idle engines' (1 device block beats 4 host blocks for `dynamo_cost` alone, 8 disk
+    blocks for `kvplane` alone)."""
+    policy = make_policy(name)
+    req = request(blocks=8)
+    engines = [Candidate("one", hit=one), Candidate("other", hit=other)]
+    chosen = policy.choose(req, engines, random.Random(0), 0).engine_id
+    for ranks in ((one, other), (other, one)):
+        hits: dict[str, PrefixHit] = {}
+        for hit in ranks:
+            keep_best_hit(hits, "engine", hit, policy.hit_worth)
+        assert hits["engine"] == (one if chosen == "one" else other)
 
 
 def test_disaggregated_prefill_then_decode_or_skip() -> None:
