@@ -10,7 +10,8 @@ Acceptance: `submit` validates synchronously (raising the domain errors the serv
 a status) and then commits the request; after that, the request's stream of outputs always
 ends with the output that carries `usage` (finished, cancelled or failed). Before that, while a
 front end converts it (tokenising a text prompt, compiling a guide: awaits), its id is held
-(`converting`): an Abort then stops it as an accepted one, and it ends aborted, never run.
+(`converting`): an Abort then stops it as an accepted one, and it ends aborted, never run,
+even when its conversion then fails (the abort wins over the refusal).
 
 Pooling tasks (Embed/Classify/Score, `engine.server.pooling_tasks`) are not engine requests:
 each runs as engine-thread commands (`run_task`), but shares the request ids' namespace,
@@ -53,7 +54,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -625,9 +626,9 @@ class EngineService:
         (`handle.aborted`) instead of running it; so does a drain's deadline. It counts as in
         flight, not as queued nor as a running task. An id already taken, or none (the engine
         names the request), is not held: acceptance refuses a duplicate as before, after the
-        checks of the request itself. The hold ends with the block, before acceptance. A
-        conversion that fails after such an Abort still answers with its refusal: there is no
-        request (prompt, outputs) to end aborted."""
+        checks of the request itself. The hold ends with the block, before acceptance. The
+        abort wins over a conversion that fails after it: the block raises RequestAbortedError
+        instead of the conversion's refusal, since Abort told the client ABORTED."""
         handle = TaskHandle(request_id, waiting=False, converting=True)
         held = bool(request_id) and not (request_id in self._live_tasks or request_id in self._live)
         if held:
@@ -635,12 +636,36 @@ class EngineService:
             self._in_flight_changed.set()
         try:
             yield handle
+        except Exception as exc:
+            if handle.aborted.is_set():
+                raise RequestAbortedError(f"request {request_id!r} was aborted") from exc
+            raise
         finally:
             if held and handle.aborted.is_set():
                 self.end_task(handle)  # remembered as finished: a second Abort says so
             elif held and self._live_tasks.get(request_id) is handle:
                 del self._live_tasks[request_id]
                 self._in_flight_changed.set()
+
+    async def convert(
+        self,
+        request_id: str,
+        conversion: Callable[[], Awaitable[EngineRequest]],
+        unconverted: Callable[[], EngineRequest],
+    ) -> tuple[EngineRequest, bool]:
+        """A generation request converted (`conversion()`, then its guide compiled) while its
+        id is held (`converting`), and whether an Abort (or a drain's deadline) ended it
+        meanwhile: it then never runs, and the caller ends it aborted
+        (`aborted_before_prefill`). A conversion that fails after such an Abort ends it so too,
+        as `unconverted()`: what is known of it without the conversion
+        (`engine.server.openengine_convert.unconverted_request`)."""
+        try:
+            with self.converting(request_id) as held:
+                request = await conversion()
+                await self.compile_guide(request)
+        except RequestAbortedError:
+            return unconverted(), True
+        return request, held.aborted.is_set()
 
     async def run_task(self, handle: TaskHandle, fn: Callable[[EngineCore], T]) -> T:
         """Run `fn(core)` on the engine thread between steps (one pooling batch); raises

@@ -231,6 +231,31 @@ async def engine_request_from_proto(
     return engine_request
 
 
+def unconverted_request(
+    request_id: str, prompt_token_ids: Sequence[int], num_sequences: int, ctx: EngineContext
+) -> EngineRequest:
+    """A request of either front end whose conversion failed after an Abort, as far as it is
+    known without it, to end it aborted (`EngineService.convert`): its prompt the token ids
+    sent (none for a text prompt: never taken), its outputs as many as asked for where this
+    engine could run that many (`max_num_seqs`), else one."""
+    if not 1 <= num_sequences <= ctx.model.max_num_seqs:
+        num_sequences = 1
+    return EngineRequest(
+        request_id, tuple(prompt_token_ids), SamplingParams(num_sequences=num_sequences)
+    )
+
+
+def unconverted_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
+    """`unconverted_request` of an OpenEngine Generate (an absent `num_sequences` is one)."""
+    sampling = request.sampling
+    return unconverted_request(
+        request.request_id,
+        request.token_ids.ids if request.WhichOneof("input") == "token_ids" else (),
+        sampling.num_sequences if sampling.HasField("num_sequences") else 1,
+        ctx,
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # Outputs
 # ------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ from engine.server.openengine_convert import (
     EngineContext,
     GenerateStreamEncoder,
     engine_request_from_proto,
+    unconverted_from_proto,
 )
 from engine.server.pooling_tasks import PoolingTasks, check_task_context
 from kvplane.errors import KvplaneError
@@ -152,10 +153,12 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         sessions = self._service.kv_sessions
         session_id: str | None = None
         try:
-            with self._service.converting(request.request_id) as converted:
-                engine_request = await engine_request_from_proto(request, self._ctx)
-                await self._service.compile_guide(engine_request)
-            if converted.aborted.is_set():
+            engine_request, aborted = await self._service.convert(
+                request.request_id,
+                lambda: engine_request_from_proto(request, self._ctx),
+                lambda: unconverted_from_proto(request, self._ctx),
+            )
+            if aborted:
                 stream = None  # aborted while it was converted: the core never has it
             elif request.kv.HasField("session") and self._kv_puller is not None:
                 stream = await self._pull_and_submit(

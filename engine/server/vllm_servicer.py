@@ -62,7 +62,7 @@ from engine.server.errors import (
     grpc_status_for_kind,
 )
 from engine.server.info import POOLING_ONLY_MESSAGE
-from engine.server.openengine_convert import EngineContext, guided_from_proto
+from engine.server.openengine_convert import EngineContext, guided_from_proto, unconverted_request
 from engine.server.openengine_servicer import refuse
 from kvplane.server import Service, ServiceHealth, abort_with
 from kvplane.tokenize import tokenize_off_loop
@@ -333,20 +333,27 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
     async def _run(
         self, request: pb.GenerateRequest, context: Context, *, single: bool
     ) -> AsyncIterator[pb.GenerateResponse]:
+        async def conversion() -> EngineRequest:
+            engine_request = await engine_request_from_vllm(request, self._ctx)
+            if single and engine_request.sampling.num_sequences > 1:
+                raise InvalidRequestError("unary Generate returns one sequence: use GenerateStream")
+            return engine_request
+
+        def unconverted() -> EngineRequest:
+            prompt = request.token_ids.ids if request.WhichOneof("prompt") == "token_ids" else ()
+            num_sequences = 1 if single else request.sampling.num_sequences or 1
+            return unconverted_request(request.request_id, prompt, num_sequences, self._ctx)
+
         try:
-            with self._service.converting(request.request_id) as converted:
-                engine_request = await engine_request_from_vllm(request, self._ctx)
-                if single and engine_request.sampling.num_sequences > 1:
-                    raise InvalidRequestError(
-                        "unary Generate returns one sequence: use GenerateStream"
-                    )
-                await self._service.compile_guide(engine_request)
-            if not converted.aborted.is_set():
+            engine_request, aborted = await self._service.convert(
+                request.request_id, conversion, unconverted
+            )
+            if not aborted:
                 stream = self._service.submit(engine_request)
         except Exception as exc:
             await refuse(context, exc)
         encoder = VllmStreamEncoder(request, engine_request)
-        if converted.aborted.is_set():  # aborted while converted: the core never had it
+        if aborted:  # aborted while converted: the core never had it
             for output in self._service.aborted_before_prefill(engine_request):
                 yield encoder.encode(output)
             return

@@ -35,7 +35,12 @@ from tests.engine.engine_server_harness import (
     rpc_error,
     running_engine,
 )
-from tests.engine.test_text_prompt_off_loop import HUGE_PROMPT, BlockingTokenizer
+from tests.engine.test_text_prompt_off_loop import (
+    HUGE_PROMPT,
+    OUT_OF_VOCABULARY,
+    PROMPT_IDS,
+    BlockingTokenizer,
+)
 from tests.engine.torch_reference import TEST_DEVICE, dense_hidden
 from tests.polling import eventually
 
@@ -681,13 +686,15 @@ async def test_an_embed_aborted_while_it_waits_for_the_engine_thread_never_runs(
     assert forward_tokens(metrics, "embed") == 3
 
 
+@pytest.mark.parametrize("ids", [PROMPT_IDS, OUT_OF_VOCABULARY], ids=["taken", "refused"])
 async def test_an_embed_aborted_while_its_text_is_tokenised_never_runs(
-    builtin_dir: Path,
+    builtin_dir: Path, ids: list[int]
 ) -> None:
     """Abort(request_id) of an Embed whose text input is still being tokenised (before
-    acceptance): ABORTED; once tokenised the call ends CANCELLED, a second Abort is
-    ALREADY_FINISHED, and its forward never runs."""
-    tokenizer = BlockingTokenizer()
+    acceptance): ABORTED; once tokenised the call ends CANCELLED, even when the input is
+    refused then (a token id outside the vocabulary: the abort wins over INVALID_ARGUMENT), a
+    second Abort is ALREADY_FINISHED, and its forward never runs."""
+    tokenizer = BlockingTokenizer(ids)
     request = pb.EmbedRequest(
         context=context("t"), inputs=[pb.TaskInput(item_id="a", text=HUGE_PROMPT)]
     )

@@ -1,7 +1,8 @@
 """A long text prompt is tokenised off the engine's event loop: while it is being tokenised,
 another client's health checks are answered (a tokenizer that blocks until the test releases
 it; were it on the event loop, nothing could answer until then), and an Abort of the request by
-its id, before it is accepted, ends it CANCELLED without running it."""
+its id, before it is accepted, ends it CANCELLED without running it, even when the conversion
+then refuses the request (the abort wins)."""
 
 from __future__ import annotations
 
@@ -35,18 +36,24 @@ DEADLOCK_GUARD_S = 20.0
 
 
 class BlockingTokenizer:
-    """`encode` blocks until `release` is set, and records whether it was released (True) or
-    gave up on the guard (False)."""
+    """`encode` blocks until `release` is set, records whether it was released (True) or
+    gave up on the guard (False), and gives `ids` (PROMPT_IDS unless told)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ids: list[int] = PROMPT_IDS) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.released: list[bool] = []
+        self.ids = ids
 
     def encode(self, text: str) -> list[int]:
         self.entered.set()
         self.released.append(self.release.wait(DEADLOCK_GUARD_S))
-        return PROMPT_IDS
+        return self.ids
+
+
+# A token id outside the sim model's vocabulary (1000): the conversion refuses the prompt
+# (INVALID_ARGUMENT) once it is tokenised.
+OUT_OF_VOCABULARY = [5, 1_000_000]
 
 
 def openengine_call(channel: grpc.aio.Channel) -> Callable[[], Coroutine[None, None, list[object]]]:
@@ -116,13 +123,30 @@ async def test_health_answers_while_a_huge_text_prompt_is_tokenised(
     assert responses  # the request itself was served, on the prompt the tokenizer gave
 
 
-async def test_abort_while_the_text_prompt_is_tokenised_ends_it_cancelled_unrun() -> None:
+# What the tokenizer gives the aborted request: a prompt its conversion takes (its usage counts
+# it), or one the conversion refuses, which ends as aborted all the same (the abort wins), with
+# no prompt taken.
+TOKENISED = [
+    pytest.param(PROMPT_IDS, len(PROMPT_IDS), id="converted"),
+    pytest.param(OUT_OF_VOCABULARY, 0, id="conversion-refused"),
+]
+
+
+@pytest.mark.parametrize(("ids", "prompt_tokens"), TOKENISED)
+async def test_abort_while_the_text_prompt_is_tokenised_ends_it_cancelled_unrun(
+    ids: list[int], prompt_tokens: int
+) -> None:
     """An Abort by id while the request's prompt is still being tokenised (not accepted yet)
     answers ABORTED, a duplicate id meanwhile is refused, and once tokenised the request ends
-    CANCELLED without a token generated; a second Abort then answers ALREADY_FINISHED."""
-    tokenizer = BlockingTokenizer()
+    CANCELLED without a token generated, each of its 2 outputs `GenerationFinished(CANCELLED)`
+    with status OK, even when the conversion refuses the prompt (not its INVALID_ARGUMENT); a
+    second Abort then answers ALREADY_FINISHED."""
+    tokenizer = BlockingTokenizer(ids)
     request = oe.GenerateRequest(
-        request_id="held", prompt=HUGE_PROMPT, stopping=oe.StoppingOptions(max_tokens=3)
+        request_id="held",
+        prompt=HUGE_PROMPT,
+        sampling=oe.SamplingParams(num_sequences=2),
+        stopping=oe.StoppingOptions(max_tokens=3),
     )
     duplicate = oe.GenerateRequest(
         request_id="held",
@@ -144,14 +168,22 @@ async def test_abort_while_the_text_prompt_is_tokenised_ends_it_cancelled_unrun(
         again = await stub.Abort(oe.AbortRequest(request_id="held"))
     assert aborted.status == oe.ABORT_STATUS_ABORTED
     assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert not [r for r in responses if r.WhichOneof("event") == "token"]
-    assert responses[-1].finished.reason == oe.FINISH_REASON_CANCELLED
-    assert responses[-1].usage.completion_tokens == 0
+    assert [r.WhichOneof("event") for r in responses] == ["finished", "finished"]
+    assert [r.finished.output_index for r in responses] == [0, 1]
+    assert {r.finished.reason for r in responses} == {oe.FINISH_REASON_CANCELLED}
+    usage = responses[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 0)
     assert again.status == oe.ABORT_STATUS_ALREADY_FINISHED
 
 
-async def test_vllm_generate_aborted_while_tokenised_finishes_aborted_unrun() -> None:
-    tokenizer = BlockingTokenizer()
+@pytest.mark.parametrize("unary", [False, True])
+@pytest.mark.parametrize(("ids", "prompt_tokens"), TOKENISED)
+async def test_vllm_generate_aborted_while_tokenised_finishes_aborted_unrun(
+    ids: list[int], prompt_tokens: int, unary: bool
+) -> None:
+    """vllm.Generate and GenerateStream: the same race ends the sequence ABORTED, with no
+    output token, whether its conversion takes the prompt or refuses it."""
+    tokenizer = BlockingTokenizer(ids)
     request = vpb.GenerateRequest(
         request_id="held", text=HUGE_PROMPT, stopping=vpb.StoppingCriteria(max_new_tokens=3)
     )
@@ -161,15 +193,18 @@ async def test_vllm_generate_aborted_while_tokenised_finishes_aborted_unrun() ->
     ):
         stub = vpb_grpc.GenerateStub(client)
 
-        async def stream() -> list[vpb.GenerateResponse]:
+        async def call() -> list[vpb.GenerateResponse]:
+            if unary:
+                return [await stub.Generate(request)]
             return [response async for response in stub.GenerateStream(request)]
 
-        generate = asyncio.create_task(stream())
+        generate = asyncio.create_task(call())
         await asyncio.to_thread(tokenizer.entered.wait)
         aborted = await oe_grpc.OpenEngineStub(client).Abort(oe.AbortRequest(request_id="held"))
         tokenizer.release.set()
         responses = await generate
     assert aborted.status == oe.ABORT_STATUS_ABORTED
+    assert responses[0].prompt_info.num_prompt_tokens == prompt_tokens
     finish = responses[-1].outputs.finish_info
     assert finish.finish_reason == vpb.FinishInfo.ABORTED
     assert finish.num_output_tokens == 0
