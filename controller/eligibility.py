@@ -421,6 +421,20 @@ def _lacks(records: Iterable[EngineRecord], model: str | None, needs: RequestNee
     return told
 
 
+def _past_context(
+    refused_by: EngineRecord | None,
+    model: str | None,
+    context_of: Callable[[ModelFacts], int | None],
+) -> int | None:
+    """The least context a request the engine of `refused_by` refused, its length not known
+    here, needs where the refusal may be of its length: one token past that engine's
+    (`context_of` its facts of `model`); None where it tells none (or is gone)."""
+    if refused_by is None or refused_by.identity is None:
+        return None
+    context = context_of(refused_by.identity.facts_of(model))
+    return None if context is None else context + 1
+
+
 class Eligibility:
     """The engines that can take a request, among a model's candidates (see the module doc)."""
 
@@ -490,8 +504,10 @@ class Eligibility:
         alike), the engine telling no limit, or no engine of the path taking a longer
         context (the refusal stands: its own words name the largest limit)."""
         bounds = self._of(model, role)
-        past = None if bounds.alike else self._past_context(model, refused_by, longest_context)
+        if bounds.alike:
+            return None
         record = self.registry.by_engine_id(refused_by)
+        past = _past_context(record, model, longest_context)
         if past is None or record is None:
             return None
         # The least prompt past it, by what its own hop took (a prefill engine's: the prompt
@@ -510,26 +526,11 @@ class Eligibility:
         length it must be routed as, one token past that engine's (`input_context`), where
         one of the engines with the task (`tasked`, their facts) takes it; None where none
         does, or that engine tells no context (the refusal stands)."""
-        past = self._past_context(model, refused_by, input_context)
+        past = _past_context(self.registry.by_engine_id(refused_by), model, input_context)
         largest = largest_input_context(tasked)
         if past is None or (largest is not None and past > largest):
             return None
         return past
-
-    def _past_context(
-        self,
-        model: str | None,
-        refused_by: str,
-        context_of: Callable[[ModelFacts], int | None],
-    ) -> int | None:
-        """The least context a request the engine `refused_by` refused, its length not known
-        here, needs where the refusal may be of its length: one token past that engine's
-        (`context_of` its facts of `model`); None where it tells none."""
-        record = self.registry.by_engine_id(refused_by)
-        if record is None or record.identity is None:
-            return None
-        context = context_of(record.identity.facts_of(model))
-        return None if context is None else context + 1
 
     def with_prompt(
         self,

@@ -13,8 +13,10 @@
   stream is relayed unchanged, the engine and the router's decision in the trailing
   metadata (`kvplane-route`, controller/route_report.py); if the engine fails before
   anything was relayed (a retryable status such as UNAVAILABLE, or a retryable terminal
-  EngineError), the request is retried once on another engine; a failure after that is one
-  terminal EngineError (seed: no event may follow it).
+  EngineError), the request is retried once on another engine (an engine refusing what it
+  cannot serve, a LoRA adapter it no longer holds or a prompt maybe past its context, has
+  it re-routed without spending that retry: Relay.retries_elsewhere, the rule of every
+  path); a failure after that is one terminal EngineError (seed: no event may follow it).
 - Embed / Classify / Score: INVALID_ARGUMENT without the request id or model the seed
   requires; else the least loaded routable engine serving the model whose GetModelInfo for
   that model says it supports the task, holding the LoRA adapter the request names (none
@@ -26,11 +28,12 @@
   FAILED_PRECONDITION (the seed's UNSUPPORTED task), NOT_FOUND for a model no engine
   serves, UNAVAILABLE while the capable engines take no traffic. An engine failing the task
   with a retryable status has it retried once on another capable engine, as a Generate
-  failing before its first response (Relay.retries_elsewhere); the failure the client gets
-  names the engine, as a Generate's does (relay.pass_status), but an engine's abort (the
-  status CANCELLED) passes in the engine's words. An Abort of a task its engine has not
-  accepted yet (no reply: the engine answers NOT_FOUND, or does not answer) cancels the
-  call there and ends the task as an engine ends an aborted one (CANCELLED), as a Generate;
+  failing before its first response, a re-route past a refusal spending no retry
+  (Relay.retries_elsewhere); the failure the client gets names the engine, as a
+  Generate's does (relay.pass_status), but an engine's abort (the status CANCELLED) passes
+  in the engine's words. An Abort of a task its engine has not accepted yet (no reply: the
+  engine answers NOT_FOUND, or does not answer) cancels the call there and ends the task as
+  an engine ends an aborted one (CANCELLED), as a Generate;
   so does an Abort between two engines (its first failed it, the next not yet called).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
@@ -107,6 +110,7 @@ from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, Fleet
 from controller.fleet_view import FLEET_VIEW_KEY, fleet_facts, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
+from controller.metrics import Reroute
 from controller.model_info import CAPABILITY_FLAGS, field_holder
 from controller.outcomes import (
     ENGINE_METADATA_KEY,
@@ -569,13 +573,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
             )
         tried: set[str] = set()
-        retried = False
+        retried = False  # its one retry spent (a re-route past a refusal spends none)
         try:
             # A task is one unary call without side effects, nothing relayed before its reply:
-            # retried as a Generate failing before its first response is
-            # (Relay.retries_elsewhere), and re-routed as one refused for a LoRA adapter its
-            # engine no longer holds (Relay.adapter_left) or, its length not known here,
-            # maybe for its length (Relay.past_refusal).
+            # moved on as a Generate failing before its first response is, by the same rule
+            # (Relay.retries_elsewhere): re-routed past a refusal of a LoRA adapter its engine
+            # no longer holds (Relay.adapter_left) or, its length not known here, maybe of its
+            # length (Relay.past_refusal), and retried once after an engine failure.
             while True:
                 tried.add(engine)
                 relay.holding[request_id] = engine
@@ -594,14 +598,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     )
                     if request_id in relay.aborted_unrouted:  # aborted meanwhile
                         await _end_aborted_task(request_id, context)
+                    described = f"{failure.code().name}: {failure.details()}"
                     # An input's length unknown here, maybe past this engine's context: to
                     # an engine taking a longer input, where there is one.
                     try:
-                        longer = relay.past_refusal(
+                        past = relay.past_refusal(
                             request_id,
                             engine,
                             failure,
-                            f"{failure.code().name}: {failure.details()}",
+                            described,
                             unmeasured=unmeasured,
                             longer=functools.partial(
                                 self._past_refusal, task, task_context, engine, text, tried
@@ -609,15 +614,21 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         )
                     except NoEngineAvailableError as exc:
                         await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-                    if longer is not None:  # counted among the retries, as a Generate's
-                        self.controller.metrics.retries.inc()
+                    reroute: Reroute | None = None
+                    if past is not None:  # its input that long at least, from now on
+                        longest, reroute = past, "context"
+                    elif adapter_left:
+                        reroute = "lora_adapter"
+                    elif relay.retries_elsewhere(
+                        request_id,
+                        engine,
+                        described,
+                        retryable=failure.code() in RETRYABLE,
+                        retried=retried,
+                    ):
                         retried = True
-                        engine = longer.address
-                        continue
-                    if not adapter_left:
-                        if retried or not relay.retries_elsewhere(request_id, engine, failure):
-                            break
-                        retried = True
+                    else:
+                        break
                     # Never shed (the request was admitted); with no other capable engine,
                     # the client gets this engine's failure, or the fleet's LoRA status
                     # when its adapter left.
@@ -627,7 +638,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         if adapter_left:
                             await self._refuse_lora(task, task_context, context)
                         break
-                    self.controller.metrics.retries.inc()
+                    self.controller.metrics.count_move(reroute)
                     engine = other.address
                     continue
                 if request_id in relay.aborted_unrouted:  # the reply came as it was aborted
@@ -716,12 +727,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         refused_by: str,
         text: bool,
         tried: set[str],
-    ) -> EngineRecord | None:
+    ) -> int | None:
         """After `refused_by` refused a pooling task INVALID_ARGUMENT, the tokens of a text
-        input not known here (`Relay.past_refusal`): the least loaded engine not `tried`
-        that takes a longer input than it (`Eligibility.past_input_refusal`); None where no
-        engine with the task does. NoEngineAvailableError when only engines taking no
-        traffic do, naming each engine's state (`_states`)."""
+        input not known here (`Relay.past_refusal`): the input length it must be routed as,
+        one token past that engine's (`Eligibility.past_input_refusal`), where an engine with
+        the task not `tried` takes it (`_capable`); None where no engine with the task does.
+        NoEngineAvailableError when only engines taking no traffic do, naming each engine's
+        state (`_states`)."""
         model = task_context.model
         serving = self.controller.fleet.registry.may_serve_records(model)
         past = self.controller.eligibility.past_input_refusal(
@@ -729,10 +741,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
         if past is None:
             return None
-        capable = self._capable(task, task_context, past, text, tried)
-        if not capable:
+        if not self._capable(task, task_context, past, text, tried):
             raise NoEngineAvailableError(self._states(task, task_context, past))
-        return min(capable, key=_queue_depth)
+        return past
 
     def _states(self, task: str, task_context: pb.TaskRequestContext, longest: int | None) -> str:
         """Why no engine with `task` takes the request now, its longest input of `longest`

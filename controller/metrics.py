@@ -46,6 +46,12 @@ _SOURCE_COUNTERS = {"resyncs": "num_resyncs", "gaps": "num_gaps", "restarts": "n
 RequestOutcome = Literal[
     "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded", "cancelled"
 ]
+# Why a request was re-routed past an engine's refusal of what it cannot serve, before
+# anything was relayed (controller/relay.py `Reroute`): "lora_adapter", the engine no longer
+# holds the adapter the request names; "context", its prompt's or a pooling input's tokens
+# not known here, its length maybe past the engine's context. Not an engine failure:
+# counted apart from the retries.
+Reroute = Literal["lora_adapter", "context"]
 # Routing takes well under a millisecond to a few: the sub-millisecond buckets resolve it.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # A generation's first response waits for its engine's queue and prefill, and its stream runs
@@ -268,8 +274,17 @@ class ControllerMetrics:
         self._decisions: dict[tuple[str, str], Counter] = {}
         self._event_lags: dict[str, Histogram] = {}  # by engine, until `forget_engine`
         self.retries = Counter(
-            "kvplane_controller_retries", "Requests retried on another engine", registry=r
+            "kvplane_controller_retries",
+            "Requests retried on another engine after an engine failure",
+            registry=r,
         )
+        reroutes = Counter(
+            "kvplane_controller_reroutes",
+            "Requests re-routed past an engine's refusal of what it cannot serve, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.reroutes = {reason: reroutes.labels(reason) for reason in get_args(Reroute)}
         self.ejections = Counter(
             "kvplane_controller_ejections",
             "Engines taken out of routing for failing requests (outlier ejection)",
@@ -351,6 +366,11 @@ class ControllerMetrics:
         if not self._cached_tokens_max_sum:
             return 1.0
         return 1.0 - self._cached_tokens_error_sum / self._cached_tokens_max_sum
+
+    def count_move(self, reroute: Reroute | None) -> None:
+        """A request sent on to another engine before anything was relayed: the one retry
+        after an engine failure (None), or a re-route past a refusal, by its reason."""
+        (self.retries if reroute is None else self.reroutes[reroute]).inc()
 
     def count_request(self, outcome: RequestOutcome, seconds: float) -> None:
         """A generation ended with `outcome`, `seconds` after the gateway took it: counted

@@ -48,13 +48,17 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   (a text prompt not tokenised here), goes to an engine taking a longer context than that
   engine's, where one does (the refusal may be of the prompt's length:
   `Controller.past_refusal`), UNAVAILABLE when only engines out of routing do
-  (`Relay.past_refusal`: the pooling tasks' unmeasured text inputs follow it too);
-- metrics: route time, time to the first relayed response, request time, outcome, retries,
-  and the engine-reported usage against the router's prediction. A stream relayed to its end
-  counts as "ok" unless its last response was an in-band error ("engine_error"); a request
-  refused for itself (a status in CLIENT_ERRORS, from the gateway or the engine) counts as
-  "invalid", an in-band OVERLOADED as "overloaded", and one whose client left before any
-  outcome (a cancel, its deadline) as "cancelled": every request counts once;
+  (`Relay.past_refusal`: the pooling tasks' unmeasured text inputs follow it too); such a
+  re-route past a refusal, as a LoRA one, is not an engine failure: it leaves the one retry
+  unspent, and ends as each leaves the refusing engines out (`retries_elsewhere`: the rule
+  of every path);
+- metrics: route time, time to the first relayed response, request time, outcome, retries
+  (after a failure) and re-routes (past a refusal, by reason), and the engine-reported
+  usage against the router's prediction. A stream relayed to its end counts as "ok" unless
+  its last response was an in-band error ("engine_error"); a request refused for itself (a
+  status in CLIENT_ERRORS, from the gateway or the engine) counts as "invalid", an in-band
+  OVERLOADED as "overloaded", and one whose client left before any outcome (a cancel, its
+  deadline) as "cancelled": every request counts once;
 - with `router.reject_when_all_busy`, refuse a new request whose every candidate engine is
   busy (RESOURCE_EXHAUSTED, outcome "overloaded") before any engine is called or charged;
 - a model served only by prefill and decode engines takes two hops (`_disaggregated`), each
@@ -95,7 +99,7 @@ import grpc
 
 from controller.eligibility import BeyondFleetError
 from controller.fleet import Fleet
-from controller.metrics import RequestOutcome
+from controller.metrics import RequestOutcome, Reroute
 from controller.registry import (
     GenerationUnsupportedError,
     LoraRoutingError,
@@ -444,7 +448,8 @@ _WHOLE_REQUEST = _Stage()
 
 
 class _Retry(Exception):
-    """The engine failed before anything was relayed; try another one."""
+    """The engine failed or refused the request before anything was relayed; try another
+    one (the rule: `Relay.retries_elsewhere`)."""
 
     def __init__(
         self,
@@ -452,7 +457,7 @@ class _Retry(Exception):
         failure: Any,
         engine: str,
         *,
-        counted: bool = True,
+        reroute: Reroute | None = None,
         excluded: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(reason)
@@ -460,10 +465,11 @@ class _Retry(Exception):
         # response or the AioRpcError, of `engine`.
         self.failure = failure
         self.engine = engine
-        # False: a re-route (the engine no longer holds the request's LoRA adapter,
-        # `Relay.adapter_left`; its context is too short for the prompt), not the one retry
-        # of a failed request.
-        self.counted = counted
+        # Why the engine refused what it cannot serve, a re-route that leaves the request's
+        # one retry unspent ("lora_adapter": `Relay.adapter_left`; "context": its prompt
+        # maybe past the engine's context, `Relay.past_refusal`); None: that one retry, after
+        # an engine failure.
+        self.reroute = reroute
         # Engines that would refuse it as `engine` did, left out of its next route with
         # those tried (no longer a context than `engine`'s: `Controller.past_refusal`).
         self.excluded = excluded
@@ -1200,17 +1206,24 @@ class Relay:
         stage: _Stage = _WHOLE_REQUEST,
         retried: _Retry | None = None,
     ) -> AsyncGenerator[Response]:
-        """One engine hop of a request: `route` (given the engines that already failed it)
-        picks the engine; retried once elsewhere when the engine failed before anything was
-        relayed. `retried`: the hop is itself that retry (a request run again as a whole),
-        and this is what the client gets when no engine can take it."""
+        """One engine hop of a request: `route` (given the engines that already failed or
+        refused it) picks the engine; before anything was relayed, re-routed past an
+        engine's refusal of what it cannot serve and retried once elsewhere after an engine
+        failure (`Relay.retries_elsewhere`). `retried`: the hop is itself that retry (a
+        request run again as a whole), and this is what the client gets when no engine can
+        take it."""
         c = self.controller
         request_id = plan.request.request_id
         # The responses read from each engine call, counted: a connection whose calls bring
         # some is alive, however late it answers a poll (`Fleet._end_silent_calls`).
         calls_heard = c.fleet.calls_heard
         tried: set[str] = set()
-        retry = retried
+        # The hop's latest move to another engine, a re-route or the one retry (its next
+        # route counts it): the engine that sent it on, and what the client gets when no
+        # engine takes it.
+        moved = retried
+        # Whether its one retry is spent (a re-route past a refusal spends none).
+        failed_over = retried is not None
         # The engine that failed the request before its output, sending it to the next one.
         sent_from = retried.engine if retried is not None else None
         while True:
@@ -1233,18 +1246,18 @@ class Relay:
                 yield ending
                 return
             except NoEngineAvailableError as exc:
-                failure: Any = retry.failure if retry is not None else None
-                self._count("no_engine" if retry is None else "engine_error")
+                failure: Any = moved.failure if moved is not None else None
+                self._count("no_engine" if moved is None else "engine_error")
                 if failure is None or isinstance(failure, grpc.aio.AioRpcError):
                     # No engine at all, or the failed engine's status is the answer.
                     status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
-                        await pass_status(context, status, retry.engine if retry else None, c.fleet)
+                        await pass_status(context, status, moved.engine if moved else None, c.fleet)
                 yield failure  # an in-band error: the refusing response, or the gateway's
                 return
-            if retry is not None:
-                c.metrics.retries.inc()
+            if moved is not None:  # every route but the hop's first follows a move
+                c.metrics.count_move(moved.reroute)
             elif stage.times_route:
                 c.metrics.route_seconds.observe(time.perf_counter() - started)
             self._tell_route(request_id, decision, stage, context, sent_from)
@@ -1289,7 +1302,9 @@ class Relay:
                                 # an Abort is the gateway's, and ends it (`abort_unrouted`).
                                 self.let_go(request_id, engine)
                                 refused = HopFailure.of_in_band(error, response, stage)
-                                verdict = await self._judge(refused, stage, engine, plan, retry)
+                                verdict = await self._judge(
+                                    refused, stage, engine, plan, moved=moved, retried=failed_over
+                                )
                                 if verdict.aborted:
                                     for closing in await self._end_aborted(
                                         surface, request, stage, context
@@ -1345,7 +1360,8 @@ class Relay:
             except _Retry as exc:
                 if error is not None and error.engine_fault:
                     await self.report(engine, error.message)
-                retry = exc if exc.counted else retry or exc
+                moved = exc
+                failed_over |= exc.reroute is None
                 tried |= exc.excluded
             except _Refused as exc:
                 yield await self._failed(
@@ -1363,15 +1379,17 @@ class Relay:
                 await self.report_failure(engine, cause)
                 if not relayed:
                     failure = HopFailure.of_status(cause, stage)
-                    verdict = await self._judge(failure, stage, engine, plan, retry)
+                    verdict = await self._judge(
+                        failure, stage, engine, plan, moved=moved, retried=failed_over
+                    )
                     if verdict.aborted:
                         for closing in await self._end_aborted(surface, request, stage, context):
                             yield closing
                         return
                     if verdict.retry is not None:
-                        again = verdict.retry
-                        retry = again if again.counted else retry or again
-                        tried |= again.excluded
+                        moved = verdict.retry
+                        failed_over |= moved.reroute is None
+                        tried |= moved.excluded
                         continue
                     cause = verdict.failure.cause
                 yield await self._failed(
@@ -1408,17 +1426,22 @@ class Relay:
         stage: _Stage,
         engine: str,
         plan: Plan,
-        retry: _Retry | None,
+        *,
+        moved: _Retry | None,
+        retried: bool,
     ) -> _Verdict:
         """What follows `engine` failing a hop before anything of it was relayed, whichever
-        form it said it in (`HopFailure`); `retry`: the hop's retry so far. In order: a
-        decode hop whose KV session is lost (its holder gone: `_Stage.session_lost`; gone
-        from its holder other than by its drain, the release that asked answering:
-        `_Stage.session_ended`) raises `_SessionLost`, and in the request's run again fails
-        with no retry; one whose first engine found no session that its holder's drain ended
-        ends at the handoff; a refused session is the engine's failure (UNAVAILABLE), not the
-        client's; an engine that no longer holds the request's LoRA adapter is left for one
-        that does; else the one retry, when another engine may succeed."""
+        form it said it in (`HopFailure`); `moved`: the hop's latest move to another engine
+        so far, `retried`: whether it spent its one retry. In order: a decode hop whose KV
+        session is lost (its holder gone: `_Stage.session_lost`; gone from its holder other
+        than by its drain, the release that asked answering: `_Stage.session_ended`) raises
+        `_SessionLost`, and in the request's run again fails with no retry; one whose first
+        engine found no session that its holder's drain ended ends at the handoff; a refused
+        session is the engine's failure (UNAVAILABLE), not the client's; an engine that no
+        longer holds the request's LoRA adapter is left for one that does, and one refusing a
+        prompt maybe past its context for one taking a longer one (re-routes, whatever was
+        spent); else the one retry, when it is not spent and another engine may succeed
+        (`retries_elsewhere`)."""
         request_id = plan.request.request_id
         if stage.session_lost is not None:
             lost = await stage.session_lost(engine, failure.described)
@@ -1428,7 +1451,7 @@ class Relay:
         if (
             failure.refused_session
             and failure.cause.code() == grpc.StatusCode.NOT_FOUND
-            and retry is None  # no decode engine attached the session before
+            and moved is None  # no decode engine attached the session before
             and stage.session_ended is not None
             and not await self.adapter_left(request_id, plan.lora_name, engine)
         ):
@@ -1448,10 +1471,8 @@ class Relay:
             )
             failure = HopFailure(refused, retryable=True)
         if failure.not_found and await self.adapter_left(request_id, plan.lora_name, engine):
-            # Not the one retry: nothing ran, and each engine is tried once.
-            return _Verdict(
-                failure, _Retry(failure.described, failure.answer, engine, counted=False)
-            )
+            rerouted = _Retry(failure.described, failure.answer, engine, reroute="lora_adapter")
+            return _Verdict(failure, rerouted)
         # Its prompt's length unknown here, maybe past this engine's context or KV cache:
         # to an engine taking a longer context, where there is one (the KV session of a
         # decode hop is never moved so).
@@ -1469,12 +1490,12 @@ class Relay:
             return _Verdict(HopFailure(unavailable, retryable=False))
         if shorter is not None:
             rerouted = _Retry(
-                failure.described, failure.answer, engine, counted=False, excluded=shorter
+                failure.described, failure.answer, engine, reroute="context", excluded=shorter
             )
             return _Verdict(failure, rerouted)
-        if retry is None and failure.retryable:
-            log.info("request %s: engine %s failed before the first response (%s); retrying "
-                     "elsewhere", request_id, engine, failure.described)  # fmt: skip
+        if self.retries_elsewhere(
+            request_id, engine, failure.described, retryable=failure.retryable, retried=retried
+        ):
             return _Verdict(failure, _Retry(failure.described, failure.answer, engine))
         return _Verdict(failure)
 
@@ -1514,8 +1535,8 @@ class Relay:
         engine still holding it refused something else (an unknown base model): False. True:
         the request goes to another engine holding the adapter, else gets the fleet's LoRA
         status (NOT_FOUND "no engine has LoRA adapter ..."), never the engine's bare refusal;
-        not the one retry of a failed request, as nothing ran. Generate and the pooling tasks
-        alike ask here."""
+        a re-route, which leaves the request's one retry unspent (`retries_elsewhere`).
+        Generate and the pooling tasks alike ask here."""
         if not lora_name:
             return False
         fleet = self.controller.fleet
@@ -1544,9 +1565,10 @@ class Relay:
         request is `unmeasured` (its prompt's, or a pooling input's, tokens not known here):
         an INVALID_ARGUMENT may be of its length, past that engine's context, so `longer()`,
         where it goes instead, to an engine taking a longer context (logged; None: none
-        does, the refusal stands; not the one retry, as nothing ran). NoEngineAvailableError
-        (from `longer`: only engines out of routing take more) naming the refusal. None
-        for any other failure. Generate and the pooling tasks alike ask here."""
+        does, the refusal stands): a re-route, which leaves the request's one retry unspent
+        (`retries_elsewhere`). NoEngineAvailableError (from `longer`: only engines out of
+        routing take more) naming the refusal. None for any other failure. Generate and the
+        pooling tasks alike ask here."""
         if cause.code() != grpc.StatusCode.INVALID_ARGUMENT or not unmeasured:
             return None
         try:
@@ -1561,14 +1583,23 @@ class Relay:
         return found
 
     @staticmethod
-    def retries_elsewhere(request_id: str, engine: str, cause: grpc.aio.AioRpcError) -> bool:
-        """Whether a request that `engine` failed with `cause` before anything was relayed,
-        on its first engine, goes to another one: the one retry, for a status in RETRYABLE
-        (logged). Every front end asks here, Generate and the pooling tasks alike."""
-        if cause.code() not in RETRYABLE:
+    def retries_elsewhere(
+        request_id: str, engine: str, described: str, *, retryable: bool, retried: bool
+    ) -> bool:
+        """Whether a request that `engine` failed before anything was relayed (`described`;
+        `retryable`: a status in RETRYABLE, or a retryable in-band error) goes to another
+        engine: the one retry of a request (logged), unless it was `retried` already.
+        The rule of every path (Generate and vllm.Generate, each hop of a disaggregated one,
+        the pooling tasks): an engine refusing what it cannot serve (a LoRA adapter it no
+        longer holds, `adapter_left`; a prompt or input maybe past its context,
+        `past_refusal`) did not fail: the request is re-routed past it, to engines that can
+        serve what it refused, without spending that retry, and each re-route leaves the
+        refusing engines out of the request's later routes, so that they end. Counted apart
+        (`Metrics.count_move`): `retries` the retries, `reroutes` the re-routes by reason."""
+        if retried or not retryable:
             return False
         log.info("request %s: engine %s failed before the first response (%s); retrying "
-                 "elsewhere", request_id, engine, cause.code().name)  # fmt: skip
+                 "elsewhere", request_id, engine, described)  # fmt: skip
         return True
 
     def _tell_route(

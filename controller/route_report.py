@@ -12,10 +12,10 @@ engine was chosen: one `kvplane-route` entry, a JSON object
 one's decode engine, or the decode engine that prefilled the prompt itself) and the router's
 decision for it (controller/router `Decision`: why it was chosen, and the prompt tokens it was
 expected to serve from its cache); `prefill`: the prefill engine of a request handed over
-between two engines; `retried_from` (only when `retried`): the engines that failed the request
-before its first output, in order, each of which sent it elsewhere. A request aborted at the
-handoff has `prefill` alone. llm-d's gateway names its chosen endpoint so, in a response
-header (`x-gateway-destination-endpoint`); `kvplane complete` prints it."""
+between two engines; `retried_from` (only when `retried`): the engines that failed or refused
+the request before its first output, in order, each of which sent it elsewhere. A request
+aborted at the handoff has `prefill` alone. llm-d's gateway names its chosen endpoint so, in a
+response header (`x-gateway-destination-endpoint`); `kvplane complete` prints it."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from controller.router import Decision
 
 ROUTE_METADATA_KEY = "kvplane-route"
 # Engines named in `retried_from` at most: with the one retry of a failed request there are one
-# or two, but LoRA re-routes (an adapter unloaded under a request) are not bounded by it, and
-# gRPC clients refuse trailing metadata over 8 KiB.
+# or two, but re-routes past refusals (an adapter unloaded under a request, a prompt maybe past
+# an engine's context) are not bounded by it, and gRPC clients refuse trailing metadata over
+# 8 KiB.
 MAX_RETRIED_FROM = 8
 
 

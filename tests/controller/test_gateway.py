@@ -198,7 +198,7 @@ async def test_cordoned_engine_gets_no_traffic_until_uncordoned(fleet: Fleet) ->
 
 
 async def generate_routed(
-    fleet: Fleet, request: pb.GenerateRequest
+    fleet: EngineFleet[Any], request: pb.GenerateRequest
 ) -> tuple[list[pb.GenerateResponse], dict[str, Any] | None]:
     """The stream and its `kvplane-route` trailing metadata."""
     call = fleet.gateway.Generate(request)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -402,11 +402,16 @@ async def short_and_long_untokenised(tmp_path: Path) -> AsyncIterator[Fleet]:
 
 
 @asynccontextmanager
-async def short_and_long_fleet(tmp_path: Path, **controller: Any) -> AsyncIterator[Fleet]:
+async def short_and_long_fleet(
+    tmp_path: Path,
+    lengths: Sequence[tuple[str, int]] = (("short", SHORT_INPUT), ("long", LONG_INPUT)),
+    **controller: Any,
+) -> AsyncIterator[Fleet]:
+    """A pooling-only engine of each (name, max_model_len) of `lengths`, listed (by address)
+    in that order: the first, the short one, is what routing by load alone picks among idle
+    engines."""
     headless = write_headless_classifier(tmp_path)
-    # The short engine listed first (by address), which routing by load alone picks among
-    # idle engines.
-    ports = sorted((free_port(), free_port()), key=lambda port: f"127.0.0.1:{port}")
+    ports = sorted((free_port() for _ in lengths), key=lambda port: f"127.0.0.1:{port}")
     engines = [
         await start_engine(
             engine_config(headless, name).model_copy(
@@ -417,7 +422,7 @@ async def short_and_long_fleet(tmp_path: Path, **controller: Any) -> AsyncIterat
                 }
             )
         )
-        for name, length, port in (("short", SHORT_INPUT, ports[0]), ("long", LONG_INPUT, ports[1]))
+        for (name, length), port in zip(lengths, ports, strict=True)
     ]
     async with round_robin_fleet(engines, headless, **controller) as fleet:
         yield fleet
