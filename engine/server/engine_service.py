@@ -87,6 +87,7 @@ from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import KvSessionStore
 from engine.server.metrics import EngineMetrics, ImportOutcome, PullOutcome
 from engine.server.runtime_events import RuntimeEventHub
+from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
 
@@ -628,7 +629,8 @@ class EngineService:
         names the request), is not held: acceptance refuses a duplicate as before, after the
         checks of the request itself. The hold ends with the block, before acceptance. The
         abort wins over a conversion that fails after it: the block raises RequestAbortedError
-        instead of the conversion's refusal, since Abort told the client ABORTED."""
+        instead of the conversion's refusal, since Abort told the client ABORTED (an error
+        that is no refusal, a bug, is still logged with its traceback, as without the Abort)."""
         handle = TaskHandle(request_id, waiting=False, converting=True)
         held = bool(request_id) and not (request_id in self._live_tasks or request_id in self._live)
         if held:
@@ -638,6 +640,8 @@ class EngineService:
             yield handle
         except Exception as exc:
             if handle.aborted.is_set():
+                if not isinstance(exc, KvplaneError):  # a bug, not a refusal: say so
+                    log.error("converting aborted request %r failed", request_id, exc_info=exc)
                 raise RequestAbortedError(f"request {request_id!r} was aborted") from exc
             raise
         finally:

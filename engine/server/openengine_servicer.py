@@ -160,6 +160,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             )
             if aborted:
                 stream = None  # aborted while it was converted: the core never has it
+                if request.kv.HasField("session") and self._kv_puller is not None:
+                    # A DECODE engine's request needs its session no longer, as one aborted
+                    # during its pull (a ref it could not pull from names none to release).
+                    with contextlib.suppress(KvplaneError):
+                        self._kv_puller.release(request.kv.session)
             elif request.kv.HasField("session") and self._kv_puller is not None:
                 stream = await self._pull_and_submit(
                     self._kv_puller, request.kv.session, engine_request

@@ -40,6 +40,14 @@ from tests.engine.engine_server_harness import (
     stream_error,
 )
 from tests.engine.lora_adapters import write_adapter_config
+from tests.engine.test_text_prompt_off_loop import (
+    HUGE_PROMPT,
+    OUT_OF_VOCABULARY,
+    PROMPT_IDS,
+    BlockingTokenizer,
+    aborted_while_tokenised,
+    text_engine,
+)
 from tests.grpc_streams import next_reply
 from tests.partial_servicers import PartialKvTransfer
 from tests.polling import eventually
@@ -801,6 +809,32 @@ async def test_an_abort_during_the_pull_ends_the_request_as_one_aborted_before_i
         text = await metrics_text(decoder)
         assert 'kvplane_engine_kv_pulls_total{model="sim",outcome="cancelled"} 1.0' in text
         _assert_counted_as_aborted_before_its_prefill(text, num_outputs=2)
+
+
+@pytest.mark.parametrize("ids", [PROMPT_IDS, OUT_OF_VOCABULARY], ids=["taken", "refused"])
+async def test_an_abort_while_the_request_is_converted_releases_its_session(
+    ids: list[int],
+) -> None:
+    """A DECODE engine's request aborted before its pull, while its text prompt is tokenised:
+    it ends as one aborted before its prefill, and the prefill engine is told to release the
+    session, which the request needs no longer, as when it is aborted during the pull (even
+    when the conversion then refuses the prompt: the abort wins). The session used to stay
+    held until its TTL."""
+    tokenizer = BlockingTokenizer(ids)
+    async with (
+        engines(sim_config(role="prefill")) as (prefiller,),
+        text_engine(tokenizer, role="decode") as port,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
+    ):
+        session = await prefill(prefiller, PROMPT_IDS)
+        request = pb.GenerateRequest(
+            request_id="converting", prompt=HUGE_PROMPT, stopping=pb.StoppingOptions(max_tokens=3)
+        )
+        request.kv.session.CopyFrom(session)
+        reply, events = await aborted_while_tokenised(client, tokenizer, request)
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        assert [e.finished.reason for e in events] == [pb.FINISH_REASON_CANCELLED]
+        await eventually(lambda: _no_sessions(prefiller), what="the session released")
 
 
 def _assert_counted_as_aborted_before_its_prefill(metrics: str, num_outputs: int) -> None:

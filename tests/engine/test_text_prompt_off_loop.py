@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 
@@ -75,17 +76,21 @@ def vllm_call(channel: grpc.aio.Channel) -> Callable[[], Coroutine[None, None, l
 
 
 @contextlib.asynccontextmanager
-async def text_engine(tokenizer: BlockingTokenizer) -> AsyncIterator[int]:
-    """A real engine whose both front ends tokenise with `tokenizer`; yields its port."""
-    async with running_engine() as engine:
+async def text_engine(tokenizer: BlockingTokenizer, role: str = "aggregated") -> AsyncIterator[int]:
+    """A real engine of `role` whose both front ends tokenise with `tokenizer` (a DECODE
+    engine's OpenEngine front end pulls KV sessions with the engine's puller); yields its
+    port."""
+    async with running_engine(sim_config(role=role)) as engine:
         service = engine.app.service
         ctx = EngineContext(
             model=service.model,
-            role=oe.ENGINE_ROLE_AGGREGATED,
+            role=oe.EngineRole.Value(f"ENGINE_ROLE_{role.upper()}"),
             data_parallel_rank=0,
             encode=tokenizer.encode,
         )
-        openengine = OpenEngineServicer(service, ctx, instance_id="text", token_text=str)
+        openengine = OpenEngineServicer(
+            service, ctx, instance_id="text", token_text=str, kv_puller=engine.app.kv_puller
+        )
         vllm = VllmGenerateServicer(service, ctx)
         health_servicer = health.aio.HealthServicer()
         await vllm.report_health(health_servicer)
@@ -174,6 +179,48 @@ async def test_abort_while_the_text_prompt_is_tokenised_ends_it_cancelled_unrun(
     usage = responses[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 0)
     assert again.status == oe.ABORT_STATUS_ALREADY_FINISHED
+
+
+async def aborted_while_tokenised(
+    client: grpc.aio.Channel, tokenizer: BlockingTokenizer, request: oe.GenerateRequest
+) -> tuple[oe.AbortResponse, list[oe.GenerateResponse]]:
+    """`request` generated on the engine `client` dials, aborted by its id while `tokenizer`
+    tokenises its prompt: the Abort's reply and the request's responses."""
+    stub = oe_grpc.OpenEngineStub(client)
+    generate = asyncio.create_task(collect(stub, request))
+    await asyncio.to_thread(tokenizer.entered.wait)
+    aborted = await stub.Abort(oe.AbortRequest(request_id=request.request_id))
+    tokenizer.release.set()
+    return aborted, await generate
+
+
+class FailingTokenizer(BlockingTokenizer):
+    """A `BlockingTokenizer` that fails once released, as a tokenizer with a bug would."""
+
+    def encode(self, text: str) -> list[int]:
+        super().encode(text)
+        raise RuntimeError("the tokenizer broke")
+
+
+async def test_a_conversion_that_breaks_after_an_abort_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The abort wins over a conversion that fails after it, but an error that is no refusal
+    (a bug) is not swallowed: it is logged with its traceback, as it is without the Abort (it
+    used to vanish)."""
+    tokenizer = FailingTokenizer()
+    request = oe.GenerateRequest(
+        request_id="held", prompt=HUGE_PROMPT, stopping=oe.StoppingOptions(max_tokens=3)
+    )
+    async with (
+        text_engine(tokenizer) as port,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
+    ):
+        aborted, responses = await aborted_while_tokenised(client, tokenizer, request)
+    assert aborted.status == oe.ABORT_STATUS_ABORTED
+    assert [r.finished.reason for r in responses] == [oe.FINISH_REASON_CANCELLED]
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
+    assert [str(r.exc_info[1]) for r in logged if r.exc_info] == ["the tokenizer broke"]
 
 
 @pytest.mark.parametrize("unary", [False, True])
