@@ -371,6 +371,10 @@ def health(
         raise NotServingError(f"{server.address} is not serving: its health is {state}")
 
 
+# LoadInfo's fields that are no single figure: shown as tables of their own.
+_LOAD_LISTS = frozenset({"ranks", "attributes"})
+
+
 def load(
     ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
 ) -> None:
@@ -382,15 +386,15 @@ def load(
     data = _dict(reply)
 
     def render(d: dict[str, Any]) -> str:
-        keys = [
-            "instance_id",
-            "running_requests",
-            "queued_requests",
-            "used_kv_blocks",
-            "total_kv_blocks",
-            "waiting_tokens",
-        ]
+        # Every figure of LoadInfo in its order ("-": absent, unavailable); the per-rank
+        # figures and the attributes below.
+        keys = [f.name for f in pb.LoadInfo.DESCRIPTOR.fields if f.name not in _LOAD_LISTS]
         lines = [_table(["FIELD", "VALUE"], [[k, d.get(k)] for k in keys])]
+        ranks = d.get("ranks", [])
+        if ranks:
+            names = [f.name for f in pb.RankLoadInfo.DESCRIPTOR.fields]
+            rows = [[r.get(n) for n in names] for r in ranks]
+            lines.append(_table([n.upper() for n in names], rows))
         attributes = d.get("attributes", {})
         if attributes:
             lines.append(
