@@ -371,6 +371,10 @@ def health(
         raise NotServingError(f"{server.address} is not serving: its health is {state}")
 
 
+# LoadInfo's fields that are no single figure: shown as tables of their own.
+_LOAD_LISTS = frozenset({"ranks", "attributes"})
+
+
 def load(
     ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
 ) -> None:
@@ -382,15 +386,15 @@ def load(
     data = _dict(reply)
 
     def render(d: dict[str, Any]) -> str:
-        keys = [
-            "instance_id",
-            "running_requests",
-            "queued_requests",
-            "used_kv_blocks",
-            "total_kv_blocks",
-            "waiting_tokens",
-        ]
+        # Every figure of LoadInfo in its order ("-": absent, unavailable); the per-rank
+        # figures and the attributes below.
+        keys = [f.name for f in pb.LoadInfo.DESCRIPTOR.fields if f.name not in _LOAD_LISTS]
         lines = [_table(["FIELD", "VALUE"], [[k, d.get(k)] for k in keys])]
+        ranks = d.get("ranks", [])
+        if ranks:
+            names = [f.name for f in pb.RankLoadInfo.DESCRIPTOR.fields]
+            rows = [[r.get(n) for n in names] for r in ranks]
+            lines.append(_table([n.upper() for n in names], rows))
         attributes = d.get("attributes", {})
         if attributes:
             lines.append(
@@ -960,30 +964,11 @@ def abort(
         else pb.AbortRequest(request_id=request_id)
     )
     metadata = bearer_metadata(token_file)
-
-    def rpc(channel: grpc.Channel) -> dict[str, Any]:
-        try:
-            reply, call = pb_grpc.OpenEngineStub(channel).Abort.with_call(
-                req, metadata=metadata, timeout=RPC_TIMEOUT_S
-            )
-        except grpc.RpcError as exc:
-            # A fan-out that failed still reports every engine's outcome (a controller's
-            # trailing metadata): shown as a success's are. Any other failure is one line.
-            if not isinstance(exc, grpc.Call):
-                raise
-            outcomes = read_outcomes(exc.trailing_metadata())
-            if not outcomes:
-                raise
-            return {
-                "error": {"code": exc.code().name, "message": exc.details()},
-                "engines": outcomes,
-            }
-        data = _dict(reply)
-        if engines := read_outcomes(call.trailing_metadata()):
-            data["engines"] = engines
-        return data
-
-    data = _call(_server(ctx, target), rpc)
+    server = _server(ctx, target)
+    data = _fanout_call(
+        server,
+        lambda stub: stub.Abort.with_call(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
+    )
 
     def render(d: dict[str, Any]) -> str:
         if "error" in d:
@@ -1001,8 +986,7 @@ def abort(
         raise RpcCallError(
             f"not every request was aborted: {', '.join(failed)} did not abort theirs"
         )
-    if "error" in data:
-        raise RpcCallError(f"{data['error']['code']}: {data['error']['message']}")
+    _fail_on_error(server, data)
 
 
 lora_app = typer.Typer(no_args_is_help=True, help="LoRA adapters on the fleet or an engine.")
@@ -1027,17 +1011,48 @@ def _engine_metadata(
     return named + lora_model_metadata(model)
 
 
-def _lora_call(
+def _fanout_call(
     server: ClientTarget, rpc: Callable[[pb_grpc.OpenEngineStub], tuple[Message, grpc.Call]]
 ) -> dict[str, Any]:
-    """The reply as a dict, with `engines`: the controller's per-engine outcomes (its
-    trailing metadata, controller.outcomes); absent against a single engine."""
-    reply, call = _call(server, lambda ch: rpc(pb_grpc.OpenEngineStub(ch)))
-    data = _dict(reply)
-    engines = read_outcomes(call.trailing_metadata())
-    if engines:
-        data["engines"] = engines
-    return data
+    """The reply of a call a controller fans out to its engines (Abort, the LoRA calls) as a
+    dict, with `engines`: the controller's per-engine outcomes (its trailing metadata,
+    controller.outcomes); absent against a single engine. A fan-out that failed reports them
+    all the same: then `{"error": {"code", "message"}, "engines": [...]}`, printed as a
+    success's is before the caller exits 1 (`_fail_on_error`), so that a script reads which
+    engines did and which did not. Any other failure is one line."""
+
+    def call(channel: grpc.Channel) -> dict[str, Any]:
+        try:
+            reply, call = rpc(pb_grpc.OpenEngineStub(channel))
+        except grpc.RpcError as exc:
+            if not isinstance(exc, grpc.Call) or not (
+                outcomes := read_outcomes(exc.trailing_metadata())
+            ):
+                raise
+            return {
+                "error": {"code": exc.code().name, "message": exc.details()},
+                "engines": outcomes,
+            }
+        data = _dict(reply)
+        if engines := read_outcomes(call.trailing_metadata()):
+            data["engines"] = engines
+        return data
+
+    return _call(server, call)
+
+
+def _fail_on_error(server: ClientTarget, data: dict[str, Any]) -> None:
+    """Exit 1, in one line, after a failed fan-out's outcomes were printed (`_fanout_call`)."""
+    if "error" in data:
+        error = data["error"]
+        raise RpcCallError(f"{server.address}: {error['code']}: {error['message']}")
+
+
+def _done(subject: str, done: str, data: dict[str, Any]) -> str:
+    """`x loaded`, or `x failed: CODE` for a failed fan-out (`_fanout_call`)."""
+    if "error" in data:
+        return f"{subject} failed: {data['error']['code']}"
+    return f"{subject} {done}"
 
 
 def _with_engines(summary: str, data: dict[str, Any]) -> str:
@@ -1082,12 +1097,13 @@ def lora_load(
     req = pb.LoadLoraRequest(
         adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
     )
-    data = _lora_call(
-        _server(ctx, target),
+    data = _fanout_call(
+        server,
         lambda stub: stub.LoadLora.with_call(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
     )
     state = "already loaded" if data.get("already_loaded") else "loaded"
-    emit(data, output, lambda d: _with_engines(f"{name} {state}", d))
+    emit(data, output, lambda d: _with_engines(_done(name, state, d), d))
+    _fail_on_error(server, data)
 
 
 @lora_app.command("unload")
@@ -1107,11 +1123,12 @@ def lora_unload(
     metadata = bearer_metadata(token_file)
     metadata += _engine_metadata("lora unload --engine", server, engine)
     req = pb.UnloadLoraRequest(lora_name=name)
-    data = _lora_call(
-        _server(ctx, target),
+    data = _fanout_call(
+        server,
         lambda stub: stub.UnloadLora.with_call(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
     )
-    emit(data, output, lambda d: _with_engines(f"{name} unloaded", d))
+    emit(data, output, lambda d: _with_engines(_done(name, "unloaded", d), d))
+    _fail_on_error(server, data)
 
 
 @lora_app.command("list")
@@ -1121,10 +1138,14 @@ def lora_list(
     """Adapters loaded on any engine of the fleet.
 
     Behind a controller, which engines hold each (ENGINES)."""
-    data = _lora_call(
-        _server(ctx, target),
+    server = _server(ctx, target)
+    data = _fanout_call(
+        server,
         lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=RPC_TIMEOUT_S),
     )
+    if "error" in data:
+        emit(data, output, lambda d: _with_engines(_done("the listing", "", d), d))
+        _fail_on_error(server, data)
     data.setdefault("adapters", [])
     holders: dict[str, list[str]] = {}
     for e in data.get("engines", ()):

@@ -267,6 +267,24 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
 
 
+async def test_load_table_shows_every_figure_the_json_has(fleet: Fleet) -> None:
+    """`admin load`'s table, of the controller and of an engine, lists every LoadInfo figure
+    the JSON has (`active_kv_sessions` and `running_tokens` included, which it used to leave
+    out though both are reported and the fleet sums them)."""
+    for target in (fleet.target, fleet.address(fleet.engines[0])):
+        as_json = await cli_json("load", "--target", target)
+        table = await cli("load", "--target", target)
+        assert table.exit_code == 0, table.output
+        figures = table.output.split("\nATTRIBUTE")[0].splitlines()[1:]
+        shown = {line.split()[0]: line.split()[1] for line in figures}
+        # Every figure but the call's own timestamp, which moves from one call to the next.
+        lists = ("attributes", "ranks", "timestamp_unix_nanos")
+        expected = {k: str(v) for k, v in as_json.items() if k not in lists}
+        assert {k: shown.get(k) for k in expected} == expected, table.output
+        assert {"active_kv_sessions", "running_tokens"} <= expected.keys()
+        assert shown.get("timestamp_unix_nanos", "").isdigit(), table.output
+
+
 async def test_health_exits_1_when_the_target_is_not_serving(fleet: Fleet) -> None:
     """A probe or a script reads `health`'s exit code: 0 while the target serves (READY, or
     DEGRADED: some engines out), 1 otherwise, the state shown all the same. It exited 0

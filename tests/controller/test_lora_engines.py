@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from controller.registry import EngineState
 from engine.config import LoraConfig
 from engine.core.api import BlockStored
 from engine.server.service import EngineApp
@@ -100,5 +101,50 @@ async def test_admin_lora_fan_out_and_routing_on_real_engines(tmp_path: Path) ->
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         remaining = await fleet.gateway.ListLoras(pb.ListLorasRequest())
         assert [a.lora_name for a in remaining.adapters] == ["y"]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_failed_lora_fan_out_still_shows_every_engines_outcome(tmp_path: Path) -> None:
+    """An operator's bad day: `lora load` where one engine refuses (its adapter slots full)
+    and `lora unload` with an engine down fail the call, as they must, and still print every
+    engine's outcome, in the table and as JSON (`error` and `engines`), before exiting 1:
+    which engines hold the adapter is what the operator acts on. Before, a failed fan-out
+    printed one error line and, with `--output json`, nothing a script could parse."""
+    engines = [
+        await start_sim_engine("e0", lora=LoraConfig(enabled=True, max_loras=1)),
+        await start_sim_engine("e1", lora=LoraConfig(enabled=True)),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        t = ["--target", fleet.target]
+        w = str(write_adapter_config(tmp_path / "w"))
+        y = str(write_adapter_config(tmp_path / "y", r=4))
+        assert (await cli("lora", "load", "w", w, "--id", "1", "--engine", "e0", *t)).exit_code == 0
+
+        as_json = await cli("lora", "load", "y", y, "--id", "2", *t, "--output", "json")
+        assert as_json.exit_code == 1, as_json.output
+        assert str(as_json.exception).startswith(f"{fleet.target}: RESOURCE_EXHAUSTED: ")
+        doc = json.loads(as_json.stdout)
+        assert doc["error"]["code"] == "RESOURCE_EXHAUSTED", doc
+        assert {e["instance_id"]: e["outcome"] for e in doc["engines"]} == {
+            "e0": "RESOURCE_EXHAUSTED", "e1": "ok",
+        }  # fmt: skip
+        table = await cli("lora", "load", "y", y, "--id", "2", *t)
+        assert table.exit_code == 1, table.output
+        assert table.stdout.splitlines()[0] == "y failed: RESOURCE_EXHAUSTED", table.stdout
+        assert outcome_lines(table.stdout) == {"e0": "RESOURCE_EXHAUSTED", "e1": "ok"}
+
+        # e1, holding y, goes down: the unload cannot reach it and says so, engine by engine.
+        registry = fleet.app.controller.fleet.registry
+        down = registry.get("e1").address
+        await engines[1].close()
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(down).state is EngineState.UNREACHABLE, 30
+        )
+        unloaded = await cli("lora", "unload", "y", *t, "--output", "json")
+        assert unloaded.exit_code == 1, unloaded.output
+        outcomes = {e["instance_id"]: e["outcome"] for e in json.loads(unloaded.stdout)["engines"]}
+        assert outcomes == {"e0": "not_loaded", "e1": "UNAVAILABLE"}, unloaded.stdout
     finally:
         await close_fleet(fleet)
