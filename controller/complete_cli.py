@@ -128,8 +128,8 @@ def _route_text(route: dict[str, Any]) -> str:
     words = [_engine_text(route)] if "engine" in route else []
     if "prefill" in route:
         words.append(f"prefilled on {_engine_text(route['prefill'])}")
-    if route.get("retried"):
-        words.append(f"retried after {', '.join(route.get('retried_from', []))} failed")
+    if route.get("retried"):  # each failed it, or refused what it cannot serve
+        words.append(f"after {', '.join(route.get('retried_from', []))} failed or refused it")
     return ", ".join(words)
 
 

@@ -573,7 +573,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
             )
         tried: set[str] = set()
-        retried = False  # its one retry spent (a re-route past a refusal spends none)
+        # Its one retry, once spent (a re-route past a refusal spends none): the engine that
+        # failed it and how. With no engine left after a re-route, the client's answer.
+        failed: tuple[str, grpc.aio.AioRpcError] | None = None
         try:
             # A task is one unary call without side effects, nothing relayed before its reply:
             # moved on as a Generate failing before its first response is, by the same rule
@@ -609,7 +611,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                             described,
                             unmeasured=unmeasured,
                             longer=functools.partial(
-                                self._past_refusal, task, task_context, engine, text, tried
+                                self._past_refusal, task, task_context, engine, text
                             ),
                         )
                     except NoEngineAvailableError as exc:
@@ -624,18 +626,21 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         engine,
                         described,
                         retryable=failure.code() in RETRYABLE,
-                        retried=retried,
+                        retried=failed is not None,
                     ):
-                        retried = True
+                        failed = engine, failure
                     else:
                         break
                     # Never shed (the request was admitted); with no other capable engine,
-                    # the client gets this engine's failure, or the fleet's LoRA status
-                    # when its adapter left.
+                    # the client gets the failure of the engine that failed it (which could
+                    # serve it), else this engine's refusal, or the fleet's LoRA status when
+                    # its adapter left, as a Generate does.
                     other = min(self._capable(task, task_context, longest, text, tried),
                                 key=_queue_depth, default=None)  # fmt: skip
                     if other is None:
-                        if adapter_left:
+                        if failed is not None:
+                            engine, failure = failed
+                        elif adapter_left:
                             await self._refuse_lora(task, task_context, context)
                         break
                     self.controller.metrics.count_move(reroute)
@@ -726,14 +731,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         task_context: pb.TaskRequestContext,
         refused_by: str,
         text: bool,
-        tried: set[str],
     ) -> int | None:
         """After `refused_by` refused a pooling task INVALID_ARGUMENT, the tokens of a text
         input not known here (`Relay.past_refusal`): the input length it must be routed as,
         one token past that engine's (`Eligibility.past_input_refusal`), where an engine with
-        the task not `tried` takes it (`_capable`); None where no engine with the task does.
-        NoEngineAvailableError when only engines taking no traffic do, naming each engine's
-        state (`_states`)."""
+        the task takes it; None where none does. NoEngineAvailableError when only engines
+        taking no traffic do, naming each engine's state (`_states`); not when the routable
+        ones that do were tried (one failed the task: its failure is the answer), as for a
+        Generate (`Controller.past_refusal`)."""
         model = task_context.model
         serving = self.controller.fleet.registry.may_serve_records(model)
         past = self.controller.eligibility.past_input_refusal(
@@ -741,7 +746,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
         if past is None:
             return None
-        if not self._capable(task, task_context, past, text, tried):
+        if not self._capable(task, task_context, past, text):
             raise NoEngineAvailableError(self._states(task, task_context, past))
         return past
 

@@ -1219,11 +1219,12 @@ class Relay:
         calls_heard = c.fleet.calls_heard
         tried: set[str] = set()
         # The hop's latest move to another engine, a re-route or the one retry (its next
-        # route counts it): the engine that sent it on, and what the client gets when no
-        # engine takes it.
+        # route counts it).
         moved = retried
-        # Whether its one retry is spent (a re-route past a refusal spends none).
-        failed_over = retried is not None
+        # Its one retry, once spent (a re-route past a refusal spends none): the engine that
+        # failed it. What the client gets when no engine takes it is that engine's failure,
+        # where one failed it, else the latest refusal's (NoEngineAvailableError, below).
+        failed = retried
         # The engine that failed the request before its output, sending it to the next one.
         sent_from = retried.engine if retried is not None else None
         while True:
@@ -1246,14 +1247,19 @@ class Relay:
                 yield ending
                 return
             except NoEngineAvailableError as exc:
-                failure: Any = moved.failure if moved is not None else None
-                self._count("no_engine" if moved is None else "engine_error")
+                # An engine that failed the request could have served it (it took what the
+                # others refused): its failure says more than a refusal past it.
+                answer = failed or moved
+                failure: Any = answer.failure if answer is not None else None
+                self._count("no_engine" if answer is None else "engine_error")
                 if failure is None or isinstance(failure, grpc.aio.AioRpcError):
                     # No engine at all, or the failed engine's status is the answer.
                     status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
-                        await pass_status(context, status, moved.engine if moved else None, c.fleet)
+                        await pass_status(
+                            context, status, answer.engine if answer else None, c.fleet
+                        )
                 yield failure  # an in-band error: the refusing response, or the gateway's
                 return
             if moved is not None:  # every route but the hop's first follows a move
@@ -1303,7 +1309,12 @@ class Relay:
                                 self.let_go(request_id, engine)
                                 refused = HopFailure.of_in_band(error, response, stage)
                                 verdict = await self._judge(
-                                    refused, stage, engine, plan, moved=moved, retried=failed_over
+                                    refused,
+                                    stage,
+                                    engine,
+                                    plan,
+                                    moved=moved,
+                                    retried=failed is not None,
                                 )
                                 if verdict.aborted:
                                     for closing in await self._end_aborted(
@@ -1361,7 +1372,7 @@ class Relay:
                 if error is not None and error.engine_fault:
                     await self.report(engine, error.message)
                 moved = exc
-                failed_over |= exc.reroute is None
+                failed = exc if exc.reroute is None else failed
                 tried |= exc.excluded
             except _Refused as exc:
                 yield await self._failed(
@@ -1380,7 +1391,7 @@ class Relay:
                 if not relayed:
                     failure = HopFailure.of_status(cause, stage)
                     verdict = await self._judge(
-                        failure, stage, engine, plan, moved=moved, retried=failed_over
+                        failure, stage, engine, plan, moved=moved, retried=failed is not None
                     )
                     if verdict.aborted:
                         for closing in await self._end_aborted(surface, request, stage, context):
@@ -1388,7 +1399,7 @@ class Relay:
                         return
                     if verdict.retry is not None:
                         moved = verdict.retry
-                        failed_over |= moved.reroute is None
+                        failed = moved if moved.reroute is None else failed
                         tried |= moved.excluded
                         continue
                     cause = verdict.failure.cause
@@ -1436,24 +1447,28 @@ class Relay:
         session is lost (its holder gone: `_Stage.session_lost`; gone from its holder other
         than by its drain, the release that asked answering: `_Stage.session_ended`) raises
         `_SessionLost`, and in the request's run again fails with no retry; one whose first
-        engine found no session that its holder's drain ended ends at the handoff; a refused
-        session is the engine's failure (UNAVAILABLE), not the client's; an engine that no
-        longer holds the request's LoRA adapter is left for one that does, and one refusing a
-        prompt maybe past its context for one taking a longer one (re-routes, whatever was
-        spent); else the one retry, when it is not spent and another engine may succeed
+        engine found no session that its holder's drain ended ends at the handoff; an engine
+        that no longer holds the request's LoRA adapter is left for one that does (a decode
+        engine's NOT_FOUND too, which its session did not cause), and one refusing a prompt
+        maybe past its context for one taking a longer one (re-routes, whatever was spent);
+        a refused session is the engine's failure (UNAVAILABLE), not the client's; else the
+        one retry, when it is not spent and another engine may succeed
         (`retries_elsewhere`)."""
         request_id = plan.request.request_id
         if stage.session_lost is not None:
             lost = await stage.session_lost(engine, failure.described)
             if lost is not None:
                 raise lost
+        adapter_left = failure.not_found and await self.adapter_left(
+            request_id, plan.lora_name, engine
+        )
         end = _SessionEnd()
         if (
             failure.refused_session
             and failure.cause.code() == grpc.StatusCode.NOT_FOUND
             and moved is None  # no decode engine attached the session before
             and stage.session_ended is not None
-            and not await self.adapter_left(request_id, plan.lora_name, engine)
+            and not adapter_left
         ):
             end = await stage.session_ended(engine, failure.described)
         if end.drained:
@@ -1464,15 +1479,15 @@ class Relay:
             return _Verdict(failure, aborted=True)
         if end.lost is not None:  # no decode engine can take it: no retry
             return _Verdict(HopFailure(end.lost, retryable=False))
+        if adapter_left:
+            rerouted = _Retry(failure.described, failure.answer, engine, reroute="lora_adapter")
+            return _Verdict(failure, rerouted)
         if failure.refused_session:
             refused = gateway_failure(
                 grpc.StatusCode.UNAVAILABLE,
                 f"engine {engine} refused the KV session: {failure.described}",
             )
             failure = HopFailure(refused, retryable=True)
-        if failure.not_found and await self.adapter_left(request_id, plan.lora_name, engine):
-            rerouted = _Retry(failure.described, failure.answer, engine, reroute="lora_adapter")
-            return _Verdict(failure, rerouted)
         # Its prompt's length unknown here, maybe past this engine's context or KV cache:
         # to an engine taking a longer context, where there is one (the KV session of a
         # decode hop is never moved so).

@@ -468,10 +468,14 @@ class Controller:
         `prompt_tokens`: the prompt's tokens as the prefill engine told at the handoff, where
         the plan did not know them (a text prompt not tokenised here): only a decode engine
         that takes a prompt that long (`Eligibility.with_prompt`; BeyondFleetError: none
-        serving the model does)."""
+        serving the model does). With none left, a request whose LoRA adapter no routable
+        decode engine holds any more gets the fleet's LoRA refusal (`_check_lora_still_held`),
+        as at its plan."""
         candidates = tuple(
             c for c in self._of_role(plan, Role.DECODE) if c.engine_id not in exclude
         )
+        if not candidates and plan.lora_name:
+            self._check_lora_still_held(plan, Role.DECODE)
         if prompt_tokens is not None and not plan.tokenized:
             candidates = self.eligibility.with_prompt(
                 plan.model or None, candidates, plan.needs, prompt_tokens
@@ -496,12 +500,14 @@ class Controller:
                 out.append(candidate)
         return tuple(out)
 
-    def _check_lora_still_held(self, plan: Plan) -> None:
+    def _check_lora_still_held(self, plan: Plan, role: Role | None = None) -> None:
         """Raise the LoraRoutingError a request planned now would get when no routable
-        engine holds the plan's adapter any more (unloaded since the plan was made)."""
+        engine (of `role`, or any) holds the plan's adapter any more (unloaded since the
+        plan was made)."""
         registry = self.fleet.registry
-        if not registry.routable(plan.model or None, lora_name=plan.lora_name, generating=True):
-            registry.check_lora(plan.lora_name, plan.model or None)
+        model = plan.model or None
+        if not registry.routable(model, role, lora_name=plan.lora_name, generating=True):
+            registry.check_lora(plan.lora_name, model, role)
 
     def _routable(self, candidate: Candidate, lora_name: str = "") -> bool:
         """Whether the candidate still takes the request (and holds its LoRA adapter: an

@@ -249,3 +249,29 @@ def test_the_summary_of_a_handed_over_request_names_both_engines_and_the_prefill
         "d1 (127.0.0.1:9002), prefilled on p1 (127.0.0.1:9001): 77 prompt tokens, 64 handed "
         "over (predicted cached 32) · first token 5.0 ms · 4 tokens in 9 ms · finished: length"
     )
+
+
+def test_the_summary_of_a_request_sent_on_names_the_engines_that_failed_or_refused_it() -> None:
+    """`retried_from` names the engines that failed the request and those that refused what
+    they cannot serve (a LoRA adapter gone, a prompt past their context), which did not fail:
+    the line says so, not "failed" alone (it was "retried after ... failed")."""
+    route = {
+        "engine": "127.0.0.1:9003",
+        "instance_id": "long",
+        "predicted_cached_tokens": 0,
+        "retried": True,
+        "retried_from": ["127.0.0.1:9001", "127.0.0.1:9002"],
+    }
+    done = Completion(
+        request_id="r",
+        prompt_tokens=240,
+        completion_tokens=4,
+        cached_prompt_tokens=0,
+        finish_reason="length",
+        first_token_ms=5.0,
+        total_ms=9.0,
+        route=route,
+    )
+    assert done.summary().startswith(
+        "long (127.0.0.1:9003), after 127.0.0.1:9001, 127.0.0.1:9002 failed or refused it: "
+    ), done.summary()

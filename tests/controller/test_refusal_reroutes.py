@@ -6,7 +6,10 @@ failing before anything was relayed still has it retried once elsewhere
 (`Relay.retries_elsewhere`). Counted apart: `kvplane_controller_retries_total` the retry,
 `kvplane_controller_reroutes_total{reason}` the re-route. Before, a context re-route (and a
 Generate's LoRA re-route) spent the retry, so that engine's failure was the client's answer,
-while a pooling task's LoRA re-route did not, and was counted among the retries.
+while a pooling task's LoRA re-route did not, and was counted among the retries. With no
+engine left after a re-route, the client gets the failure of the engine that spent the retry
+(it took what the others refused), where one did; a decode engine without the request's
+adapter is re-routed past like any other.
 
 Real gRPC end to end: a real controller in front of sim engines behind thin fronts
 (`ScriptedServicer`) that play what a sim engine cannot on demand, and real torch pooling
@@ -160,18 +163,23 @@ def moves(fleet: EngineFleet[Any]) -> tuple[float, dict[str, float]]:
 TokenizingFleet = tuple[EngineFleet[TokenizingEngine], list[TokenizingEngine]]
 
 
+@asynccontextmanager
+async def tokenizing_in_order(*contexts: tuple[str, int]) -> AsyncIterator[TokenizingFleet]:
+    """A Tokenizing engine of each (name, max_model_len) of `contexts`, picked in that
+    order; the controller tokenises no text (it has no tokenizer for the sim model, nor would
+    it past one character)."""
+    engines = [await start_tokenizing(name, context) for name, context in contexts]
+    async with picking_in_order(engines, tokenize_max_chars=1) as fleet:
+        yield fleet, engines
+
+
 @pytest.fixture
 async def short_mid_long() -> AsyncIterator[TokenizingFleet]:
     """A short engine (SHORT_CONTEXT), then two long ones (LONG_CONTEXT), picked in that
-    order; the controller tokenises no text (it has no tokenizer for the sim model, nor would
-    it past one character)."""
-    engines = [
-        await start_tokenizing("short", SHORT_CONTEXT),
-        await start_tokenizing("mid", LONG_CONTEXT),
-        await start_tokenizing("long", LONG_CONTEXT),
-    ]
-    async with picking_in_order(engines, tokenize_max_chars=1) as fleet:
-        yield fleet, engines
+    order (`tokenizing_in_order`)."""
+    contexts = ("short", SHORT_CONTEXT), ("mid", LONG_CONTEXT), ("long", LONG_CONTEXT)
+    async with tokenizing_in_order(*contexts) as fleet:
+        yield fleet
 
 
 async def test_a_prompt_refused_for_its_length_is_still_retried_once_after_a_failure(
@@ -250,29 +258,38 @@ LoraEngine = FrontedEngine[FailsTasks]
 LoraFleet = tuple[EngineFleet[LoraEngine], list[LoraEngine]]
 
 
-@pytest.fixture
-async def lora_fleet(tmp_path: Path) -> AsyncIterator[LoraFleet]:
-    """Three engines serving LoRA and Embed, picked in order, each holding adapter x (loaded
-    through the gateway) but the first: x unloaded there behind the controller's back, so it
-    refuses a request naming x NOT_FOUND."""
-    engines = [
-        await start_fronted_engine(
-            name,
-            lambda inner: FailsTasks(
-                inner,
-                GenerateFaults(),
-                advertise_lora=True,
-                lora_enabled=True,
-                tasks=frozenset({"embed"}),
-            ),
-        )
-        for name in ("e0", "e1", "e2")
-    ]
+async def start_lora_engine(name: str, tasks: frozenset[str], **config: Any) -> LoraEngine:
+    """A FailsTasks engine serving LoRA and `tasks` (`config`: more of its sim engine's
+    EngineConfig, such as its role)."""
+    return await start_fronted_engine(
+        name,
+        lambda inner: FailsTasks(
+            inner, GenerateFaults(), advertise_lora=True, lora_enabled=True, tasks=tasks
+        ),
+        **config,
+    )
+
+
+@asynccontextmanager
+async def holding_x(
+    tmp_path: Path, engines: list[LoraEngine], lost_on: LoraEngine
+) -> AsyncIterator[LoraFleet]:
+    """A controller in front of `engines`, picked in order (`picking_in_order`), each
+    holding adapter x (loaded through the gateway) but `lost_on`: x unloaded there behind
+    the controller's back, so it refuses a request naming x NOT_FOUND."""
     async with picking_in_order(engines) as fleet:
         x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
         await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
-        del engines[0].servicer.adapters["x"]
+        del lost_on.servicer.adapters["x"]
         yield fleet, engines
+
+
+@pytest.fixture
+async def lora_fleet(tmp_path: Path) -> AsyncIterator[LoraFleet]:
+    """Three engines serving LoRA and Embed, e0, e1, e2, x lost on e0 (`holding_x`)."""
+    engines = [await start_lora_engine(f"e{n}", frozenset({"embed"})) for n in range(3)]
+    async with holding_x(tmp_path, engines, lost_on=engines[0]) as fleet:
+        yield fleet
 
 
 async def test_a_request_whose_engine_lost_its_adapter_is_still_retried_once(
@@ -311,20 +328,29 @@ async def test_a_task_whose_engine_lost_its_adapter_counts_its_reroute_apart(
     assert moves(fleet) == (1, {"lora_adapter": 1, "context": 0})
 
 
-@pytest.fixture
-async def short_and_two_long(tmp_path: Path) -> AsyncIterator[tuple[Fleet, str]]:
-    """Three torch pooling engines of one model, one taking inputs of up to SHORT_INPUT
-    tokens, two LONG_INPUT, listed in that order (by address: routing by load picks the
-    short one first among idle engines, then the first long one), that long one then
-    stopped (its address is returned): a task sent there fails UNAVAILABLE. Slow polls: the
-    controller still believes it ready. The controller tokenises no text of more than 10
-    characters."""
-    lengths = (("short", SHORT_INPUT), ("long-a", LONG_INPUT), ("long-b", LONG_INPUT))
+@asynccontextmanager
+async def pooling_one_stopped(
+    tmp_path: Path, lengths: tuple[tuple[str, int], ...], stopped: str
+) -> AsyncIterator[tuple[Fleet, str]]:
+    """A torch pooling engine of each (name, max_model_len) of `lengths`, of one model,
+    listed (by address) in that order, which routing by load picks among idle engines; the
+    one named `stopped` then stopped (its address is yielded): a task sent there fails
+    UNAVAILABLE. Slow polls: the controller still believes it ready. The controller
+    tokenises no text of more than 10 characters."""
     slow = {"poll_interval_s": 60, "load_poll_interval_s": 60}
     async with short_and_long_fleet(tmp_path, lengths, tokenize_max_chars=10, health=slow) as fleet:
-        stopped = fleet.engines[1]
-        await stopped.server.stop(None)
-        yield fleet, fleet.address(stopped)
+        engine = fleet.engines[[name for name, _ in lengths].index(stopped)]
+        await engine.server.stop(None)
+        yield fleet, fleet.address(engine)
+
+
+@pytest.fixture
+async def short_and_two_long(tmp_path: Path) -> AsyncIterator[tuple[Fleet, str]]:
+    """Three pooling engines, one taking inputs of up to SHORT_INPUT tokens, two LONG_INPUT,
+    picked in that order, the first long one stopped (`pooling_one_stopped`)."""
+    lengths = (("short", SHORT_INPUT), ("long-a", LONG_INPUT), ("long-b", LONG_INPUT))
+    async with pooling_one_stopped(tmp_path, lengths, "long-a") as stopped:
+        yield stopped
 
 
 async def test_a_text_input_refused_for_its_length_is_still_retried_once_after_a_failure(
@@ -347,3 +373,173 @@ async def test_a_text_input_refused_for_its_length_is_still_retried_once_after_a
     async with grpc.aio.insecure_channel(served) as channel:
         reply = await pb_grpc.OpenEngineStub(channel).Abort(pb.AbortRequest(request_id="e"))
     assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+
+# ---- what the client gets when no engine is left after a re-route ----
+
+
+def _failed_on(failure: grpc.aio.AioRpcError, engine: FrontedEngine[Any]) -> None:
+    """`failure` is `engine`'s UNAVAILABLE, as the gateway names it."""
+    assert failure.code() == grpc.StatusCode.UNAVAILABLE, failure
+    details = failure.details() or ""
+    assert details.startswith(f"engine {address(engine)} failed the request: "), details
+
+
+@pytest.fixture
+async def long_then_short() -> AsyncIterator[TokenizingFleet]:
+    """A long engine (LONG_CONTEXT), then a short one (SHORT_CONTEXT), picked in that order
+    (`tokenizing_in_order`)."""
+    async with tokenizing_in_order(("long", LONG_CONTEXT), ("short", SHORT_CONTEXT)) as fleet:
+        yield fleet
+
+
+async def test_a_refusal_past_a_failed_retry_leaves_the_failing_engines_answer(
+    long_then_short: TokenizingFleet,
+) -> None:
+    """A text prompt past the short engine's context: the long engine, its first pick, fails
+    before its first token (UNAVAILABLE), its one retry goes to the short engine, which
+    refuses it for its length; the one engine that takes it longer failed it already, so
+    the client gets that failure, naming the long engine (sent again, it may succeed), not
+    the short engine's INVALID_ARGUMENT (as if its prompt were too long for the fleet);
+    Generate and vllm.Generate alike. The re-route found no engine: only the retry counted.
+    It was the short engine's refusal."""
+    fleet, (long, short) = long_then_short
+    long.servicer.faults.pending.append("unavailable")
+    request = pb.GenerateRequest(request_id="g", model="sim", prompt=LONG_TEXT)
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await generate_routed(fleet, request)
+    _failed_on(failed.value, long)
+    assert moves(fleet) == (1, {"lora_adapter": 0, "context": 0})
+
+    long.servicer.faults.pending.append("prompt_info_then_unavailable")
+    vllm_request = vpb.GenerateRequest(request_id="v", model="sim", text=LONG_TEXT)
+    call = vpb_grpc.GenerateStub(fleet.channel).GenerateStream(vllm_request)
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        [r async for r in call]
+    _failed_on(failed.value, long)
+    assert [e.servicer.generate_calls for e in (long, short)] == [["g", "v"]] * 2
+
+
+async def test_a_lost_adapter_past_a_failed_retry_leaves_the_failing_engines_answer(
+    lora_fleet: LoraFleet,
+) -> None:
+    """x gone from e2 too: a Generate naming x is refused by e0 (re-routed), fails on e1
+    (retried), is refused by e2 (re-routed): e1, which holds x, is the one engine that could
+    serve it, and its failure is the client's answer. It was e2's bare NOT_FOUND. Each move
+    but the last, which found no engine, counted."""
+    fleet, engines = lora_fleet
+    del engines[2].servicer.adapters["x"]
+    engines[1].servicer.faults.pending.append("unavailable")
+    request = pb.GenerateRequest(
+        request_id="g", model="sim", token_ids=pb.TokenIds(ids=[1, 2, 3]), lora_name="x"
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await generate_routed(fleet, request)
+    _failed_on(failed.value, engines[1])
+    assert [e.servicer.generate_calls for e in engines] == [["g"]] * 3
+    assert moves(fleet) == (1, {"lora_adapter": 1, "context": 0})
+
+
+async def test_a_task_whose_adapter_is_lost_past_a_failed_retry_gets_the_failing_engines_answer(
+    lora_fleet: LoraFleet,
+) -> None:
+    """The same for an Embed naming x (e0 refuses, e1 fails, e2 refuses): e1's failure. It
+    was UNAVAILABLE saying "the embed engines with LoRA adapter 'x' loaded take no traffic
+    now: e1", e1 taking traffic."""
+    fleet, engines = lora_fleet
+    del engines[2].servicer.adapters["x"]
+    engines[1].servicer.failing_tasks = 1
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await task_call(fleet.gateway, "embed", "t", "x")
+    _failed_on(failed.value, engines[1])
+    assert [e.servicer.task_calls for e in engines] == [["embed"]] * 3
+    assert moves(fleet) == (1, {"lora_adapter": 1, "context": 0})
+
+
+@pytest.fixture
+async def long_then_short_pooling(tmp_path: Path) -> AsyncIterator[tuple[Fleet, str]]:
+    """Two pooling engines, a long one (LONG_INPUT) then a short one (SHORT_INPUT), picked
+    in that order, the long one stopped (`pooling_one_stopped`)."""
+    lengths = (("long", LONG_INPUT), ("short", SHORT_INPUT))
+    async with pooling_one_stopped(tmp_path, lengths, "long") as stopped:
+        yield stopped
+
+
+async def test_a_text_input_refused_past_a_failed_retry_gets_the_failing_engines_answer(
+    long_then_short_pooling: tuple[Fleet, str],
+) -> None:
+    """A text input past the short engine's context, not tokenised here: the long engine
+    fails it (UNAVAILABLE), its retry goes to the short engine, which refuses it
+    (INVALID_ARGUMENT): the long engine, the one that takes it, failed it, and its failure is
+    the answer, as a Generate's. It was UNAVAILABLE saying "no embed engine takes traffic
+    now", the long engine ready."""
+    fleet, stopped = long_then_short_pooling
+    assert fleet.app.controller.fleet.registry.get(stopped).routable
+    context = pb.TaskRequestContext(request_id="e", model=MODEL)
+    long_text = pb.TaskInput(item_id="long", text="hello " * 12)  # past SHORT_INPUT tokens
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await fleet.gateway.Embed(pb.EmbedRequest(context=context, inputs=[long_text]))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+    details = failed.value.details() or ""
+    assert details.startswith(f"engine {stopped} failed the request: "), details
+    assert moves(fleet) == (1, {"lora_adapter": 0, "context": 0})
+
+
+# ---- a decode hop's engine without the request's adapter ----
+
+
+@pytest.fixture
+async def disaggregated_lora_fleet(tmp_path: Path) -> AsyncIterator[LoraFleet]:
+    """A prefill engine, then decode engines d0, d1, d2 picked in that order (sim engines in
+    those roles, real KV sessions), x lost on d0 (`holding_x`): d0 refuses a decode naming
+    x NOT_FOUND, before it pulls the request's KV session."""
+    engines = [await start_lora_engine("p0", frozenset(), role="prefill")]
+    engines += [await start_lora_engine(f"d{n}", frozenset(), role="decode") for n in range(3)]
+    async with holding_x(tmp_path, engines, lost_on=engines[1]) as fleet:
+        yield fleet
+
+
+def _decode_request(request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        model="sim",
+        token_ids=pb.TokenIds(ids=list(range(300, 340))),
+        lora_name="x",
+        stopping=pb.StoppingOptions(max_tokens=4, ignore_eos=True),
+    )
+
+
+async def test_a_decode_engine_without_the_adapter_leaves_the_retry_unspent(
+    disaggregated_lora_fleet: LoraFleet,
+) -> None:
+    """The decode hop by the rule of every hop: d0 refuses the decode (NOT_FOUND, x gone),
+    which is re-routed to d1, which fails before its first token (UNAVAILABLE): retried once,
+    on d2, which takes the KV session and serves it. One re-route and one retry counted.
+    Before, d0's NOT_FOUND passed for a refused KV session (UNAVAILABLE), which spent the
+    retry, and the client got d1's UNAVAILABLE."""
+    fleet, (prefill, d0, d1, d2) = disaggregated_lora_fleet
+    d1.servicer.faults.pending.append("unavailable")
+    reply, route = await generate_routed(fleet, _decode_request("g"))
+    assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+    assert route is not None and route["engine"] == address(d2), route
+    assert route["prefill"]["engine"] == address(prefill), route
+    assert [e.servicer.generate_calls for e in (d0, d1, d2)] == [["g"]] * 3
+    assert moves(fleet) == (1, {"lora_adapter": 1, "context": 0})
+
+
+async def test_a_decode_with_no_decode_engine_holding_the_adapter_gets_the_fleets_answer(
+    disaggregated_lora_fleet: LoraFleet,
+) -> None:
+    """x gone from every decode engine behind the controller's back: each refuses the
+    decode, and the client gets the fleet's answer, as at the request's plan (NOT_FOUND "no
+    decode engine has LoRA adapter 'x' loaded"). It was UNAVAILABLE, "engine d1 refused the
+    KV session: NOT_FOUND ..." (the retry spent on d0's refusal)."""
+    fleet, (_, d0, d1, d2) = disaggregated_lora_fleet
+    for engine in d1, d2:
+        del engine.servicer.adapters["x"]
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await generate_routed(fleet, _decode_request("g"))
+    assert failed.value.code() == grpc.StatusCode.NOT_FOUND, failed.value
+    assert failed.value.details() == "no decode engine has LoRA adapter 'x' loaded"
+    assert [e.servicer.generate_calls for e in (d0, d1, d2)] == [["g"]] * 3
+    assert moves(fleet) == (0, {"lora_adapter": 2, "context": 0})
