@@ -373,15 +373,20 @@ def health(
 
 # LoadInfo's fields that are no single figure: shown as tables of their own.
 _LOAD_LISTS = frozenset({"ranks", "attributes"})
+# The RankLoadInfo field saying which rank its other figures are of.
+_RANK = "data_parallel_rank"
 
 
 def load(
     ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
 ) -> None:
-    """GetLoad of the target (a controller sums its fleet, with per-engine detail)."""
+    """GetLoad of the target (a controller sums its fleet, with per-engine detail; an engine
+    adds its data-parallel ranks' figures)."""
+    # An engine reports its ranks only when asked; a controller has none (they are per engine).
+    req = pb.GetLoadRequest(include_per_rank=True)
     reply = _call(
         _server(ctx, target),
-        lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(pb.GetLoadRequest(), timeout=RPC_TIMEOUT_S),
+        lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(req, timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
 
@@ -392,9 +397,11 @@ def load(
         lines = [_table(["FIELD", "VALUE"], [[k, d.get(k)] for k in keys])]
         ranks = d.get("ranks", [])
         if ranks:
-            names = [f.name for f in pb.RankLoadInfo.DESCRIPTOR.fields]
-            rows = [[r.get(n) for n in names] for r in ranks]
-            lines.append(_table([n.upper() for n in names], rows))
+            # A column per rank, a row per figure (a row per rank would be wider than a
+            # terminal): RANK 0 1 ..., then running_requests ...
+            names = [f.name for f in pb.RankLoadInfo.DESCRIPTOR.fields if f.name != _RANK]
+            headers = ["RANK", *(str(r.get(_RANK, "-")) for r in ranks)]
+            lines.append(_table(headers, [[n, *(r.get(n) for r in ranks)] for n in names]))
         attributes = d.get("attributes", {})
         if attributes:
             lines.append(
