@@ -1056,10 +1056,15 @@ def _fail_on_error(server: ClientTarget, data: dict[str, Any]) -> None:
 
 
 def _done(subject: str, done: str, data: dict[str, Any]) -> str:
-    """`x loaded`, or `x failed: CODE` for a failed fan-out (`_fanout_call`)."""
-    if "error" in data:
-        return f"{subject} failed: {data['error']['code']}"
-    return f"{subject} {done}"
+    """`x loaded`; for a failed fan-out (`_fanout_call`) `x failed: CODE`, or `x loaded on
+    some engines only: CODE` when some engine's outcome is ok: those did load (or unload) it,
+    which "failed" alone would deny."""
+    if "error" not in data:
+        return f"{subject} {done}"
+    code = data["error"]["code"]
+    if any(e.get("outcome") == "ok" for e in data.get("engines", ())):
+        return f"{subject} {done} on some engines only: {code}"
+    return f"{subject} failed: {code}"
 
 
 def _with_engines(summary: str, data: dict[str, Any]) -> str:
@@ -1151,7 +1156,7 @@ def lora_list(
         lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=RPC_TIMEOUT_S),
     )
     if "error" in data:
-        emit(data, output, lambda d: _with_engines(_done("the listing", "", d), d))
+        emit(data, output, lambda d: _with_engines(f"the listing failed: {d['error']['code']}", d))
         _fail_on_error(server, data)
     data.setdefault("adapters", [])
     holders: dict[str, list[str]] = {}
