@@ -380,8 +380,9 @@ _RANK = "data_parallel_rank"
 def load(
     ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
 ) -> None:
-    """GetLoad of the target (a controller sums its fleet, with per-engine detail; an engine
-    adds its data-parallel ranks' figures)."""
+    """GetLoad of the target (a controller sums its fleet, with per-engine detail).
+
+    An engine's per-rank figures (data-parallel ranks) show in a table of their own."""
     # An engine reports its ranks only when asked; a controller has none (they are per engine).
     req = pb.GetLoadRequest(include_per_rank=True)
     reply = _call(
