@@ -373,15 +373,21 @@ def health(
 
 # LoadInfo's fields that are no single figure: shown as tables of their own.
 _LOAD_LISTS = frozenset({"ranks", "attributes"})
+# The RankLoadInfo field saying which rank its other figures are of.
+_RANK = "data_parallel_rank"
 
 
 def load(
     ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
 ) -> None:
-    """GetLoad of the target (a controller sums its fleet, with per-engine detail)."""
+    """GetLoad of the target (a controller sums its fleet, with per-engine detail).
+
+    An engine's per-rank figures (data-parallel ranks) show in a table of their own."""
+    # An engine reports its ranks only when asked; a controller has none (they are per engine).
+    req = pb.GetLoadRequest(include_per_rank=True)
     reply = _call(
         _server(ctx, target),
-        lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(pb.GetLoadRequest(), timeout=RPC_TIMEOUT_S),
+        lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(req, timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
 
@@ -392,9 +398,11 @@ def load(
         lines = [_table(["FIELD", "VALUE"], [[k, d.get(k)] for k in keys])]
         ranks = d.get("ranks", [])
         if ranks:
-            names = [f.name for f in pb.RankLoadInfo.DESCRIPTOR.fields]
-            rows = [[r.get(n) for n in names] for r in ranks]
-            lines.append(_table([n.upper() for n in names], rows))
+            # A column per rank, a row per figure (a row per rank would be wider than a
+            # terminal): RANK 0 1 ..., then running_requests ...
+            names = [f.name for f in pb.RankLoadInfo.DESCRIPTOR.fields if f.name != _RANK]
+            headers = ["RANK", *(str(r.get(_RANK, "-")) for r in ranks)]
+            lines.append(_table(headers, [[n, *(r.get(n) for r in ranks)] for n in names]))
         attributes = d.get("attributes", {})
         if attributes:
             lines.append(
@@ -1049,10 +1057,15 @@ def _fail_on_error(server: ClientTarget, data: dict[str, Any]) -> None:
 
 
 def _done(subject: str, done: str, data: dict[str, Any]) -> str:
-    """`x loaded`, or `x failed: CODE` for a failed fan-out (`_fanout_call`)."""
-    if "error" in data:
-        return f"{subject} failed: {data['error']['code']}"
-    return f"{subject} {done}"
+    """`x loaded`; for a failed fan-out (`_fanout_call`) `x failed: CODE`, or `x loaded on
+    some engines only: CODE` when some engine's outcome is ok: those did load (or unload) it,
+    which "failed" alone would deny."""
+    if "error" not in data:
+        return f"{subject} {done}"
+    code = data["error"]["code"]
+    if any(e.get("outcome") == "ok" for e in data.get("engines", ())):
+        return f"{subject} {done} on some engines only: {code}"
+    return f"{subject} failed: {code}"
 
 
 def _with_engines(summary: str, data: dict[str, Any]) -> str:
@@ -1144,7 +1157,7 @@ def lora_list(
         lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=RPC_TIMEOUT_S),
     )
     if "error" in data:
-        emit(data, output, lambda d: _with_engines(_done("the listing", "", d), d))
+        emit(data, output, lambda d: _with_engines(f"the listing failed: {d['error']['code']}", d))
         _fail_on_error(server, data)
     data.setdefault("adapters", [])
     holders: dict[str, list[str]] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import socket
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from typer.testing import CliRunner, Result
 
 from controller import admin_cli
 from controller.admin_cli import ControllerRequiredError
+from engine.config import KvEventsConfig
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig
 from indexer.servicer import index_services
@@ -275,7 +277,7 @@ async def test_load_table_shows_every_figure_the_json_has(fleet: Fleet) -> None:
         as_json = await cli_json("load", "--target", target)
         table = await cli("load", "--target", target)
         assert table.exit_code == 0, table.output
-        figures = table.output.split("\nATTRIBUTE")[0].splitlines()[1:]
+        figures = re.split(r"\n(?:RANK|ATTRIBUTE) ", table.output)[0].splitlines()[1:]
         shown = {line.split()[0]: line.split()[1] for line in figures}
         # Every figure but the call's own timestamp, which moves from one call to the next.
         lists = ("attributes", "ranks", "timestamp_unix_nanos")
@@ -283,6 +285,29 @@ async def test_load_table_shows_every_figure_the_json_has(fleet: Fleet) -> None:
         assert {k: shown.get(k) for k in expected} == expected, table.output
         assert {"active_kv_sessions", "running_tokens"} <= expected.keys()
         assert shown.get("timestamp_unix_nanos", "").isdigit(), table.output
+
+
+async def test_load_shows_a_data_parallel_engines_rank() -> None:
+    """`admin load` against an engine shows its data-parallel rank's figures, in the table
+    (a column per rank) and as JSON `ranks`: which rank of a data-parallel engine is busy is
+    what an operator looks for. An engine reports them only when GetLoad asks, and the CLI
+    did not ask: the ranks table docs/controller.md describes never showed."""
+    engine = await start_sim_engine("e3", kv_events=KvEventsConfig(data_parallel_rank=3))
+    try:
+        t = ["--target", f"127.0.0.1:{engine.port}"]
+        as_json = await cli_json("load", *t)
+        assert [r["data_parallel_rank"] for r in as_json["ranks"]] == [3], as_json
+        rank = as_json["ranks"][0]
+        table = await cli("load", *t)
+        assert table.exit_code == 0, table.output
+        ranks = table.stdout.split("\nRANK ", 1)[1].split("\nATTRIBUTE ", 1)[0].splitlines()
+        assert ranks[0].split() == ["3"], table.stdout
+        shown = {line.split()[0]: line.split()[1:] for line in ranks[1:]}
+        expected = {k: [str(v)] for k, v in rank.items() if k != "data_parallel_rank"}
+        assert shown == expected, table.stdout
+        assert {"running_requests", "total_kv_blocks"} <= shown.keys()
+    finally:
+        await engine.close()
 
 
 async def test_health_exits_1_when_the_target_is_not_serving(fleet: Fleet) -> None:

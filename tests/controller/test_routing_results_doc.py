@@ -1,8 +1,8 @@
 """docs/benchmarks/routing.md says what docs/benchmarks/routing_results.json holds: every
 "All results" table row is its policy's figures to the printed digit, and every Summary cell
 is `kvplane`'s figure, marked "best" exactly where no other row beats it (ties count), else
-with the best other row's figure. A re-run whose JSON is committed without its tables (or the
-other way round) fails here."""
+with the best other row's figure (its imbalance and reuse / oracle: `kvplane`'s own). A
+re-run whose JSON is committed without its tables (or the other way round) fails here."""
 
 from __future__ import annotations
 
@@ -91,13 +91,16 @@ def _figure(row: dict[str, Any], key: tuple[str, ...]) -> float:
 def _summary_rows() -> dict[str, list[str]]:
     section = DOC.split("## Summary:", 1)[1].split("\n## ", 1)[0]
     table = section.split("| trace | blocks | speed |", 1)[1].split("\n\n", 1)[0]
-    return {f"{c[0]} {c[1]} {c[2]}": c[3:6] for c in _rows("|\n" + table)}
+    return {f"{c[0]} {c[1]} {c[2]}": c[3:] for c in _rows("|\n" + table)}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=_run_id)
 def test_summary_cells_are_the_json(run: dict[str, Any]) -> None:
-    cells = _summary_rows()[_run_id(run)]
+    *cells, imbalance, of_oracle = _summary_rows()[_run_id(run)]
     policies = run["policies"]
+    kvplane = policies["kvplane"]
+    assert _number(imbalance) == round(kvplane["imbalance"], 3), imbalance
+    assert _number(of_oracle) == round(kvplane["hit_ratio"] / run["oracle_hit_ratio"], 2)
     others = [row for name, row in policies.items() if name != "kvplane"]
     metrics = [  # (what, its key in a row, higher is better)
         ("reuse", ("hit_ratio",), True),

@@ -16,12 +16,23 @@ from kvplane.cli import app
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cli_lines() -> list[str]:
-    """The README's CLI block's command lines, comments cut."""
+def _cli_block() -> list[str]:
+    """The README's CLI block, line by line, comments cut."""
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## The CLI\n", 1)[1].split("```\n", 2)[1]
-    lines = [line.partition("  #")[0].strip() for line in block.splitlines()]
-    return [line for line in lines if line.startswith("kvplane ")]
+    return [raw.partition("  #")[0].rstrip() for raw in block.splitlines()]
+
+
+def _cli_lines() -> list[str]:
+    """The CLI block's command lines, each with the indented lines that go on with it
+    (`kvplane engine serve ...` and its second line of options)."""
+    lines: list[str] = []
+    for line in _cli_block():
+        if line.startswith("kvplane "):
+            lines.append(line)
+        elif line.startswith(" ") and line.strip() and lines:
+            lines[-1] += " " + line.strip()
+    return lines
 
 
 # The commands are click's (typer's own copy of it, which it does not export): Any.
@@ -64,6 +75,11 @@ def test_the_readme_shows_command_lines() -> None:
     lines = _cli_lines()
     assert any(line.startswith("kvplane admin ") for line in lines)
     assert any(line.startswith("kvplane bench ") for line in lines)
+    # Every option the block shows (outside comments) is in a line checked below, those of
+    # a command's second line (`--instance-id`, `--session-key`) included.
+    shown = set(re.findall(r"--[a-z][a-z-]*", "\n".join(_cli_block())))
+    checked = set(re.findall(r"--[a-z][a-z-]*", " ".join(lines)))
+    assert shown == checked, shown - checked
 
 
 @pytest.mark.parametrize("line", _cli_lines())
