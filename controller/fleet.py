@@ -308,7 +308,8 @@ class _Engine:
         # Why the engine's events have no source though they are wanted (its advertised ZMQ
         # source cannot be dialled, it advertises none); None while it has one.
         self.no_source_reason: str | None = None
-        # When its last KV-event batch was indexed here (unix time; None: none yet).
+        # When the followed process's last KV-event batch was indexed here (unix time; None:
+        # none yet, a new process having sent none).
         self.last_event_unix_s: float | None = None
         # Its current source delivered a batch whose stamp is implausible (warned once).
         self.implausible_stamp_warned = False
@@ -1585,6 +1586,8 @@ class Fleet:
                 # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the
                 # poll would go on and follow the events again, out of anyone's reach.
                 await asyncio.wait([task])
+            # The old process's last batch is not the new one's (`admin workers`' "last").
+            engine.last_event_unix_s = None
         if self._on_engine_gone is not None and not first_contact:
             self._on_engine_gone(engine.address)
         self._tell_predicted(engine.address)
