@@ -485,6 +485,9 @@ def match(
             + _prefix_unknown(d, model)
             + _predicted_note(d["matches"])
         )
+        # OUT OF ROUTING: why the router would not choose the engine (cordoned, draining,
+        # unreachable, ...), a column only when one would not.
+        aside = any(m.get("out_of_routing") for m in d["matches"])
         rows = [
             [
                 m.get("instance_id"),
@@ -493,11 +496,13 @@ def match(
                 m.get("host_blocks", 0),
                 m.get("disk_blocks", 0),
                 _cached_cell(m),
+                *([m.get("out_of_routing")] if aside else []),
             ]
             for m in d["matches"]
         ]
         columns = ["ENGINE", "ADDRESS", "DEVICE BLOCKS", "HOST BLOCKS", "DISK BLOCKS"]
-        return head + "\n" + _table([*columns, "CACHED TOKENS"], rows)
+        columns += ["CACHED TOKENS", *(["OUT OF ROUTING"] if aside else [])]
+        return head + "\n" + _table(columns, rows)
 
     emit(data, output, render)
 
