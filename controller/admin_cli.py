@@ -468,7 +468,10 @@ def match(
     target: ControllerTargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """How much of a prompt each engine holds (controller)."""
+    """How much of a prompt each engine holds (controller).
+
+    Engines the router would not choose now (cordoned, draining, unreachable, ...) are listed
+    too, with why in OUT OF ROUTING."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     reply = _admin_call(
         "match", _server(ctx, target), lambda stub: stub.Match(query, timeout=RPC_TIMEOUT_S)
