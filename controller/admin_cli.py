@@ -476,7 +476,10 @@ def match(
     target: ControllerTargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """How much of a prompt each engine holds (controller)."""
+    """How much of a prompt each engine holds (controller).
+
+    Engines the router would not choose now (cordoned, draining, unreachable, ...) are listed
+    too, with why in OUT OF ROUTING."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     reply = _admin_call(
         "match", _server(ctx, target), lambda stub: stub.Match(query, timeout=RPC_TIMEOUT_S)
@@ -493,6 +496,9 @@ def match(
             + _prefix_unknown(d, model)
             + _predicted_note(d["matches"])
         )
+        # OUT OF ROUTING: why the router would not choose the engine (cordoned, draining,
+        # unreachable, ...), a column only when one would not.
+        aside = any(m.get("out_of_routing") for m in d["matches"])
         rows = [
             [
                 m.get("instance_id"),
@@ -501,11 +507,13 @@ def match(
                 m.get("host_blocks", 0),
                 m.get("disk_blocks", 0),
                 _cached_cell(m),
+                *([m.get("out_of_routing")] if aside else []),
             ]
             for m in d["matches"]
         ]
         columns = ["ENGINE", "ADDRESS", "DEVICE BLOCKS", "HOST BLOCKS", "DISK BLOCKS"]
-        return head + "\n" + _table([*columns, "CACHED TOKENS"], rows)
+        columns += ["CACHED TOKENS", *(["OUT OF ROUTING"] if aside else [])]
+        return head + "\n" + _table(columns, rows)
 
     emit(data, output, render)
 

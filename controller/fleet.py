@@ -267,6 +267,9 @@ class PromptView(NamedTuple):
     # `Registry.version` when the candidates were listed (None: cordoned engines among them,
     # admin `match`): while it stands, every candidate is still routable.
     registry_version: int | None = None
+    # Admin `match` only: the engines that would be candidates but for their state
+    # (draining, unreachable, ...), with what the index holds of them; never routed to.
+    out_of_routing: tuple[Candidate, ...] = ()
 
 
 class _Engine:
@@ -308,7 +311,8 @@ class _Engine:
         # Why the engine's events have no source though they are wanted (its advertised ZMQ
         # source cannot be dialled, it advertises none); None while it has one.
         self.no_source_reason: str | None = None
-        # When its last KV-event batch was indexed here (unix time; None: none yet).
+        # When the followed process's last KV-event batch was indexed here (unix time; None:
+        # none yet, a new process having sent none).
         self.last_event_unix_s: float | None = None
         # Its current source delivered a batch whose stamp is implausible (warned once).
         self.implausible_stamp_warned = False
@@ -839,7 +843,8 @@ class Fleet:
         role: Role | None = Role.AGGREGATED,
         cordoned: bool = False,
     ) -> PromptView:
-        """The prompt's keys and its candidates (with `cordoned`, cordoned engines too)."""
+        """The prompt's keys and its candidates (with `cordoned`, admin `match`: cordoned
+        engines too, and the engines out of routing for their state aside, `out_of_routing`)."""
         version = None if cordoned else self.registry.version
         records = self.registry.routable(
             model or None, role, lora_name, cordoned=cordoned, generating=True
@@ -852,6 +857,11 @@ class Fleet:
         if lora_name and not records:
             # Only engines holding the adapter may take the request: say why there is none.
             self.registry.check_lora(lora_name, model or None)
+        held_out = (
+            self.registry.out_of_routing(model or None, role, lora_name, generating=True)
+            if cordoned
+            else []
+        )
         # With no engine to route to (the model's engines drained, down, cordoned), the size
         # they were last known to use: admin `match` shows the prompt's blocks as they
         # cache them, not in the config's default size.
@@ -862,7 +872,8 @@ class Fleet:
         index_error: str | None = None
         # An index that cannot answer: route without its knowledge rather than fail (the
         # prompt's own keys still meet the router's record of the prompts it just routed).
-        if token_ids and records and self.remote is not None:
+        listed = records or held_out
+        if token_ids and listed and self.remote is not None:
             try:
                 keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
             except KvplaneError as exc:
@@ -870,7 +881,7 @@ class Fleet:
                 keys = self.remote.prompt_keys(token_ids, size, lora_name, cache_salt)
         elif token_ids:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
-            if keys and self.index is not None and records:
+            if keys and self.index is not None and listed:
                 try:
                     hits = await self._indexed_hits(self.index, keys, self._hit_worth)
                 except KvplaneError as exc:  # the shared Redis is down, loading or refusing
@@ -878,7 +889,8 @@ class Fleet:
         if index_error is not None:
             self._routing_blind.warn(f"{index_error}; routing by load")
         candidates = tuple(self.candidate(r, hits.get(r.address, _NO_HIT)) for r in records)
-        return PromptView(size, keys, candidates, index_error, version)
+        aside = tuple(self.candidate(r, hits.get(r.address, _NO_HIT)) for r in held_out)
+        return PromptView(size, keys, candidates, index_error, version, aside)
 
     def candidate(self, record: EngineRecord, hit: PrefixHit = _NO_HIT) -> Candidate:
         """The engine as the router sees it: its last load, capacity and indexed blocks, and
@@ -1585,6 +1597,8 @@ class Fleet:
                 # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the
                 # poll would go on and follow the events again, out of anyone's reach.
                 await asyncio.wait([task])
+            # The old process's last batch is not the new one's (`admin workers`' "last").
+            engine.last_event_unix_s = None
         if self._on_engine_gone is not None and not first_contact:
             self._on_engine_gone(engine.address)
         self._tell_predicted(engine.address)

@@ -500,6 +500,23 @@ class EngineRecord:
         )
 
 
+def _takes(
+    identity: EngineIdentity, model: str | None, role: Role | None, generating: bool
+) -> bool:
+    """Whether an engine of `identity` plays `role` (any: None) and serves `model`, generating
+    it when asked to (`generating`: not a pooling-only engine's)."""
+    return (
+        identity.plays(role)
+        and identity.serves(model)
+        and (not generating or identity.facts_of(model).generates)
+    )
+
+
+def _holds(record: EngineRecord, lora_name: str) -> bool:
+    """Whether the engine holds the LoRA adapter `lora_name` ("" names none: any engine)."""
+    return not lora_name or record.holds_lora(lora_name)
+
+
 def _reject(record: EngineRecord, error: str) -> None:
     """The engine answering at the record's address is one the controller will not use
     (incompatible, or another address's engine): out of routing, and its last load, which may
@@ -784,15 +801,25 @@ class Registry:
                 continue
             if record.cordoned and not cordoned:
                 continue
-            if not record.identity.plays(role):
-                continue
-            if not record.identity.serves(model):
-                continue
-            if generating and not record.identity.facts_of(model).generates:
-                continue
-            if lora_name and not record.holds_lora(lora_name):
-                continue
-            yield record
+            if _takes(record.identity, model, role, generating) and _holds(record, lora_name):
+                yield record
+
+    def out_of_routing(
+        self, model: str | None, role: Role | None, lora_name: str, *, generating: bool
+    ) -> list[EngineRecord]:
+        """The engines that `routable` with `cordoned` would list but for their state
+        (draining, unreachable, failing, held down, ejected, ...), by address: admin `match`
+        shows what the index holds of them. Incompatible engines and those whose identity
+        was never read (their models unknown) are not among them."""
+        return [
+            record
+            for record in self._ordered()
+            if record.state not in ROUTABLE_STATES
+            and record.state is not EngineState.INCOMPATIBLE
+            and record.identity is not None
+            and _takes(record.identity, model, role, generating)
+            and _holds(record, lora_name)
+        ]
 
     def may_serve(self, model: str) -> bool:
         """Whether an engine serves `model` whatever its health, or may: one not reached yet,

@@ -19,6 +19,7 @@ from typer.testing import CliRunner, Result
 
 from controller import admin_cli
 from controller.admin_cli import ControllerRequiredError
+from controller.registry import EngineState
 from engine.config import KvEventsConfig
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig
@@ -193,6 +194,55 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     for lora in (["list"], ["load", "x", "/tmp", "--id", "1"]):
         refused = await cli("lora", *lora, *t)
         assert refused.exit_code != 0 and "FAILED_PRECONDITION" in str(refused.exception)
+
+
+async def test_match_shows_the_engines_out_of_routing_and_why(fleet: Fleet, tmp_path: Path) -> None:
+    """`match` also lists the engines the router would not choose, each marked with why
+    (cordoned, draining, unreachable) and with what the index holds of it, so an operator sees
+    what a drained or lost engine held; `route` (what the router sees) still leaves them out."""
+    t = ["--target", fleet.target]
+    [r async for r in fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))]
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
+    engine = await wait_for_holder(tokens, t)
+    registry = fleet.app.controller.fleet.registry
+    record = registry.get(engine)
+    others = sorted({"e0", "e1", "e2"} - {engine})
+
+    async def matched() -> dict[str, Any]:
+        reply = await cli_json("match", "--tokens-file", str(tokens), *t)
+        return {m["instance_id"]: m for m in reply["matches"]}
+
+    # All routable: no engine marked, and the table has no column for it.
+    first = await matched()
+    assert [m["out_of_routing"] for m in first.values()] == ["", "", ""]
+    table = await cli("match", "--tokens-file", str(tokens), *t)
+    assert "OUT OF ROUTING" not in table.stdout
+
+    assert (await cli("cordon", others[0], *t)).exit_code == 0
+    drained = await cli("drain", engine, "--deadline-ms", "1000", *t)
+    assert drained.exit_code == 0, drained.output
+    rows = await matched()
+    assert sorted(rows) == ["e0", "e1", "e2"]
+    assert rows[engine]["out_of_routing"] == "draining"
+    assert rows[engine]["device_blocks"] >= 4  # what the index holds of it
+    assert rows[others[0]]["out_of_routing"] == "cordoned"
+    assert rows[others[1]]["out_of_routing"] == ""
+    table = await cli("match", "--tokens-file", str(tokens), *t)
+    header, *lines = table.stdout.splitlines()[1:]
+    assert header.endswith("CACHED TOKENS  OUT OF ROUTING"), header
+    marks = {line.split()[0]: line.split()[-1] for line in lines}
+    assert marks == {engine: "draining", others[0]: "cordoned", others[1]: "-"}
+    # What the router sees is unchanged: `route` weighs the one routable engine alone.
+    routed = await cli_json("route", "--tokens-file", str(tokens), *t)
+    assert [c["instance_id"] for c in routed["costs"]] == [others[1]]
+
+    # The drained engine's process gone: unreachable, what the index still holds of it shown.
+    await next(e for e in fleet.engines if fleet.address(e) == record.address).close()
+    await fleet.app.controller.fleet.wait_for(lambda: record.state is EngineState.UNREACHABLE, 20)
+    rows = await matched()
+    assert rows[engine]["out_of_routing"] == "unreachable"
+    assert rows[engine]["device_blocks"] >= 4
 
 
 async def test_route_explains_a_request_that_bypasses_the_prefix_cache(

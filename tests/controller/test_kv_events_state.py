@@ -7,12 +7,13 @@ front server that plays the event stream's faults, a real ZMQ publisher, a real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import msgpack
@@ -22,10 +23,11 @@ import zmq.asyncio
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import EngineFleet, close_fleet, make_fleet
-from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
 from tests.controller.test_admin_cli import cli
 from tests.controller.test_admin_cli_membership import cli_json
 from tests.controller.test_controller_replicas import close_replica, shared_index, small_engines
+from tests.controller.test_flapping_engines import CrashLooping
 from tests.controller.test_fleet_events import BLOCK, RankedZmqEngine, sample, scrape
 from tests.controller.test_processes import indexer_process
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
@@ -58,18 +60,34 @@ async def wait_kv_events(fleet: EngineFleet[Any], address: str, state: str) -> d
     return row
 
 
-async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() -> None:
-    """`kv_events: zmq`: the engine's publisher goes away (its socket closed, as a publisher
-    process killed beside an engine whose gRPC keeps answering) and comes back."""
+Z = TypeVar("Z", bound=RankedZmqEngine)
+
+
+@contextlib.asynccontextmanager
+async def zmq_followed(
+    kind: Callable[[pb_grpc.OpenEngineAsyncStub, list[FakeKvPublisher]], Z],
+) -> AsyncIterator[tuple[EngineFleet[Any], FrontedEngine[Z], FakeKvPublisher]]:
+    """A controller (with metrics) following one engine's KV events (`kv_events: zmq`) from
+    its ZMQ publisher: the fleet, the engine (a `kind` in front of a sim engine), the
+    publisher."""
     context = zmq.asyncio.Context()
     publisher = FakeKvPublisher(context)
     publisher.start_replay()
-    engine = await start_fronted_engine(
-        "zmq-events", lambda inner: RankedZmqEngine(inner, [publisher])
-    )
-    address = f"127.0.0.1:{engine.port}"
+    engine = await start_fronted_engine("zmq-events", lambda inner: kind(inner, [publisher]))
     fleet = await make_fleet(engines=[engine], kv_events="zmq", metrics_listen="127.0.0.1:0")
     try:
+        yield fleet, engine, publisher
+    finally:
+        await close_fleet(fleet)
+        await publisher.close()
+        context.term()
+
+
+async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() -> None:
+    """`kv_events: zmq`: the engine's publisher goes away (its socket closed, as a publisher
+    process killed beside an engine whose gRPC keeps answering) and comes back."""
+    async with zmq_followed(RankedZmqEngine) as (fleet, _, publisher):
+        address = fleet.address(fleet.engines[0])
         row = await wait_kv_events(fleet, address, "following")
         assert row["kv_events_reason"] == "" and row["kv_events_since_unix_s"] > 0
         assert sample(await scrape(fleet), UP, address) == 1.0
@@ -99,10 +117,6 @@ async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() ->
         await publisher.restart()  # back on the same endpoint
         await wait_kv_events(fleet, address, "following")
         assert sample(await scrape(fleet), UP, address) == 1.0
-    finally:
-        await close_fleet(fleet)
-        await publisher.close()
-        context.term()
 
 
 async def test_an_engine_followed_rank_by_rank_is_down_while_one_rank_is() -> None:
@@ -224,3 +238,58 @@ async def test_an_engine_followed_by_an_indexer_on_the_same_redis_says_so(
         assert "kvplane indexer" in row["kv_events_reason"], row["kv_events_reason"]
     finally:
         await close_fleet(fleet)
+
+
+def one_batch() -> list[bytes]:
+    """A ZMQ batch (sequence 0, stamped now) storing one block."""
+    stored = ["BlockStored", [11], None, list(range(BLOCK)), BLOCK, None, "GPU"]
+    return [b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [stored], 1])]
+
+
+class RestartingZmqEngine(CrashLooping, RankedZmqEngine):
+    """An engine whose KV events come from its ZMQ publisher, restarted at its address (a new
+    instance id; its publisher a new PUB on the same endpoint)."""
+
+
+async def test_a_restarted_zmq_engine_shows_no_event_of_its_old_process() -> None:
+    """`following since T (last T0)`: T0 is when the engine process followed since T last had
+    a batch indexed. A new process at the address (same endpoint) has sent none yet, so the
+    old process's last batch is not shown as its own; its first batch is."""
+    async with zmq_followed(RestartingZmqEngine) as (fleet, engine, publisher):
+        address = fleet.address(engine)
+        controller_fleet = fleet.app.controller.fleet
+        await wait_kv_events(fleet, address, "following")
+        await publisher.wait_subscribed()
+        await publisher.publish(one_batch())
+
+        async def last_event_shown() -> bool:
+            return "last_kv_event_unix_s" in await worker(fleet, address)
+
+        await eventually(last_event_shown, WAIT_S, "the old process's batch indexed")
+        old_source = controller_fleet.source_of(address)
+
+        instance = engine.servicer.restart()
+        await publisher.restart()
+
+        async def new_process_followed() -> bool:
+            record = controller_fleet.registry.get(address)
+            source = controller_fleet.source_of(address)
+            row = await worker(fleet, address)
+            return (
+                record.engine_id == instance
+                and source is not None
+                and source is not old_source
+                and row["kv_events_state"] == "following"
+            )
+
+        await eventually(new_process_followed, WAIT_S, "the new process's events followed")
+        row = await worker(fleet, address)
+        assert "last_kv_event_unix_s" not in row, row
+        table = (await cli("workers", "--target", fleet.target)).stdout
+        assert re.search(r"following since \d\d:\d\d:\d\dZ(?! \(last)", table), table
+
+        await publisher.wait_subscribed()
+        await publisher.publish(one_batch())
+        await eventually(last_event_shown, WAIT_S, "the new process's batch indexed")
+        row = await worker(fleet, address)
+        assert row["last_kv_event_unix_s"] >= row["kv_events_since_unix_s"]

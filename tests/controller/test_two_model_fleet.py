@@ -379,7 +379,7 @@ async def test_match_for_a_model_with_no_routable_engine_uses_its_block_size(
 ) -> None:
     """`b0`, the only engine of `b` (blocks of 32), drained: admin `match` for `b` showed
     the prompt in blocks of 16 (the config's default, as no engine was left to route to);
-    it shows them as `b0` caches them."""
+    it shows them as `b0` caches them, and `b0` itself, out of routing: draining."""
     fleet = two_models
     b0 = fleet.address(fleet.engines[2])
     query = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT), model="b")
@@ -389,7 +389,7 @@ async def test_match_for_a_model_with_no_routable_engine_uses_its_block_size(
     assert events[-1].state == pb.DRAIN_STATE_COMPLETE
     drained = await fleet.admin.Match(query)
     assert (drained.block_size, drained.num_blocks) == (32, 2)
-    assert [m.instance_id for m in drained.matches] == []
+    assert [(m.instance_id, m.out_of_routing) for m in drained.matches] == [("b0", "draining")]
 
 
 async def test_the_fleets_kv_load_is_not_summed_across_block_sizes(two_models: Fleet) -> None:

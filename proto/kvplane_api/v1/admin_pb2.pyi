@@ -487,6 +487,7 @@ class EngineMatch(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PREDICTED_FIELD_NUMBER: _builtins.int
     DISK_BLOCKS_FIELD_NUMBER: _builtins.int
+    OUT_OF_ROUTING_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     device_blocks: _builtins.int
@@ -499,6 +500,11 @@ class EngineMatch(_message.Message):
     """
     disk_blocks: _builtins.int
     """Blocks that continue the prefix on disk (SSD) past the device and host ones."""
+    out_of_routing: _builtins.str
+    """Why the router would not choose the engine now ("" when it may): "cordoned", or its state
+    ("draining", "unreachable", "failing", "held_down", "ejected", ...). Its blocks are what
+    the index holds of it (an unreachable engine's: from before it went out of reach).
+    """
     def __init__(
         self,
         *,
@@ -509,10 +515,11 @@ class EngineMatch(_message.Message):
         cached_tokens: _builtins.int = ...,
         predicted: _builtins.bool = ...,
         disk_blocks: _builtins.int = ...,
+        out_of_routing: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "disk_blocks", b"disk_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id", "predicted", b"predicted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "disk_blocks", b"disk_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id", "out_of_routing", b"out_of_routing", "predicted", b"predicted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
