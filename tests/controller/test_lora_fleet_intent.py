@@ -37,6 +37,7 @@ from tests.controller.fronted_engine import ForwardingLora, FrontedEngine, start
 from tests.controller.test_controller_replicas import close_replica, shared_index
 from tests.controller.test_gateway_scripted import outcomes
 from tests.engine.lora_adapters import write_adapter_config
+from tests.logged_errors import errors_logged
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
 from tests.tcp_forwarder import TcpForwarder
@@ -639,7 +640,7 @@ async def test_an_engine_removed_while_its_restore_waits_ends_it_without_an_erro
         _, removal = controller_fleet.begin_removal(address)
         await removal
         assert engine.lora_task is not None and engine.lora_task.done()
-        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert errors_logged(caplog) == []
         assert await engine_adapters(restarted) == {}
     finally:
         await close_fleet(fleet)

@@ -35,6 +35,7 @@ from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
 from tests.indexer.backend_factories import FACTORIES
 from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
+from tests.logged_errors import errors_logged
 from tests.polling import eventually
 from tests.processes import DEFAULT_SIGNALS
 from tests.redis_servers import restartable_port
@@ -1069,7 +1070,7 @@ async def test_a_bind_that_keeps_failing_logs_less_and_less_often(
             # (no message: `wait_until` is never woken)
             await eventually(lambda: source.counters.num_restarts >= 9, WAIT_S)
             restarts = source.counters.num_restarts
-            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            errors = [r.getMessage() for r in errors_logged(caplog)]
             assert len(errors) == restarts.bit_length()  # at 1, 2, 4, 8, ...
             assert "(8 times in a row)" in errors[3]
             holder.close(linger=0)
