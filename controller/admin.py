@@ -307,9 +307,10 @@ class AdminServicer(apb_grpc.AdminServicer):
         """Every engine's cached prefix, whatever its role, cordoned ones included (what an
         operator checks before uncordoning), and after them those out of routing for their
         state (draining, unreachable, ...: what the index holds of them), each engine the
-        router would not choose naming why (`out_of_routing`); NOT_FOUND for a model no
-        engine serves and FAILED_PRECONDITION for one only pooling-only engines serve (which
-        cache no prompt), as Route (rather than no engine holding anything of it).
+        router would not choose naming why (`out_of_routing`), but one removed while the
+        index answered (it left the fleet); NOT_FOUND for a model no engine serves and
+        FAILED_PRECONDITION for one only pooling-only engines serve (which cache no
+        prompt), as Route (rather than no engine holding anything of it).
         `bypass_prefix_cache` is ignored: it changes which cache a request reads, not what
         the engines hold. An engine without KV events (`kv_events: approximate`) shows the
         prefix the router predicts there (`predicted`)."""
@@ -328,24 +329,27 @@ class AdminServicer(apb_grpc.AdminServicer):
         # An engine without KV events (`kv_events: approximate`) holds what the router
         # predicts from the prompts it routed there, as it credits them in a decision.
         router = self.controller.router
-        listed = (*plan.view.candidates, *plan.view.out_of_routing)
-        view = router.with_inflight(listed, plan.request, self.controller.clock())
         registry = self.controller.fleet.registry
-        for c, routed in zip(listed, view, strict=True):
+        # Not an engine removed while the index answered: it left the fleet (and the router,
+        # which must not be told of it again).
+        listed = [
+            (c, record)
+            for c in (*plan.view.candidates, *plan.view.out_of_routing)
+            if (record := registry.by_engine_id(c.engine_id)) is not None
+        ]
+        view = router.with_inflight([c for c, _ in listed], plan.request, self.controller.clock())
+        for (c, record), routed in zip(listed, view, strict=True):
             hit = routed.hit if c.predicts_cache else c.hit
-            record = registry.by_engine_id(c.engine_id)
             reply.matches.append(
                 apb.EngineMatch(
                     engine=c.engine_id,
-                    instance_id=self._instance(c.engine_id),
+                    instance_id=record.engine_id,
                     device_blocks=hit.device_blocks,
                     host_blocks=hit.host_blocks,
                     disk_blocks=hit.disk_blocks,
                     cached_tokens=sum(plan.request.cached_tokens(hit)),
                     predicted=c.predicts_cache,
-                    out_of_routing=record.availability
-                    if record is not None and not record.routable
-                    else "",
+                    out_of_routing="" if record.routable else record.availability,
                 )
             )
         return reply

@@ -854,14 +854,15 @@ class Fleet:
             records = self.registry.routable(
                 model or None, role, lora_name, cordoned=cordoned, generating=True
             )
-        if lora_name and not records:
-            # Only engines holding the adapter may take the request: say why there is none.
-            self.registry.check_lora(lora_name, model or None)
         held_out = (
             self.registry.out_of_routing(model or None, role, lora_name, generating=True)
             if cordoned
             else []
         )
+        if lora_name and not records and not held_out:
+            # Only engines holding the adapter may take the request: say why there is none
+            # (admin `match` lists the holders out of routing instead).
+            self.registry.check_lora(lora_name, model or None)
         # With no engine to route to (the model's engines drained, down, cordoned), the size
         # they were last known to use: admin `match` shows the prompt's blocks as they
         # cache them, not in the config's default size.

@@ -14,6 +14,7 @@ import pytest
 
 from controller.registry import EngineState
 from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.paused_index import PausedIndex
 from tests.controller.test_gateway import PREFIX, generate, holder_of
@@ -114,6 +115,34 @@ async def test_an_engine_registered_again_while_its_removal_runs_is_taken_once_i
         await register
         await fleet.wait_routable(2)
         assert await holder_of(fleet, PREFIX, 4) == holder  # its cache, from a new snapshot
+    finally:
+        index.resume.set()
+        await close_fleet(fleet)
+
+
+async def test_match_leaves_out_an_engine_removed_while_the_index_answers() -> None:
+    """`match` lists the engines, then asks the index: an engine removed meanwhile (here a
+    cordoned one) has left the fleet and is not listed. It was listed as one the router may
+    choose (`out_of_routing` "", its cordon gone with its record), with nothing held."""
+    index = PausedIndex()
+    fleet = await make_fleet(2, index_backend=index)
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        other = next(a for a in map(fleet.address, fleet.engines) if a != holder)
+        await fleet.admin.Cordon(apb.EngineRef(engine=holder))
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 5]))
+        before = await fleet.admin.Match(query)
+        assert {m.engine: m.out_of_routing for m in before.matches} == {
+            holder: "cordoned", other: "",
+        }  # fmt: skip
+        index.pause("match_prefix_by_tier")
+        matching = asyncio.ensure_future(fleet.admin.Match(query))
+        await index.paused.wait()
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=holder))
+        index.resume.set()
+        reply = await matching
+        assert [(m.engine, m.out_of_routing) for m in reply.matches] == [(other, "")]
     finally:
         index.resume.set()
         await close_fleet(fleet)

@@ -163,3 +163,40 @@ async def test_a_failed_lora_fan_out_still_shows_every_engines_outcome(tmp_path:
         assert outcome_lines(unloaded.stdout) == {"e0": "not_loaded", "e1": "UNAVAILABLE"}
     finally:
         await close_fleet(fleet)
+
+
+async def test_match_lora_lists_its_holders_out_of_routing(tmp_path: Path) -> None:
+    """`match --lora x` when every engine holding `x` is out of routing (draining) lists them,
+    marked with why and with what the index holds of them, as `match` does without an
+    adapter; it refused the query UNAVAILABLE ("take no traffic now") instead, hiding what
+    the drained holder still caches. `route` still refuses: no engine it may choose holds it."""
+    lora = LoraConfig(enabled=True)
+    engines = [await start_sim_engine("e0", lora=lora), await start_sim_engine("e1", lora=lora)]
+    fleet = await make_fleet(engines=engines)
+    try:
+        t = ["--target", fleet.target]
+        x = str(write_adapter_config(tmp_path / "x"))
+        assert (await cli("lora", "load", "x", x, "--id", "1", "--engine", "e0", *t)).exit_code == 0
+        request = generate_request("x", list(range(40)))
+        request.lora_name = "x"
+        [r async for r in fleet.gateway.Generate(request)]
+        tokens = tmp_path / "tokens.json"
+        tokens.write_text(json.dumps(list(range(40))))
+        query = ["--tokens-file", str(tokens), "--lora", "x", *t]
+        drained = await cli("drain", "e0", "--deadline-ms", "1000", *t)
+        assert drained.exit_code == 0, drained.output
+
+        matched = await cli("match", *query, "--output", "json")
+        assert matched.exit_code == 0, matched.output
+        rows = [
+            (m["instance_id"], m["out_of_routing"], m["device_blocks"])
+            for m in json.loads(matched.stdout)["matches"]
+        ]
+        assert rows == [("e0", "draining", 2)]
+        table = await cli("match", *query)
+        assert table.exit_code == 0, table.output
+        assert table.stdout.splitlines()[1].endswith("OUT OF ROUTING")
+        routed = await cli("route", *query)
+        assert routed.exit_code != 0 and "UNAVAILABLE" in str(routed.exception)
+    finally:
+        await close_fleet(fleet)
