@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from controller.config import KvEventsMode
+from controller.eligibility import lack_of
 from controller.registry import EngineRecord, Role
 from controller.relay import engine_failure, naming_engine
 from controller.router import Decision
@@ -305,10 +306,12 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     async def Match(self, request: apb.PromptQuery, context: Context) -> apb.MatchResponse:
         """Every engine's cached prefix, whatever its role, cordoned ones included (what an
-        operator checks before uncordoning), and after them those out of routing for their
-        state (draining, unreachable, ...: what the index holds of them), each engine the
-        router would not choose naming why (`out_of_routing`), but one removed while the
-        index answered (it left the fleet); NOT_FOUND for a model no engine serves and
+        operator checks before uncordoning), and after them those that take traffic but not
+        this prompt (naming what they lack, as routing's refusals do: "max_context_length
+        128 < 301") and those out of routing for their state (draining, unreachable, ...:
+        what the index holds of them), each engine the router would not choose naming why
+        (`out_of_routing`), but one removed while the index answered (it left the fleet);
+        NOT_FOUND for a model no engine serves and
         FAILED_PRECONDITION for one only pooling-only engines serve (which cache no
         prompt), as Route (rather than no engine holding anything of it).
         `bypass_prefix_cache` is ignored: it changes which cache a request reads, not what
@@ -349,7 +352,9 @@ class AdminServicer(apb_grpc.AdminServicer):
                     disk_blocks=hit.disk_blocks,
                     cached_tokens=sum(plan.request.cached_tokens(hit)),
                     predicted=c.predicts_cache,
-                    out_of_routing="" if record.routable else record.availability,
+                    out_of_routing=record.availability
+                    if not record.routable
+                    else lack_of(record, plan.model or None, plan.needs) or "",
                 )
             )
         return reply

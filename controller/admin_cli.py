@@ -497,7 +497,8 @@ def match(
             + _predicted_note(d["matches"])
         )
         # OUT OF ROUTING: why the router would not choose the engine (cordoned, draining,
-        # unreachable, ...), a column only when one would not.
+        # unreachable, ..., or the limit it lacks for this prompt), a column only when one
+        # would not.
         aside = any(m.get("out_of_routing") for m in d["matches"])
         rows = [
             [

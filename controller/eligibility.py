@@ -399,26 +399,29 @@ def generating_facts(
     ]
 
 
+def lack_of(record: EngineRecord, model: str | None, needs: RequestNeeds) -> str | None:
+    """What the engine of `record` lacks for a request of `needs` on its hop ("max_context_length
+    1024 < 8192", "generation.supports_priority false"); None where it takes it (`unmet`),
+    or its identity is not read."""
+    if record.identity is None:
+        return None
+    facts = record.identity.facts_of(model)
+    hop = needs.on_hop_of(record)
+    path = unmet(facts, hop)
+    if path is None:
+        return None
+    need = dict(hop.limits).get(path)
+    return f"{path} {limits_of(facts).get(path)} < {need}" if need is not None else f"{path} false"
+
+
 def _lacks(records: Iterable[EngineRecord], model: str | None, needs: RequestNeeds) -> list[str]:
     """What each of `records` lacks for a request of `needs` ("small max_context_length 1024
     < 8192"), of those that lack anything."""
-    told = []
-    for record in records:
-        if record.identity is None:
-            continue
-        facts = record.identity.facts_of(model)
-        hop = needs.on_hop_of(record)
-        path = unmet(facts, hop)
-        if path is None:
-            continue
-        need = dict(hop.limits).get(path)
-        has = limits_of(facts).get(path)
-        told.append(
-            f"{record.engine_id} {path} {has} < {need}"
-            if need is not None
-            else f"{record.engine_id} {path} false"
-        )
-    return told
+    return [
+        f"{record.engine_id} {lack}"
+        for record in records
+        if (lack := lack_of(record, model, needs)) is not None
+    ]
 
 
 def _past_context(

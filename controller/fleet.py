@@ -268,7 +268,9 @@ class PromptView(NamedTuple):
     # admin `match`): while it stands, every candidate is still routable.
     registry_version: int | None = None
     # Admin `match` only: the engines that would be candidates but for their state
-    # (draining, unreachable, ...), with what the index holds of them; never routed to.
+    # (draining, unreachable, ...) or, once `Controller.plan` judged the prompt, for not
+    # taking it (its context too short, ...), with what the index holds of them; never
+    # routed to.
     out_of_routing: tuple[Candidate, ...] = ()
 
 

@@ -222,8 +222,9 @@ class Controller:
     async def plan(
         self, query: PromptInput, role: Role | None = Role.AGGREGATED, *, cordoned: bool = False
     ) -> Plan:
-        """The prompt as the router sees it (with `cordoned`, cordoned engines among the
-        candidates: admin `match` only, never a routed request)."""
+        """The prompt as the router sees it (with `cordoned`, admin `match` only, never a
+        routed request: cordoned engines among the candidates, and aside, `out_of_routing`,
+        the engines out of routing for their state and those that do not take the prompt)."""
         tokens: Sequence[int] | None = query.token_ids
         tokenized = tokens is not None
         if tokens is None and query.prompt is not None:
@@ -251,7 +252,12 @@ class Controller:
             num_tokens if tokens is not None else None,
         )
         if eligible is not view.candidates:
-            view = view._replace(candidates=eligible)
+            # Admin `match` (`cordoned`) lists those that do not take it too, aside with the
+            # engines out of routing: never the router's candidates.
+            not_taking = tuple(c for c in view.candidates if c not in eligible) if cordoned else ()
+            view = view._replace(
+                candidates=eligible, out_of_routing=(*not_taking, *view.out_of_routing)
+            )
         request = RouteRequest(
             query.request_id,
             num_tokens,

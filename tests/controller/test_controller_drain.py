@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller import gateway
@@ -22,7 +23,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
-from tests.controller.test_admin_cli import cli
+from tests.controller.test_admin_cli import admin_process, cli
 from tests.controller.test_gateway import hold_planning
 from tests.interrupted import interrupted
 from tests.polling import eventually
@@ -232,6 +233,34 @@ async def test_drain_output_json_streams_each_event_as_it_comes(slow_fleet: Flee
     events = [started, *(json.loads(line) for line in rest.decode().splitlines())]
     assert all(e.keys() >= {"state", "in_flight_requests"} for e in events), events
     assert (events[-1]["state"], events[-1]["in_flight_requests"]) == ("DRAIN_STATE_COMPLETE", 0)
+    long.cancel()
+
+
+async def test_drain_output_json_ends_a_passed_deadline_with_the_events_own_error(
+    slow_fleet: Fleet,
+) -> None:
+    """What a script reads of a passed deadline, an engine's drain (relayed by DrainEngine)
+    and the controller's own alike: the last line is the terminal DrainResponse as protobuf
+    JSON, parsed back into one, its `error.code` the EngineError's ErrorCode name; exit 1.
+    Not a gRPC status name, as a failed fan-out's (`abort`, `lora`) `error.code` is: the
+    stream did not fail, it ended with an in-band error, and the status form of its code
+    (UNAVAILABLE, kvplane/error_codes.py) is a retryable INTERNAL failure's too."""
+    fleet = slow_fleet
+    long = await start_long(fleet.gateway, "long")
+    inflight = fleet.app.controller.router.inflight
+    busy = next(a for a in map(fleet.address, fleet.engines) if inflight.of(a).requests)
+    for drained in (busy, "--self"):
+        code, out, err = await admin_process(
+            *["-t", fleet.target, "drain", drained, "--deadline-ms", "0", "--output", "json"]
+        )
+        assert code == 1, err
+        *_, last = out.splitlines()
+        event = json.loads(last)
+        assert event["error"]["code"] == "ERROR_CODE_DRAINING", last
+        assert event["in_flight_requests"] == 1
+        parsed = json_format.Parse(last, pb.DrainResponse())
+        assert parsed.error.code == pb.ERROR_CODE_DRAINING
+        assert "drain failed: deadline passed, requests in flight: 1" in err
     long.cancel()
 
 

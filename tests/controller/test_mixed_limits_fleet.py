@@ -31,9 +31,11 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.test_admin_cli import cli, cli_json
 from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_lora_fleet_intent import adapter, on
+from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
@@ -87,6 +89,51 @@ async def test_a_prompt_past_every_engines_context_is_refused_naming_the_largest
     # Refused before any engine was asked: no route told.
     trailing = await call.trailing_metadata() or ()
     assert ROUTE_METADATA_KEY not in [k for k, _ in trailing]
+
+
+async def test_match_lists_the_engines_that_do_not_take_the_prompt_and_why(
+    mixed: Fleet, tmp_path: Path
+) -> None:
+    """`kvplane admin match` of a prompt only the long engine takes lists the short engines
+    too, each naming the limit it lacks, as an engine out of routing names its state (they
+    were left out, while a draining short engine was listed); `route` (what the router sees)
+    still weighs the long engine alone, and a short prompt marks no engine."""
+    t = ["--target", mixed.target]
+    prompt = list(range(1000, 1300))
+    _, route = await generate_routed(mixed, generate_request("long", prompt, max_tokens=4))
+    long_engine = f"127.0.0.1:{mixed.engines[2].port}"
+    assert route is not None and route["engine"] == long_engine
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(map(str, prompt)))
+
+    async def matched() -> dict[str, Any]:
+        reply = await cli_json("match", "--tokens-file", str(tokens), *t)
+        return {m["instance_id"]: m for m in reply["matches"]}
+
+    async def long_holds_it() -> bool:
+        blocks: int = (await matched()).get("long", {}).get("device_blocks", 0)
+        return blocks >= len(prompt) // 16
+
+    await eventually(long_holds_it)
+    rows = await matched()
+    assert sorted(rows) == ["long", "short0", "short1"]
+    assert rows["long"]["out_of_routing"] == ""
+    lacks = f"max_context_length {SHORT} < {len(prompt) + 1}"  # the prompt and one output token
+    assert rows["short0"]["out_of_routing"] == rows["short1"]["out_of_routing"] == lacks
+    table = await cli("match", "--tokens-file", str(tokens), *t)
+    assert table.exit_code == 0, table.output
+    header, *lines = table.stdout.splitlines()[1:]
+    assert header.endswith("OUT OF ROUTING"), header
+    marks = {line.split()[0]: line.split(maxsplit=6)[-1] for line in lines}
+    assert marks == {"long": "-", "short0": lacks, "short1": lacks}, table.stdout
+    # What the router sees is unchanged.
+    routed = await cli_json("route", "--tokens-file", str(tokens), *t)
+    assert [c["instance_id"] for c in routed["costs"]] == ["long"]
+
+    tokens.write_text(" ".join(map(str, prompt[:40])))
+    rows = await matched()
+    assert {i: m["out_of_routing"] for i, m in rows.items()} == dict.fromkeys(rows, "")
+    assert sorted(rows) == ["long", "short0", "short1"]
 
 
 async def test_model_info_advertises_the_largest_context_and_the_fleets_names(
