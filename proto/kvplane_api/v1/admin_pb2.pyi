@@ -502,8 +502,10 @@ class EngineMatch(_message.Message):
     """Blocks that continue the prefix on disk (SSD) past the device and host ones."""
     out_of_routing: _builtins.str
     """Why the router would not choose the engine now ("" when it may): "cordoned", or its state
-    ("draining", "unreachable", "failing", "held_down", "ejected", ...). Its blocks are what
-    the index holds of it (an unreachable engine's: from before it went out of reach).
+    ("draining", "unreachable", "failing", "held_down", "ejected", ...), or, for one taking
+    traffic, the limit it lacks for this prompt ("max_context_length 128 < 301"). Its blocks
+    are what the index holds of it (an unreachable engine's: from before it went out of
+    reach).
     """
     def __init__(
         self,
