@@ -34,6 +34,7 @@ from kvplane.config import (
 from kvplane.errors import ConfigError
 from kvplane.up.member import cpus_missing
 from planner.config import PlannerConfig
+from planner.engine_args import check_engine_args
 
 MemberKind = Literal["engine", "indexer", "controller", "planner"]
 # A member's name is a file name in the fleet's folder and is referred to as ${name}.
@@ -262,6 +263,7 @@ def load_fleet(path: Path | None) -> FleetConfig:
             if server.auth:
                 secured[member.name].add("auth")
         if isinstance(server, PlannerConfig):
+            check_engine_args(server, f"{where}, member {member.name}")
             _check_planner_reaches(member, server, secured, f"{where}, member {member.name}")
             _check_one_planner_per_controller(server, member.name, planners, members_at, where)
     return fleet

@@ -314,11 +314,41 @@ def test_up_with_a_bad_planner_member_starts_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []
 
 
+def _failing(folder: Path) -> str:
+    """`engine_args` (YAML) that load (`kvplane up` checks them) and make an engine exit as
+    it starts: a TLS certificate that is not there, read as the engine starts."""
+    config = folder / "engine-failing.yaml"
+    missing = folder / "missing.pem"
+    config.write_text(f"model: sim\ntls: {{cert_file: '{missing}', key_file: '{missing}'}}\n")
+    return f"[--config, '{config}']"
+
+
+def test_up_refuses_a_planner_whose_engine_args_the_engine_refuses(tmp_path: Path) -> None:
+    """A planner member's engine arguments are read as `kvplane engine serve` reads them
+    when the fleet file loads: one line naming the member and the setting, no member started
+    (before, the planner's engines failed on them one after the other until up gave up)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "start_timeout_s: 10\n"  # the old code's planner waited for engines that never served
+        "members:\n"
+        "  - {name: ctl, kind: controller}\n"
+        "  - {name: p, kind: planner, config: {live: {engine_args: [--model, sim, --rol, x]}}}\n"
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member p: live.engine_args, the arguments"
+        " of `kvplane engine serve`: No such option: --rol (Possible options: --model, --role)"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
+
+
 @pytest.mark.timeout(60)
 def test_a_planner_whose_engines_never_serve_fails_up_in_one_line(tmp_path: Path) -> None:
-    """Its engines exit at start (an unknown option): the planner keeps trying, up gives up
-    after start_timeout_s, names why from the planner's log, and leaves no process. (The
-    timeout holds the controller's start too: 4 s failed there on a loaded machine.)"""
+    """Its engines exit at start (their TLS certificate is missing: read as an engine
+    starts): the planner keeps trying, up gives up after start_timeout_s, names why from the
+    planner's log, and leaves no process. (The timeout holds the controller's start too: 4 s
+    failed there on a loaded machine.)"""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
         "start_timeout_s: 10\n"
@@ -326,7 +356,7 @@ def test_a_planner_whose_engines_never_serve_fails_up_in_one_line(tmp_path: Path
         "  - {name: ctl, kind: controller}\n"
         "  - name: p\n"
         "    kind: planner\n"
-        "    config: {scaling: {tick_s: 1}, live: {engine_args: [--nosuch]}}\n"
+        f"    config: {{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}\n"
     )
     result = _up_check(fleet, tmp_path, timeout_s=50)
     assert result.returncode == 1, result.stderr
@@ -352,7 +382,7 @@ def test_a_member_dying_while_another_starts_fails_the_start_naming_it(tmp_path:
         "  - {name: ctl, kind: controller}\n"
         "  - name: p\n"
         "    kind: planner\n"
-        "    config: {scaling: {tick_s: 1}, live: {engine_args: [--nosuch]}}\n"
+        f"    config: {{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}\n"
     )
     proc = _up(fleet, tmp_path)
     started: dict[str, int] = {}
