@@ -116,9 +116,14 @@ def test_up_check_passes_on_the_shipped_planner_fleet_and_leaves_no_process(
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []
 
 
-def _fleet_file(tmp_path: Path, members: str) -> Path:
+def _fleet_file(tmp_path: Path, members: str, pki: Path | None = None) -> Path:
+    """A fleet file of `members`, where `{pki}` is the test CA's folder and `{token}` a token
+    file (up reads the members' files before it starts any)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text("members:\n" + members)
+    text = members.replace("{token}", str(token))
+    fleet.write_text("members:\n" + (text if pki is None else text.replace("{pki}", str(pki))))
     return fleet
 
 
@@ -136,30 +141,33 @@ def test_a_planner_is_registered_with_the_fleets_controller_by_default(tmp_path:
     assert members["q"].config["live"] == {"controller": "127.0.0.1:9"}  # as given
 
 
-def test_a_planner_with_controller_tls_may_name_a_tls_controller(tmp_path: Path) -> None:
+def test_a_planner_with_controller_tls_may_name_a_tls_controller(tmp_path: Path, pki: Path) -> None:
     fleet = _fleet_file(
         tmp_path,
-        "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, key_file: /s.key}}}\n"
-        "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: /ca.pem}}}}\n",
+        "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+        "key_file: {pki}/server.key}}}\n"
+        "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: {pki}/ca.pem}}}}\n",
+        pki,
     )
     (_, planner) = load_fleet(fleet).members
-    assert planner.config["live"]["controller_tls"] == {"ca_file": "/ca.pem"}
+    assert planner.config["live"]["controller_tls"] == {"ca_file": f"{pki}/ca.pem"}
 
 
 def test_a_planner_with_controller_token_file_may_name_a_controller_with_auth(
-    tmp_path: Path,
+    tmp_path: Path, pki: Path
 ) -> None:
     fleet = _fleet_file(
         tmp_path,
-        "  - {name: ctl, kind: controller, config: {auth: {token_file: /t}}}\n"
-        "  - {name: p, kind: planner, config: {live: {controller_token_file: /t}}}\n"
-        "  - {name: secure, kind: controller, config: {tls: {cert_file: /s.pem, "
-        "key_file: /s.key}, auth: {token_file: /t}}}\n"
+        "  - {name: ctl, kind: controller, config: {auth: {token_file: {token}}}}\n"
+        "  - {name: p, kind: planner, config: {live: {controller_token_file: {token}}}}\n"
+        "  - {name: secure, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+        "key_file: {pki}/server.key}, auth: {token_file: {token}}}}\n"
         "  - {name: q, kind: planner, config: {live: {controller: '${secure}', "
-        "controller_tls: {ca_file: /ca.pem}, controller_token_file: /t}}}\n",
+        "controller_tls: {ca_file: {pki}/ca.pem}, controller_token_file: {token}}}}\n",
+        pki,
     )
     members = {m.name: m for m in load_fleet(fleet).members}
-    assert members["p"].config["live"]["controller_token_file"] == "/t"
+    assert members["p"].config["live"]["controller_token_file"] == str(tmp_path / "token")
     assert members["q"].refers_to() == {"secure"}
 
 
@@ -240,30 +248,31 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
             "member 'p': controllers c1, c2 listed before it, so live.controller",
         ),
         (
-            "  - {name: ctl, kind: controller, config: {auth: {token_file: /tmp/t}}}\n"
+            "  - {name: ctl, kind: controller, config: {auth: {token_file: {token}}}}\n"
             "  - {name: p, kind: planner}\n",
             "member p: the planner dials its controller without a token (give it "
             "live.controller_token_file), and controller ctl has `auth`",
         ),
         # Each of the controller's demands needs its own setting: TLS is not a token...
         (
-            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
-            "key_file: /s.key}, auth: {token_file: /tmp/t}}}\n"
-            "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: /ca.pem}}}}\n",
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+            "key_file: {pki}/server.key}, auth: {token_file: {token}}}}\n"
+            "  - {name: p, kind: planner, config: {live: {controller_tls: "
+            "{ca_file: {pki}/ca.pem}}}}\n",
             "member p: the planner dials its controller without a token (give it "
             "live.controller_token_file), and controller ctl has `auth`",
         ),
         # ...nor a token TLS.
         (
-            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
-            "key_file: /s.key}, auth: {token_file: /tmp/t}}}\n"
-            "  - {name: p, kind: planner, config: {live: {controller_token_file: /tmp/t}}}\n",
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+            "key_file: {pki}/server.key}, auth: {token_file: {token}}}}\n"
+            "  - {name: p, kind: planner, config: {live: {controller_token_file: {token}}}}\n",
             "member p: the planner dials its controller without TLS (give it "
             "live.controller_tls), and controller ctl has `tls`",
         ),
         (
-            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
-            "key_file: /s.key}}}\n"
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+            "key_file: {pki}/server.key}}}\n"
             "  - {name: p, kind: planner}\n",
             "member p: the planner dials its controller without TLS (give it "
             "live.controller_tls), and controller ctl has `tls`",
@@ -289,9 +298,9 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
     ],
 )
 def test_a_bad_planner_member_is_one_line_naming_the_file_and_the_member(
-    tmp_path: Path, members: str, problem: str
+    tmp_path: Path, pki: Path, members: str, problem: str
 ) -> None:
-    fleet = _fleet_file(tmp_path, members)
+    fleet = _fleet_file(tmp_path, members, pki)
     with pytest.raises(ConfigError) as caught:
         load_fleet(fleet)
     message = str(caught.value)
