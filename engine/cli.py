@@ -1,11 +1,19 @@
-"""`kvplane engine ...` commands. torch is imported only when a torch model is served."""
+"""`kvplane engine ...` commands. torch is imported only when a torch model is served.
+
+`engine_config_of_args` reads `kvplane engine serve` arguments as `serve` does, for a planner
+that starts engines with them (its `engine_args`) to check them when it loads.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+import typer.core
+import typer.main
 
 from kvplane.cli_common import (
     ConfigOption,
@@ -14,6 +22,9 @@ from kvplane.cli_common import (
     load_command_config,
     usage_error_for,
 )
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 engine_app = typer.Typer(no_args_is_help=True)
 
@@ -67,15 +78,9 @@ def serve(
     port_file: PortFileOption = None,
 ) -> None:
     """Serve openengine.v1.OpenEngine and vllm.Generate over the bundled engine."""
-    from engine.config import EngineConfig, check_model_source
     from engine.server.service import run_engine
-    from kvplane.errors import ConfigError
 
-    if model is not None:  # the command line first, as click checks its own options
-        with usage_error_for("--model"):
-            check_model_source(model)
-    engine_config = load_command_config(
-        EngineConfig,
+    engine_config = _engine_config(
         config,
         {
             "listen": listen,
@@ -86,9 +91,38 @@ def serve(
             "instance_id": instance_id,
         },
     )
+    asyncio.run(run_engine(engine_config, port_file=port_file))
+
+
+def _engine_config(config: Path | None, flags: dict[str, str | None]) -> EngineConfig:
+    """The config `serve` runs with: the `--config` file under the flags given, and a model
+    that is no checkpoint directory refused before anything loads (`--model`'s as a usage
+    error, the file's as a config error naming the file)."""
+    from engine.config import EngineConfig, check_model_source
+    from kvplane.errors import ConfigError
+
+    model = flags["model"]
+    if model is not None:  # the command line first, as click checks its own options
+        with usage_error_for("--model"):
+            check_model_source(model)
+    engine_config = load_command_config(EngineConfig, config, dict(flags))
     if model is None and config is not None:  # the file's model: a config error naming it
         try:
             check_model_source(engine_config.model)
         except ConfigError as exc:
             raise ConfigError(f"invalid config in {config}: {exc}") from None
-    asyncio.run(run_engine(engine_config, port_file=port_file))
+    return engine_config
+
+
+def engine_config_of_args(args: Sequence[str]) -> EngineConfig:
+    """The config `kvplane engine serve ARGS` would serve with, read and checked as `serve`
+    reads it (nothing is started). What `serve` refuses as a usage error (an unknown option,
+    `--role bogus`, a `--config` that cannot be read) is a typer.TyperException, whose
+    `format_message()` says it as click does; a bad `--config` file, a ConfigError naming it."""
+    app = typer.main.get_command(engine_app)
+    # The click command of a Typer of one command is that command; of several, their group.
+    command = app.commands["serve"] if isinstance(app, typer.core.TyperGroup) else app
+    context = command.make_context("kvplane engine serve", list(args))
+    flags = dict(context.params)
+    config, _ = flags.pop("config"), flags.pop("port_file")
+    return _engine_config(config, flags)

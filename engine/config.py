@@ -39,6 +39,7 @@ from kvplane.config import (
     StrictModel,
     check_needs,
     check_zmq_endpoint,
+    settings_given,
 )
 from kvplane.errors import ConfigError
 from kvplane.zmq_ip import is_ipv4_wildcard
@@ -260,6 +261,20 @@ class EngineConfig(ServerConfig):
             raise ValueError("set num_kv_blocks or kv_cache_bytes, not both")
         if self.model == SIM_MODEL and self.kv_cache_bytes is not None:
             raise ValueError("the sim runner needs num_kv_blocks, not kv_cache_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sim(self) -> EngineConfig:
+        # `sim` configures the sim runner alone: a torch model (builtin, a checkpoint) has
+        # its own vocabulary and takes the time its passes take, so it would do nothing, and
+        # whoever set it expects it to (a sim config pointed at a real model).
+        given = settings_given(self.sim, tuple(SimTimingConfig.model_fields))
+        if given and not self.is_sim:
+            keys = ", ".join(f"sim.{key}" for key in given)
+            raise ValueError(
+                f"sim applies only to model: sim (the sim runner), not to the torch model "
+                f"{self.model!r} ({keys} given): remove sim, or set model: sim"
+            )
         return self
 
     @model_validator(mode="after")

@@ -140,12 +140,20 @@ def check_needs(config: BaseModel, keys: tuple[str, ...], needs: str, *, met: bo
     asks for nothing that is not done)."""
     if met:
         return
+    for key in settings_given(config, keys):
+        raise ValueError(f"{key} is only read with {needs}: set that, or remove {key}")
+
+
+def settings_given(config: BaseModel, keys: tuple[str, ...]) -> list[str]:
+    """Those of `keys` that `config` was given with another value than their default (in
+    `keys`' order): what a file asks for, beyond spelling a default out."""
     fields = type(config).model_fields
-    for key in keys:
-        if key in config.model_fields_set and getattr(config, key) != fields[key].get_default(
-            call_default_factory=True
-        ):
-            raise ValueError(f"{key} is only read with {needs}: set that, or remove {key}")
+    return [
+        key
+        for key in keys
+        if key in config.model_fields_set
+        and getattr(config, key) != fields[key].get_default(call_default_factory=True)
+    ]
 
 
 class TlsConfig(StrictModel):

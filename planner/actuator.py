@@ -33,6 +33,7 @@ from kvplane.errors import KvplaneError
 from kvplane.process_exit import exit_how, log_tail
 from kvplane.up.member import member_environment
 from planner.controller_admin import ControllerAdmin, Reconciliation
+from planner.engine_args import serve_args
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +187,8 @@ class LocalProcesses:
         log_path = self._workdir / f"{pool}-{number}.log"
         with log_path.open("wb") as log_file:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,
-                *self._pool_args.get(pool, ()),
-                "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                sys.executable, "-m", "kvplane", "engine", "serve",
+                *serve_args(self._engine_args, self._pool_args.get(pool, ()), port_file),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
                 env={**os.environ, **member_environment(None)},  # it dies with the planner
                 start_new_session=True,  # Ctrl-C reaches the planner only; it stops them in order

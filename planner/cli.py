@@ -35,6 +35,7 @@ def run(ctx: typer.Context, config: PlannerConfigOption = None) -> None:
     `live:` section names. Ctrl-C stops the planner and the local engines it started (pods
     keep serving)."""
     from planner.config import PlannerConfig
+    from planner.engine_args import check_engine_args
     from planner.live import run_live
 
     if config is None:
@@ -47,4 +48,6 @@ def run(ctx: typer.Context, config: PlannerConfigOption = None) -> None:
             f"Missing option {names}. Give a YAML file whose `live:` section names the "
             "controller (example: configs/planner.yaml)."
         )
-    asyncio.run(run_live(load_command_config(PlannerConfig, config), os.environ))
+    planner = load_command_config(PlannerConfig, config)
+    check_engine_args(planner, str(config))  # before any engine starts with them
+    asyncio.run(run_live(planner, os.environ))

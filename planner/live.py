@@ -70,7 +70,7 @@ from kvplane.redialled_stream import redialled_stream
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import Actuator, LocalProcesses
-from planner.config import DEFAULT_DRAIN_DEADLINE_S, PlannerConfig
+from planner.config import DEFAULT_DRAIN_DEADLINE_S, LiveConfig, PlannerConfig
 from planner.core.actions import provisioned
 from planner.core.decisions import Decision, DrainEngine, Policy, RemoveEngine, ScalePool
 from planner.core.observations import (
@@ -857,6 +857,19 @@ def _make_workdir(workdir: Path) -> None:
         raise ConfigError(f"cannot make live.workdir {workdir}: {exc.strerror or exc}") from None
 
 
+def live_channels(live: LiveConfig) -> tuple[ClientChannels, ClientChannels]:
+    """How the planner dials its controller and its engines: `live`'s TLS files and token
+    files read (followed from then on); a ConfigError naming the setting of one that is
+    missing or cannot be used (`kvplane up` reads them so before any member starts)."""
+    controller_channels = ClientChannels.load(
+        live.controller_tls, "live.controller_tls"
+    ).with_token_file(live.controller_token_file, "live.controller_token_file")
+    engine_channels = ClientChannels.load(live.engine_tls, "live.engine_tls").with_token_file(
+        live.engine_token_file, "live.engine_token_file"
+    )
+    return controller_channels, engine_channels
+
+
 async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
     """`kvplane planner run`: the core over the actuator `live:` chooses (local engine
     processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are removed from the
@@ -872,12 +885,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             "--config file (example: configs/planner.yaml)"
         )
     # Before any engine starts: an unusable file stops the planner in one line.
-    controller_channels = ClientChannels.load(
-        live.controller_tls, "live.controller_tls"
-    ).with_token_file(live.controller_token_file, "live.controller_token_file")
-    engine_channels = ClientChannels.load(live.engine_tls, "live.engine_tls").with_token_file(
-        live.engine_token_file, "live.engine_token_file"
-    )
+    controller_channels, engine_channels = live_channels(live)
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
         metrics = PlannerMetrics()
         metrics_server = None

@@ -1,6 +1,7 @@
 """A `kvplane up` fleet file (`FleetConfig`) and the embedded default fleet; `load_fleet` also
-checks each member's own config, and reports a bad one against the fleet file and the member
-(not the copy `up` writes for the member's process).
+checks each member's own config and reads the files it names (`kvplane.up.preflight`), and
+reports a bad one against the fleet file and the member (not the copy `up` writes for the
+member's process), before any member starts.
 
 Members of the server kinds (engine, indexer, controller) run `kvplane KIND serve`; a
 planner runs `kvplane planner run`: it serves nothing, and starts (and stops) engines of its
@@ -33,7 +34,9 @@ from kvplane.config import (
 )
 from kvplane.errors import ConfigError
 from kvplane.up.member import cpus_missing
+from kvplane.up.preflight import check_member_files
 from planner.config import PlannerConfig
+from planner.engine_args import check_engine_args
 
 MemberKind = Literal["engine", "indexer", "controller", "planner"]
 # A member's name is a file name in the fleet's folder and is referred to as ${name}.
@@ -232,7 +235,8 @@ _PLANNER_LACKS: dict[Secured, tuple[str, str]] = {
 
 def load_fleet(path: Path | None) -> FleetConfig:
     """The fleet file at `path` (None: the embedded defaults), with every member's server
-    config checked before any member starts: a ConfigError names the file and the member."""
+    config checked, and the files it names read, before any member starts: a ConfigError
+    names the file and the member."""
     if path is None:
         fleet = FleetConfig.model_validate(DEFAULT_FLEET)
     else:
@@ -257,11 +261,15 @@ def load_fleet(path: Path | None) -> FleetConfig:
         )
         if isinstance(server, EngineConfig):
             _check_engine_checkpoint(server, f"{where}, member {member.name}")
+        # Its files too (TLS, tokens, tokenizers): a member failing on one as it starts would
+        # come after others were started, to be stopped again.
+        check_member_files(server, f"{where}, member {member.name}")
         if isinstance(server, ControllerConfig) and (server.tls or server.auth):
             secured[member.name] = {"tls"} if server.tls else set()
             if server.auth:
                 secured[member.name].add("auth")
         if isinstance(server, PlannerConfig):
+            check_engine_args(server, f"{where}, member {member.name}")
             _check_planner_reaches(member, server, secured, f"{where}, member {member.name}")
             _check_one_planner_per_controller(server, member.name, planners, members_at, where)
     return fleet

@@ -2,15 +2,20 @@
 it (an AGGREGATED engine never moves KV, a DECODE engine holds no sessions, a PREFILL engine
 pulls none, so the key would be ignored); no bind wildcard as the advertised host; the
 admission bound (`max_queued_requests`) off unless set, and then positive; `generation_config`
-auto unless set to none (its effect: test_server_generation_config.py).
+auto unless set to none (its effect: test_server_generation_config.py); `sim:` on the sim
+runner only.
 `runner: pooling`'s checks are in test_server_pooling_runner.py; the shipped configs load in
 tests/foundation/."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from typer.testing import CliRunner
 
 from engine.config import EngineConfig, KvTransferConfig
+from kvplane.cli import app
 from kvplane.config import validate_config
 from kvplane.errors import ConfigError
 
@@ -164,3 +169,40 @@ def test_yamls_own_booleans_and_numbers_load() -> None:
     assert (config.role, config.block_size, config.lora.enabled) == ("prefill", 32, True)
     assert config.sim.prefill_ms_coeffs == (1.0, 0.5, 0.0)
     assert config.kv_transfer.session_ttl_s == 5.0
+
+
+@pytest.mark.parametrize("model", ["builtin", "checkpoint"])
+@pytest.mark.timeout(60)  # the old code served the builtin model, for good
+def test_engine_serve_refuses_sim_settings_for_a_torch_model(tmp_path: Path, model: str) -> None:
+    """`sim:` configures the sim runner only: beside a torch model (builtin, a checkpoint) it
+    would do nothing, so `kvplane engine serve` refuses it before anything loads (it was
+    silently ignored: an engine meant to be slowed down or given an EOS ran unchanged)."""
+    if model == "checkpoint":
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        model = str(tmp_path / "model")
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"model: '{model}'\nsim: {{time_scale: 0, eos_after: 4}}\n")
+    result = CliRunner().invoke(app, ["engine", "serve", "--config", str(config)])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ConfigError)
+    assert str(result.exception) == (
+        f"invalid config in {config}: sim applies only to model: sim (the sim runner), not to"
+        f" the torch model {model!r} (sim.time_scale, sim.eos_after given): remove sim, or set"
+        " model: sim"
+    )
+
+
+def test_sim_defaults_pass_beside_a_torch_model_and_a_model_flag_is_named() -> None:
+    """A template that writes every key at its default asks for nothing left undone; a
+    `--model` that makes the file's `sim:` useless is named."""
+    data: dict[str, object] = {"model": "builtin", "sim": {"time_scale": 1.0, "vocab_size": 32000}}
+    assert validate_config(EngineConfig, data, "engine.yaml").model == "builtin"
+    with pytest.raises(ConfigError, match=r"with --model: sim applies only to model: sim"):
+        validate_config(
+            EngineConfig,
+            {"model": "builtin", "sim": {"time_scale": 0}},
+            "engine.yaml",
+            frozenset({"model"}),
+            under_flags={"model": "sim"},
+        )

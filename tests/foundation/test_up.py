@@ -695,6 +695,84 @@ def test_up_with_a_bad_member_config_is_one_line_naming_the_fleet_file(tmp_path:
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
 
 
+# A member whose file (TLS, token, tokenizer) is missing or unusable, and the line that says
+# so: `{missing}` a path that does not exist, `{pki}` the test CA's folder.
+BAD_FILES = [
+    (
+        "engine",
+        "{model: sim, tls: {cert_file: '{missing}', key_file: '{missing}'}}",
+        "tls: cannot read cert_file {missing}: No such file or directory",
+    ),
+    (
+        "engine",
+        "{model: sim, tls: {cert_file: '{pki}/server.pem', key_file: '{pki}/client.key'}}",
+        "tls: key_file {pki}/client.key and cert_file {pki}/server.pem do not make a pair:"
+        " not its key",
+    ),
+    (
+        "engine",
+        "{model: sim, role: decode, kv_transfer: {peer_token_file: '{missing}'}}",
+        "cannot read kv_transfer.peer_token_file {missing}: No such file or directory",
+    ),
+    (
+        "controller",
+        "{tokenizer: '{missing}', engines: [{address: '${e0}'}]}",
+        "cannot load tokenizer {missing}: No such file or directory (os error 2)",
+    ),
+    (
+        "controller",
+        "{tokenizers: {sim: '{missing}'}, engines: [{address: '${e0}'}]}",
+        "cannot load tokenizer {missing}: No such file or directory (os error 2)",
+    ),
+    (
+        "controller",
+        "{engine_tls: {ca_file: '{missing}'}, engines: [{address: '${e0}'}]}",
+        "engine_tls: cannot read TLS CA file {missing}: No such file or directory",
+    ),
+    (
+        "indexer",
+        "{auth: {token_file: '{missing}'}}",
+        "cannot read auth.token_file {missing}: No such file or directory",
+    ),
+    (
+        "indexer",
+        "{tls: {cert_file: '{pki}/server.pem', key_file: '{pki}/server.key',"
+        " client_ca_file: '{missing}'}}",
+        "tls: cannot read client_ca_file {missing}: No such file or directory",
+    ),
+    (
+        "planner",
+        "{live: {controller_tls: {ca_file: '{missing}'}}}",
+        "live.controller_tls: cannot read TLS CA file {missing}: No such file or directory",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "config", "problem"), BAD_FILES)
+def test_up_reads_every_members_files_before_starting_any(
+    tmp_path: Path, pki: Path, kind: str, config: str, problem: str
+) -> None:
+    """A member's file that is missing or unusable is one line naming the fleet file, the
+    member and the setting, before any member starts: before, the members listed above it
+    were started, and stopped again once it failed on the file as it started."""
+    missing = tmp_path / "missing"
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: e0, kind: engine, config: {model: sim}}\n"
+        "  - {name: c0, kind: controller, config: {engines: [{address: '${e0}'}]}}\n"
+        f"  - {{name: m1, kind: {kind}, config: "
+        f"{config.replace('{missing}', str(missing)).replace('{pki}', str(pki))}}}\n"
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1
+    said = problem.replace("{missing}", str(missing)).replace("{pki}", str(pki))
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member m1: {said}"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
+
+
 @pytest.mark.parametrize(
     ("setting", "conflict"),
     [

@@ -116,9 +116,14 @@ def test_up_check_passes_on_the_shipped_planner_fleet_and_leaves_no_process(
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []
 
 
-def _fleet_file(tmp_path: Path, members: str) -> Path:
+def _fleet_file(tmp_path: Path, members: str, pki: Path | None = None) -> Path:
+    """A fleet file of `members`, where `{pki}` is the test CA's folder and `{token}` a token
+    file (up reads the members' files before it starts any)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text("members:\n" + members)
+    text = members.replace("{token}", str(token))
+    fleet.write_text("members:\n" + (text if pki is None else text.replace("{pki}", str(pki))))
     return fleet
 
 
@@ -136,30 +141,33 @@ def test_a_planner_is_registered_with_the_fleets_controller_by_default(tmp_path:
     assert members["q"].config["live"] == {"controller": "127.0.0.1:9"}  # as given
 
 
-def test_a_planner_with_controller_tls_may_name_a_tls_controller(tmp_path: Path) -> None:
+def test_a_planner_with_controller_tls_may_name_a_tls_controller(tmp_path: Path, pki: Path) -> None:
     fleet = _fleet_file(
         tmp_path,
-        "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, key_file: /s.key}}}\n"
-        "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: /ca.pem}}}}\n",
+        "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+        "key_file: {pki}/server.key}}}\n"
+        "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: {pki}/ca.pem}}}}\n",
+        pki,
     )
     (_, planner) = load_fleet(fleet).members
-    assert planner.config["live"]["controller_tls"] == {"ca_file": "/ca.pem"}
+    assert planner.config["live"]["controller_tls"] == {"ca_file": f"{pki}/ca.pem"}
 
 
 def test_a_planner_with_controller_token_file_may_name_a_controller_with_auth(
-    tmp_path: Path,
+    tmp_path: Path, pki: Path
 ) -> None:
     fleet = _fleet_file(
         tmp_path,
-        "  - {name: ctl, kind: controller, config: {auth: {token_file: /t}}}\n"
-        "  - {name: p, kind: planner, config: {live: {controller_token_file: /t}}}\n"
-        "  - {name: secure, kind: controller, config: {tls: {cert_file: /s.pem, "
-        "key_file: /s.key}, auth: {token_file: /t}}}\n"
+        "  - {name: ctl, kind: controller, config: {auth: {token_file: {token}}}}\n"
+        "  - {name: p, kind: planner, config: {live: {controller_token_file: {token}}}}\n"
+        "  - {name: secure, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+        "key_file: {pki}/server.key}, auth: {token_file: {token}}}}\n"
         "  - {name: q, kind: planner, config: {live: {controller: '${secure}', "
-        "controller_tls: {ca_file: /ca.pem}, controller_token_file: /t}}}\n",
+        "controller_tls: {ca_file: {pki}/ca.pem}, controller_token_file: {token}}}}\n",
+        pki,
     )
     members = {m.name: m for m in load_fleet(fleet).members}
-    assert members["p"].config["live"]["controller_token_file"] == "/t"
+    assert members["p"].config["live"]["controller_token_file"] == str(tmp_path / "token")
     assert members["q"].refers_to() == {"secure"}
 
 
@@ -240,30 +248,31 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
             "member 'p': controllers c1, c2 listed before it, so live.controller",
         ),
         (
-            "  - {name: ctl, kind: controller, config: {auth: {token_file: /tmp/t}}}\n"
+            "  - {name: ctl, kind: controller, config: {auth: {token_file: {token}}}}\n"
             "  - {name: p, kind: planner}\n",
             "member p: the planner dials its controller without a token (give it "
             "live.controller_token_file), and controller ctl has `auth`",
         ),
         # Each of the controller's demands needs its own setting: TLS is not a token...
         (
-            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
-            "key_file: /s.key}, auth: {token_file: /tmp/t}}}\n"
-            "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: /ca.pem}}}}\n",
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+            "key_file: {pki}/server.key}, auth: {token_file: {token}}}}\n"
+            "  - {name: p, kind: planner, config: {live: {controller_tls: "
+            "{ca_file: {pki}/ca.pem}}}}\n",
             "member p: the planner dials its controller without a token (give it "
             "live.controller_token_file), and controller ctl has `auth`",
         ),
         # ...nor a token TLS.
         (
-            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
-            "key_file: /s.key}, auth: {token_file: /tmp/t}}}\n"
-            "  - {name: p, kind: planner, config: {live: {controller_token_file: /tmp/t}}}\n",
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+            "key_file: {pki}/server.key}, auth: {token_file: {token}}}}\n"
+            "  - {name: p, kind: planner, config: {live: {controller_token_file: {token}}}}\n",
             "member p: the planner dials its controller without TLS (give it "
             "live.controller_tls), and controller ctl has `tls`",
         ),
         (
-            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
-            "key_file: /s.key}}}\n"
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: {pki}/server.pem, "
+            "key_file: {pki}/server.key}}}\n"
             "  - {name: p, kind: planner}\n",
             "member p: the planner dials its controller without TLS (give it "
             "live.controller_tls), and controller ctl has `tls`",
@@ -289,9 +298,9 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
     ],
 )
 def test_a_bad_planner_member_is_one_line_naming_the_file_and_the_member(
-    tmp_path: Path, members: str, problem: str
+    tmp_path: Path, pki: Path, members: str, problem: str
 ) -> None:
-    fleet = _fleet_file(tmp_path, members)
+    fleet = _fleet_file(tmp_path, members, pki)
     with pytest.raises(ConfigError) as caught:
         load_fleet(fleet)
     message = str(caught.value)
@@ -314,11 +323,41 @@ def test_up_with_a_bad_planner_member_starts_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []
 
 
+def _failing(folder: Path) -> str:
+    """`engine_args` (YAML) that load (`kvplane up` checks them) and make an engine exit as
+    it starts: a TLS certificate that is not there, read as the engine starts."""
+    config = folder / "engine-failing.yaml"
+    missing = folder / "missing.pem"
+    config.write_text(f"model: sim\ntls: {{cert_file: '{missing}', key_file: '{missing}'}}\n")
+    return f"[--config, '{config}']"
+
+
+def test_up_refuses_a_planner_whose_engine_args_the_engine_refuses(tmp_path: Path) -> None:
+    """A planner member's engine arguments are read as `kvplane engine serve` reads them
+    when the fleet file loads: one line naming the member and the setting, no member started
+    (before, the planner's engines failed on them one after the other until up gave up)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "start_timeout_s: 10\n"  # the old code's planner waited for engines that never served
+        "members:\n"
+        "  - {name: ctl, kind: controller}\n"
+        "  - {name: p, kind: planner, config: {live: {engine_args: [--model, sim, --rol, x]}}}\n"
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member p: live.engine_args, the arguments"
+        " of `kvplane engine serve`: No such option: --rol (Possible options: --model, --role)"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
+
+
 @pytest.mark.timeout(60)
 def test_a_planner_whose_engines_never_serve_fails_up_in_one_line(tmp_path: Path) -> None:
-    """Its engines exit at start (an unknown option): the planner keeps trying, up gives up
-    after start_timeout_s, names why from the planner's log, and leaves no process. (The
-    timeout holds the controller's start too: 4 s failed there on a loaded machine.)"""
+    """Its engines exit at start (their TLS certificate is missing: read as an engine
+    starts): the planner keeps trying, up gives up after start_timeout_s, names why from the
+    planner's log, and leaves no process. (The timeout holds the controller's start too: 4 s
+    failed there on a loaded machine.)"""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
         "start_timeout_s: 10\n"
@@ -326,7 +365,7 @@ def test_a_planner_whose_engines_never_serve_fails_up_in_one_line(tmp_path: Path
         "  - {name: ctl, kind: controller}\n"
         "  - name: p\n"
         "    kind: planner\n"
-        "    config: {scaling: {tick_s: 1}, live: {engine_args: [--nosuch]}}\n"
+        f"    config: {{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}\n"
     )
     result = _up_check(fleet, tmp_path, timeout_s=50)
     assert result.returncode == 1, result.stderr
@@ -352,7 +391,7 @@ def test_a_member_dying_while_another_starts_fails_the_start_naming_it(tmp_path:
         "  - {name: ctl, kind: controller}\n"
         "  - name: p\n"
         "    kind: planner\n"
-        "    config: {scaling: {tick_s: 1}, live: {engine_args: [--nosuch]}}\n"
+        f"    config: {{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}\n"
     )
     proc = _up(fleet, tmp_path)
     started: dict[str, int] = {}

@@ -198,3 +198,60 @@ def test_yamls_own_numbers_load() -> None:
     assert (config.scaling.tick_s, config.pools[0].min_engines) == (2.0, 2)
     assert config.pools[0].role is not None and config.pools[0].role.value == "decode"
     assert config.live is not None and config.live.start_timeout_s == 60.0
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "pool_args", "problem"),
+    [
+        (
+            "[--modle, sim]",
+            "",
+            "live.engine_args, the arguments of `kvplane engine serve`: No such option: --modle"
+            " (Possible options: --model, --role)",
+        ),
+        (
+            "[--model, sim]",
+            "[--role, prefil]",
+            "live.engine_args with pools.0.engine_args (pool default), the arguments of"
+            " `kvplane engine serve`: Invalid value for --role: Input should be 'aggregated',"
+            " 'prefill' or 'decode'",
+        ),
+        (
+            "[--model, '{tmp}/no-such-model']",
+            "",
+            "live.engine_args, the arguments of `kvplane engine serve`: Invalid value for"
+            " --model: model '{tmp}/no-such-model' is not 'sim', 'builtin' or an HF model"
+            " directory (one holding config.json)",
+        ),
+        (
+            "[--config, '{tmp}/engine.yaml']",
+            "",
+            "live.engine_args, the arguments of `kvplane engine serve`: invalid config in"
+            " {tmp}/engine.yaml: num_kv_blocks: Input should be a valid integer",
+        ),
+    ],
+)
+@pytest.mark.timeout(60)  # the old code retried the engines for good
+def test_planner_run_refuses_engine_args_the_engine_refuses_before_starting_one(
+    tmp_path: Path, engine_args: str, pool_args: str, problem: str
+) -> None:
+    """The arguments of the planner's local engines are read as `kvplane engine serve` reads
+    them (its options, the engine's config model) when the planner loads: one line naming
+    the setting, exit 1, no engine started. Before, each engine it started failed on them,
+    and the planner went on retrying."""
+    (tmp_path / "engine.yaml").write_text("model: sim\nnum_kv_blocks: '100'\n")
+    work = tmp_path / "work"
+    pool = f", engine_args: {pool_args}" if pool_args else ""
+    path = tmp_path / "planner.yaml"
+    path.write_text(
+        f"pools: [{{name: default{pool}}}]\n"
+        f"live: {{controller: '127.0.0.1:1', workdir: '{work}', "
+        f"engine_args: {engine_args.replace('{tmp}', str(tmp_path))}}}\n"
+    )
+    result = CliRunner().invoke(app, ["planner", "run", "--config", str(path)])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ConfigError)
+    assert str(result.exception) == (
+        f"invalid config in {path}: {problem.replace('{tmp}', str(tmp_path))}"
+    )
+    assert not work.exists()  # refused before the engines' folder is made

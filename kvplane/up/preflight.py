@@ -1,0 +1,86 @@
+"""`kvplane up`'s preflight of a member's files: what its process reads as it starts (its TLS
+certificate, key and CA files, its bearer-token files, a controller's tokenizers, a planner's
+Redis password), read here, before any member starts, by the loaders the process itself
+uses, so that a missing or unusable file is the same one-line ConfigError naming its setting
+and no member is started only to be stopped again when a later one fails on it.
+
+What is read only once a member runs or by another library (a Redis TLS file, by redis-py as
+it connects; a Kubernetes planner's service-account files, at each API call; a checkpoint's
+weights) is left to the member, as is the builtin model and its tokenizer, which kvplane
+builds on first use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from controller.config import ControllerConfig
+from controller.tokenizers import BUILTIN, ModelTokenizers
+from engine.config import EngineConfig
+from indexer.backends import REDIS_SCHEMES
+from indexer.config import IndexerConfig, OpenEngineSourceConfig, RedisBackendConfig
+from kvplane.channels import ClientChannels
+from kvplane.config import ServerConfig, read_token_file
+from kvplane.errors import ConfigError
+from kvplane.server_tls import server_credentials
+from kvplane.token_file import TokenFile
+from planner.config import PlannerConfig
+
+
+def check_member_files(config: ServerConfig | PlannerConfig, where: str) -> None:
+    """Read the files the member of `config` reads as it starts; a ConfigError
+    (`invalid config in WHERE: ...`) for the first that is missing or cannot be used."""
+    try:
+        _read_files(config)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config in {where}: {exc}") from None
+
+
+def _read_files(config: ServerConfig | PlannerConfig) -> None:
+    if isinstance(config, PlannerConfig):
+        if config.live is not None:
+            from planner.live import live_channels
+
+            live_channels(config.live)
+        return
+    if config.tls is not None:  # kvplane.server.start_server's
+        server_credentials(config.tls)
+    if config.auth is not None:
+        TokenFile(config.auth.token_file, "auth.token_file")
+    if isinstance(config, ControllerConfig):
+        _controller_files(config)
+    elif isinstance(config, EngineConfig):
+        kv_transfer = config.kv_transfer  # a DECODE engine's (engine.server.kv_pull)
+        ClientChannels.load(kv_transfer.peer_tls, "kv_transfer.peer_tls").with_token_file(
+            kv_transfer.peer_token_file, "kv_transfer.peer_token_file"
+        )
+    elif isinstance(config, IndexerConfig):
+        for source in config.sources:  # indexer.service's
+            if isinstance(source, OpenEngineSourceConfig):
+                ClientChannels.load(source.tls, f"source {source.target}: tls")
+        _redis_password(config.backend, config.redis)
+
+
+def _controller_files(config: ControllerConfig) -> None:
+    """controller.fleet's channels to the engines and the remote index, and
+    controller.service's tokenizers (but the builtin one, built on first use)."""
+    ClientChannels.load(config.engine_tls, "engine_tls").with_token_file(
+        config.engine_token_file, "engine_token_file"
+    )
+    index = config.index
+    if index.remote is not None:
+        ClientChannels.load(index.remote_tls, "index.remote_tls").with_token_file(
+            index.remote_token_file, "index.remote_token_file"
+        )
+    else:
+        _redis_password(index.backend, index.redis)
+    default = config.tokenizer if config.tokenizer != Path(BUILTIN) else None
+    ModelTokenizers.load(
+        {model: path for model, path in config.tokenizers.items() if path != Path(BUILTIN)},
+        default,
+    )
+
+
+def _redis_password(backend: str, redis: RedisBackendConfig) -> None:
+    """indexer.redis_client's password file, read as the index opens (at start)."""
+    if backend.startswith(REDIS_SCHEMES) and redis.password_file is not None:
+        read_token_file(redis.password_file, "redis.password_file")
