@@ -1050,6 +1050,32 @@ async def test_a_stream_of_bad_messages_warns_less_and_less_often(
     assert _keys(index) == set(range(100, 200))
 
 
+async def test_a_bad_payloads_warning_says_what_is_wrong_with_it(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """msgpack raises FormatError (a byte it never uses, 0xc1) and StackError (nesting too
+    deep) without a message: the warning ended in "FormatError: " and told an operator
+    nothing. It now says what the exception stands for; the source goes on."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    source = _source(publisher.endpoint, context, MemoryBackend(index))
+    caplog.set_level(logging.DEBUG, logger="indexer.sources.zmq")
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send([TOPIC, _seq(0), b"\xc1\xc1"])
+            await publisher.send([TOPIC, _seq(1), b"\x91" * 2000])
+            await publisher.send(_message(2, _stored(7)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+    finally:
+        await publisher.close()
+    bad = [r.getMessage() for r in caplog.records if "dropping seq" in r.getMessage()]
+    assert len(bad) == 2
+    assert "seq 0: payload is not msgpack: FormatError: Invalid msgpack format (1 bad" in bad[0]
+    assert "seq 1: payload is not msgpack: StackError: Too nested (2 bad" in bad[1]
+    assert _keys(index) == {7}
+
+
 async def test_a_bind_that_keeps_failing_logs_less_and_less_often(
     context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
