@@ -725,6 +725,38 @@ async def test_an_empty_replay_at_start_clears_what_an_earlier_process_left(
     assert source.counters.num_replay_failures == 0
 
 
+async def test_a_healthy_start_beside_an_engine_yet_to_publish_clears_the_worker_once(
+    context: zmq.asyncio.Context,
+) -> None:
+    """`resets` is 1 on a healthy run (docs/indexer.md): the source starts beside an engine
+    that has published nothing, so the start's replay comes back empty and clears the worker;
+    the engine's first batch then cleared it a second time, and a publisher restart (its
+    disconnect, the empty replay at its reconnection, its first batch) three times. A worker
+    this source cleared and has written nothing to since is not cleared again."""
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    index = PrefixIndex()
+    source = _starting_source(publisher, context, index)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            # The empty replay has cleared the worker.
+            await eventually(lambda: source.counters.num_resets == 1, WAIT_S)
+            await publisher.publish(_message(0, _stored(1, 2)))
+            await publisher.publish(_message(1, _stored(3, parent=2)))
+            await source.wait_until(lambda: source.last_seq == 1, WAIT_S)
+            assert _keys(index) == {1, 2, 3}
+            assert source.counters.num_resets == 1
+            await publisher.restart()  # a new process, nothing published yet
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == set(), WAIT_S)
+            await publisher.publish(_message(0, _stored(4)))
+            await source.wait_until(lambda: _keys(index) == {4}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_resets == 2  # the start's, then the disconnect's
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
