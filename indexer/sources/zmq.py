@@ -844,13 +844,13 @@ class ZmqSource:
         error, a batch the index refuses as invalid) makes it a bad message: it would fail
         again on every rebuild, so it must not restart the loop. Any other sink failure
         (e.g. Redis down) raises: the index is in doubt."""
+        self._worker_clear = False  # (the translator's state changes too, even if it fails)
         try:
             index_batches = self.translator.translate(batch.events, seq=seq)
         except Exception as exc:
             self._drop_bad_message("seq %d: translation failed: %r", seq, exc, exc_info=True)
             return
         refusal: IndexRequestError | None = None
-        self._worker_clear = False
         for index_batch in index_batches:
             try:
                 await self.sink.apply(index_batch)
