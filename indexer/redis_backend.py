@@ -667,9 +667,12 @@ class RedisBackend:
 
     def _state_lost(self, what: str) -> None:
         """Redis came back without this partition's data, or with older data: every worker
-        this process wrote must be rebuilt by its source; their buffered batches are
-        superseded by that."""
-        workers = set(self._known_workers)
+        this process wrote since the last loss must be rebuilt by its source; their buffered
+        batches are superseded by that. Each is known again at its next write (its rebuild):
+        one not written since (fed through ApplyExternalKvBatch by a client that has not sent
+        again) has nothing of this process's left to lose, and a later loss does not ask it
+        again."""
+        workers, self._known_workers = self._known_workers, set()
         log.warning("Redis at %s lost %s; resyncing %d worker(s)", self._where, what, len(workers))
         self._buffer = deque(b for b in self._buffer if b.worker_id not in workers)
         self._dropping -= workers

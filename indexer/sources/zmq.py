@@ -310,6 +310,12 @@ class ZmqSource:
         # The rank of the batches the worker holds (None when none said): a start's replay
         # runs before any live batch tells the stream's rank.
         self._applied_rank: int | None = None
+        # This source cleared its worker and has written nothing to it since: a rebuild need
+        # not clear it again (the first message after an empty replay at start cleared it a
+        # second time, two resets on a healthy run). Forgotten when the index may hold
+        # something else: at each (re)start of the loop, at a resync the index asks for (it
+        # may have come back with older data) and at the next write.
+        self._worker_clear = False
         # Whether the publisher is connected now, as the SUB's monitor says (`_OpenConnections`).
         self.link = Link(f"connecting to {settings.endpoint}")
         # Whether a failed connection to a publisher never reached was warned of.
@@ -343,6 +349,7 @@ class ZmqSource:
         from seq 0) before the next message. Synchronous, for index-backend callbacks.
         (`worker_id` matters to sources feeding several workers; this one feeds one.)"""
         self._resync_cause = "the index asked for a resync"
+        self._worker_clear = False
         self._resync_wanted.set()
 
     async def run(self) -> None:
@@ -355,6 +362,7 @@ class ZmqSource:
         failures = 0  # in a row
         applied = self.counters.num_batches_applied  # when the last one happened
         while True:
+            self._worker_clear = False  # what the index holds is not this loop's to know
             try:
                 await self._follow()
             except (asyncio.CancelledError, ConfigError):
@@ -836,6 +844,7 @@ class ZmqSource:
         error, a batch the index refuses as invalid) makes it a bad message: it would fail
         again on every rebuild, so it must not restart the loop. Any other sink failure
         (e.g. Redis down) raises: the index is in doubt."""
+        self._worker_clear = False  # (the translator's state changes too, even if it fails)
         try:
             index_batches = self.translator.translate(batch.events, seq=seq)
         except Exception as exc:
@@ -896,13 +905,17 @@ class ZmqSource:
 
     async def _reset_worker(self, seq: int) -> None:
         """Clear the worker in the index; the stream's place is forgotten with it (the next
-        message rebuilds, unless a replay applied after this sets it again)."""
+        message rebuilds, unless a replay applied after this sets it again). A worker this
+        source cleared and has written nothing to since is not cleared again (nor counted)."""
         self._expected = None
         self._replayed = {}
         self._applied_rank = None
+        if self._worker_clear:
+            return
         self.counters.num_resets += 1
         await self.sink.apply(self.translator.reset(seq=seq))
         self.counters.num_batches_applied += 1
+        self._worker_clear = True
 
     async def _rebuild(
         self,

@@ -484,6 +484,28 @@ async def _lose_the_index_under_w0(backend: RedisBackend, redis_server: RedisSer
 
 
 @pytest.mark.timeout(60)
+async def test_a_second_loss_does_not_resync_a_worker_not_written_since_the_first(
+    redis_server: RedisServer,
+) -> None:
+    """w0 (a worker fed through ApplyExternalKvBatch, no source here to rebuild it) lost its
+    blocks with the first loss and was asked to resync; nothing has written it since, so a
+    second loss (Redis restarted again) has nothing of it to lose. It was asked again at every
+    loss, one more warning each that no source of this process feeds it."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=3600)
+    asked: list[str] = []
+    backend.add_resync_listener(asked.append)
+    try:
+        await _lose_the_index_under_w0(backend, redis_server)
+        assert asked == ["w0"]
+        redis_server.flushall()  # w1's block lost; w0 had none
+        await backend.apply(Batch("w2", (Action(ActionType.REPORT, Tier.HBM, (102,)),)))
+    finally:
+        await backend.close()
+    assert asked == ["w0", "w1"]
+
+
+@pytest.mark.timeout(60)
 async def test_a_redis_that_lost_its_data_resyncs_no_worker_removed_before(
     redis_server: RedisServer,
 ) -> None:

@@ -726,6 +726,38 @@ async def test_an_empty_replay_at_start_clears_what_an_earlier_process_left(
     assert source.counters.num_replay_failures == 0
 
 
+async def test_a_healthy_start_beside_an_engine_yet_to_publish_clears_the_worker_once(
+    context: zmq.asyncio.Context,
+) -> None:
+    """`resets` is 1 on a healthy run (docs/indexer.md): the source starts beside an engine
+    that has published nothing, so the start's replay comes back empty and clears the worker;
+    the engine's first batch then cleared it a second time, and a publisher restart (its
+    disconnect, the empty replay at its reconnection, its first batch) three times. A worker
+    this source cleared and has written nothing to since is not cleared again."""
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    index = PrefixIndex()
+    source = _starting_source(publisher, context, index)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            # The empty replay has cleared the worker.
+            await eventually(lambda: source.counters.num_resets == 1, WAIT_S)
+            await publisher.publish(_message(0, _stored(1, 2)))
+            await publisher.publish(_message(1, _stored(3, parent=2)))
+            await source.wait_until(lambda: source.last_seq == 1, WAIT_S)
+            assert _keys(index) == {1, 2, 3}
+            assert source.counters.num_resets == 1
+            await publisher.restart()  # a new process, nothing published yet
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == set(), WAIT_S)
+            await publisher.publish(_message(0, _stored(4)))
+            await source.wait_until(lambda: _keys(index) == {4}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_resets == 2  # the start's, then the disconnect's
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
@@ -1049,6 +1081,32 @@ async def test_a_stream_of_bad_messages_warns_less_and_less_often(
     assert "(64 bad messages so far)" in bad[-1]
     assert "1 unknown events (of types 'BlockPinned'), skipped (0 and 64 so far)" in unknown[-1]
     assert _keys(index) == set(range(100, 200))
+
+
+async def test_a_bad_payloads_warning_says_what_is_wrong_with_it(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """msgpack raises FormatError (a byte it never uses, 0xc1) and StackError (nesting too
+    deep) without a message: the warning ended in "FormatError: " and told an operator
+    nothing. It now says what the exception stands for; the source goes on."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    source = _source(publisher.endpoint, context, MemoryBackend(index))
+    caplog.set_level(logging.DEBUG, logger="indexer.sources.zmq")
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send([TOPIC, _seq(0), b"\xc1\xc1"])
+            await publisher.send([TOPIC, _seq(1), b"\x91" * 2000])
+            await publisher.send(_message(2, _stored(7)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+    finally:
+        await publisher.close()
+    bad = [r.getMessage() for r in caplog.records if "dropping seq" in r.getMessage()]
+    assert len(bad) == 2
+    assert "seq 0: payload is not msgpack: FormatError: Invalid msgpack format (1 bad" in bad[0]
+    assert "seq 1: payload is not msgpack: StackError: Too nested (2 bad" in bad[1]
+    assert _keys(index) == {7}
 
 
 async def test_a_bind_that_keeps_failing_logs_less_and_less_often(
