@@ -308,7 +308,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         """Every engine's cached prefix, whatever its role, cordoned ones included (what an
         operator checks before uncordoning), and after them those that take traffic but not
         this prompt (naming what they lack, as routing's refusals do: "max_context_length
-        128 < 301") and those out of routing for their state (draining, unreachable, ...:
+        128 < 301"; every one, for a prompt past all their limits, which Route refuses) and
+        those out of routing for their state (draining, unreachable, ...:
         what the index holds of them), each engine the router would not choose naming why
         (`out_of_routing`), but one removed while the index answered (it left the fleet);
         NOT_FOUND for a model no engine serves and

@@ -478,8 +478,8 @@ def match(
 ) -> None:
     """How much of a prompt each engine holds (controller).
 
-    Engines the router would not choose now (cordoned, draining, unreachable, ...) are listed
-    too, with why in OUT OF ROUTING."""
+    Engines the router would not choose now (cordoned, draining, unreachable, ..., or short of
+    a limit this prompt needs) are listed too, with why in OUT OF ROUTING."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     reply = _admin_call(
         "match", _server(ctx, target), lambda stub: stub.Match(query, timeout=RPC_TIMEOUT_S)

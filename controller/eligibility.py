@@ -471,6 +471,8 @@ class Eligibility:
         candidates: tuple[Candidate, ...],
         request: pb.GenerateRequest | vpb.GenerateRequest | None,
         prompt_tokens: int | None,
+        *,
+        refuse_beyond: bool = True,
     ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
         """Those of `candidates` (engines serving `model`, on the path of `role`: `_of`)
         that take the request (`request`: an OpenEngine Generate or a vllm.Generate, None for
@@ -480,7 +482,9 @@ class Eligibility:
         BeyondFleetError when it is past a limit of every engine of the path generating the
         model, routable or not (one that takes it but takes no traffic now leaves none: the
         caller's UNAVAILABLE). An option every such engine lacks does not count: any engine
-        refuses it, in its own words (`this engine has no tokenizer: send token_ids`)."""
+        refuses it, in its own words (`this engine has no tokenizer: send token_ids`).
+        Without `refuse_beyond` (admin `match`, which lists each engine with the limit it
+        lacks), no candidate then, rather than the error."""
         bounds = self._of(model, role)
         if bounds.alike:
             return candidates, NO_NEEDS
@@ -489,7 +493,7 @@ class Eligibility:
             needs = needs.with_prompt(prompt_tokens)
         elif needs.min_output_tokens > 1:
             needs = needs.with_prompt(0)  # the output it must produce: what is known of it
-        return self._taking(model, bounds, candidates, needs)
+        return self._taking(model, bounds, candidates, needs, refuse_beyond=refuse_beyond)
 
     def past_refusal(
         self,
@@ -566,6 +570,8 @@ class Eligibility:
         bounds: _Bounds,
         candidates: tuple[Candidate, ...],
         needs: RequestNeeds,
+        *,
+        refuse_beyond: bool = True,
     ) -> tuple[tuple[Candidate, ...], RequestNeeds]:
         smallest = bounds.smallest
         for path, need in needs.limits:
@@ -574,7 +580,8 @@ class Eligibility:
         else:
             if not needs.options & bounds.lacked_by_one:
                 return candidates, needs  # every engine takes it
-        self._refuse_beyond(model, bounds, needs)
+        if refuse_beyond:
+            self._refuse_beyond(model, bounds, needs)
         needs = needs._replace(options=needs.options - bounds.lacked_by_all)
         out = []
         for candidate in candidates:

@@ -242,14 +242,16 @@ class Controller:
         )
         # No tokenizer: a rough size (4 characters a token) keeps the load terms meaningful.
         num_tokens = len(tokens) if tokens is not None else max(1, len(query.prompt or "") // 4)
-        # Only the engines that take it (BeyondFleetError: none serving the model can); its
-        # context only where its tokens are known.
+        # Only the engines that take it (BeyondFleetError: none serving the model can, but
+        # to admin `match`, which lists each with what it lacks); its context only where its
+        # tokens are known.
         eligible, needs = self.eligibility.candidates(
             query.model or None,
             role,
             view.candidates,
             query.generate_request,
             num_tokens if tokens is not None else None,
+            refuse_beyond=not cordoned,
         )
         if eligible is not view.candidates:
             # Admin `match` (`cordoned`) lists those that do not take it too, aside with the

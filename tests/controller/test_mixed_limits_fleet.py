@@ -136,6 +136,30 @@ async def test_match_lists_the_engines_that_do_not_take_the_prompt_and_why(
     assert sorted(rows) == ["long", "short0", "short1"]
 
 
+async def test_match_of_a_prompt_no_engine_takes_lists_each_with_the_limit_it_lacks(
+    mixed: Fleet, tmp_path: Path
+) -> None:
+    """A prompt past every engine's context: `route` (what the router does) refuses it,
+    naming the largest, while `match` still lists every engine taking traffic, each with the
+    limit it lacks (it failed with route's refusal, listing none, while a prompt one engine
+    takes lists the others with theirs)."""
+    t = ["--target", mixed.target]
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(map(str, range(1000, 1000 + LONG))))
+    routed = await cli("route", "--tokens-file", str(tokens), *t)
+    refusal = str(routed.exception)
+    assert routed.exit_code == 1 and "INVALID_ARGUMENT" in refusal, refusal
+    assert f"the largest any engine serving the default model takes is {LONG}" in refusal
+    reply = await cli_json("match", "--tokens-file", str(tokens), *t)
+    assert reply["num_prompt_tokens"] == LONG
+    rows = {m["instance_id"]: m["out_of_routing"] for m in reply["matches"]}
+    assert rows == {
+        "short0": f"max_context_length {SHORT} < {LONG + 1}",
+        "short1": f"max_context_length {SHORT} < {LONG + 1}",
+        "long": f"max_context_length {LONG} < {LONG + 1}",
+    }
+
+
 async def test_model_info_advertises_the_largest_context_and_the_fleets_names(
     mixed: Fleet,
 ) -> None:
