@@ -40,6 +40,7 @@ from indexer.engine_events import (
 )
 from indexer.validation import MAX_UINT32
 from kvplane.errors import KvplaneError
+from kvplane.unpack_failure import unpack_failure
 
 # How positional events' fields at index >= 7 are read: as vLLM's, or not at all.
 ArrayTail = Literal["ignore", "vllm"]
@@ -119,14 +120,6 @@ def engine_array_tail(engine_name: str) -> ArrayTail:
     return "vllm" if engine_name.strip().lower() == "vllm" else "ignore"
 
 
-def _unpack_failure(exc: Exception) -> str:
-    """What msgpack's exception says, by name and message; FormatError (a byte msgpack never
-    uses, e.g. 0xc1) and StackError (nesting too deep) carry no message, so their
-    docstring's first line stands for it."""
-    detail = str(exc) or (type(exc).__doc__ or "").strip().split("\n")[0]
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
-
-
 def decode_payload(payload: bytes, *, array_tail: ArrayTail = "ignore") -> EventBatch:
     """A msgpack EventBatch; raises PayloadError when the envelope is unusable."""
     if len(payload) > MAX_PAYLOAD_BYTES:
@@ -136,7 +129,7 @@ def decode_payload(payload: bytes, *, array_tail: ArrayTail = "ignore") -> Event
             payload, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
         )
     except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, ...
-        raise PayloadError(f"payload is not msgpack: {_unpack_failure(exc)}") from exc
+        raise PayloadError(f"payload is not msgpack: {unpack_failure(exc)}") from exc
     try:
         ts, raw_events, dp_rank = _envelope(raw)
     except PayloadError:

@@ -44,6 +44,7 @@ import msgpack
 
 from controller.router.replicas import Finished, FirstToken, PeerRoutes, Routed, RouteEvent
 from controller.router.router import SessionRoute
+from kvplane.unpack_failure import unpack_failure
 
 if TYPE_CHECKING:
     from controller.router.router import Router
@@ -168,7 +169,9 @@ class ReplicaProtocol:
                 _, _, seq, kind, body = message
                 seq = int(seq)
         except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
-            log.warning("replica sync: dropping a message that is not one (%s)", exc)
+            log.warning(
+                "replica sync: dropping a message that is not one (%s)", unpack_failure(exc)
+            )
             return []
         if version != VERSION:
             self._other_version(origin, version, now_s)

@@ -67,8 +67,10 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
 - a resync request (`request_resync`: the index backend dropped or lost this worker's entries,
   e.g. Redis restarted empty) clears the worker and rebuilds it from a replay from seq 0 at
   once, between two messages, without waiting for the next one; live messages the replay
-  already covered are then dropped as duplicates. Without a replay endpoint the next message
-  clears and rebuilds as on a first message (older blocks stay missing, never stale).
+  already covered are then dropped as duplicates. Without a replay endpoint it only clears the
+  worker (at once, even one its publisher left: a Redis back with older data holds blocks
+  cleared since) and the next message rebuilds as on a first message (older blocks stay
+  missing, never stale).
 
 `on_sequence_break`, when given, is called (synchronously) each time a message out of sequence
 (a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages,
@@ -668,11 +670,13 @@ class ZmqSource:
         At start a failed replay changes nothing (it is retried, see below) and an empty one
         only clears: the first message then rebuilds the worker as ever."""
         floor = self._expected
-        if floor is None and not self.settings.replay_endpoint:
-            return  # the next message clears and rebuilds the worker anyway
         # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
-        # the index asked for.
+        # the index asked for. One the index asked for clears the worker even with nothing to
+        # rebuild it from: a Redis back with older data holds blocks this source cleared (a
+        # departed publisher's, which sends no next message to clear them).
         starting = self._resync_cause in (_STARTING, _RECONNECTED)
+        if starting and floor is None and not self.settings.replay_endpoint:
+            return  # the next message clears and rebuilds the worker anyway
         if starting and floor is not None:
             return  # a message since the start or reconnection has rebuilt the worker already
         if starting:  # (a retry of a failed one says so only when it fails)

@@ -390,6 +390,23 @@ def test_a_peer_of_another_version_is_ignored_with_one_warning(
     assert f"ignoring controller other, which speaks version {version}" in said[0]
 
 
+def test_a_message_that_is_not_msgpack_is_dropped_with_a_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """msgpack raises FormatError (a byte it never uses, 0xc1) and StackError (nesting too
+    deep) without a message: the warning ended in "()" and told an operator nothing."""
+    caplog.set_level(logging.WARNING, logger="controller.router.replica_protocol")
+    protocol = ReplicaProtocol(Router(make_policy("kvplane")), "r0")
+    for data in (b"\xc1", b"\x91" * 2000, msgpack.packb("hello")):
+        assert protocol.receive(data, 0.0) == []
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "replica sync: dropping a message that is not one (FormatError: Invalid msgpack format)",
+        "replica sync: dropping a message that is not one (StackError: Too nested)",
+        "replica sync: dropping a message that is not one (TypeError: a str, not an array)",
+    ]
+
+
 def test_peers_of_another_version_are_forgotten_once_silent() -> None:
     """Every restart of a replica of another release is a new origin: each is remembered
     (to be warned about once) only while it speaks, so a long rolling upgrade of restarting

@@ -506,6 +506,62 @@ async def test_a_second_loss_does_not_resync_a_worker_not_written_since_the_firs
 
 
 @pytest.mark.timeout(60)
+async def test_a_redis_back_with_older_data_loses_a_departed_publishers_blocks_again(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    """A ZMQ source without a replay endpoint cleared its worker when its publisher went away
+    (an engine killed). Redis then came back from a snapshot taken before that clear: the
+    departed engine's blocks are back, and the backend asks the source to resync. The
+    source did nothing ("the next message clears and rebuilds"), but a departed publisher
+    sends no next message: its blocks stayed in the index for good."""
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    backend = await open_redis_backend(redis.url, buckets=16, maintenance_interval_s=3600)
+    publisher = FakeKvPublisher(context)
+    source = ZmqSource(
+        ZmqSourceSettings(endpoint=publisher.endpoint, topic="kv@"),
+        WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000")),
+        backend,
+        context=context,
+    )
+    connect_resync(backend, {"w0": source}.get)
+
+    async def indexed() -> set[int]:
+        return {
+            h for p in await backend.match(ALL_HASHES, False) if p.worker_id == "w0"
+            for t in p.by_tier for h in t.hashes
+        }  # fmt: skip
+
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            for seq in range(10):
+                await publisher.publish(MESSAGES[seq].frames)
+            await source.wait_until(lambda: source.last_seq == 9, WAIT_S)
+            assert await indexed() == _model_through(9) != set()
+            redis.client().save()  # the snapshot Redis comes back from
+            publisher.close_pub()  # the engine is gone: its blocks are cleared
+            await source.wait_until(lambda: not source.link.up, WAIT_S)
+            assert await indexed() == set()
+            redis.kill()
+            redis.start()
+            assert await indexed() == _model_through(9)  # back from the snapshot
+            # The next write (another worker's) finds the writes Redis lost.
+            await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (1,)),)))
+            await source.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+
+            async def cleared() -> bool:
+                return not await indexed()
+
+            # (The count goes up as the resync starts: wait for its clear.)
+            await eventually(cleared, WAIT_S, "the departed engine's blocks cleared again")
+    finally:
+        await publisher.close()
+        await backend.close()
+        redis.stop()
+
+
+@pytest.mark.timeout(60)
 async def test_a_redis_that_lost_its_data_resyncs_no_worker_removed_before(
     redis_server: RedisServer,
 ) -> None:
