@@ -68,15 +68,15 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   does not answer (`Handoff.holder_gone`) runs the request again as a whole, once, without
   that engine, and one whose prefill engine answers as a new process (restarted at its
   address: the session went with the old one) runs again the same way, that engine
-  included; one whose first decode engine refused the session NOT_FOUND has the gateway
-  release the session on that prefill engine (`Handoff.release`), after which no other
-  decode engine can take it: ended there by its drain (`Handoff.holder_draining`), the
-  request ends at the handoff, as an aborted request does; otherwise (ended by its TTL,
-  freed by that release, not held there: a decode engine took it, or the engine restarted
-  under its configured instance id, which GetEngineInfo cannot tell; no answer) it runs
-  again as a whole, once (without that engine when it did not answer), and a second
-  session lost so fails it, UNAVAILABLE naming the lost session (sent again, it may
-  succeed);
+  included; one whose first decode engine to fail it (one re-routed past attached no
+  session) refused the session NOT_FOUND has the gateway release the session on that
+  prefill engine (`Handoff.release`), after which no other decode engine can take it:
+  ended there by its drain (`Handoff.holder_draining`), the request ends at the handoff,
+  as an aborted request does; otherwise (ended by its TTL, freed by that release, not held
+  there: a decode engine took it, or the engine restarted under its configured instance
+  id, which GetEngineInfo cannot tell; no answer) it runs again as a whole, once (without
+  that engine when it did not answer), and a second session lost so fails it, UNAVAILABLE
+  naming the lost session (sent again, it may succeed);
 - a hop's failure before anything was relayed is judged alike whether the engine said it
   with a status or in-band (`HopFailure`: an in-band error by its status form), in one
   place (`Relay._judge`); when no other engine takes it, an in-band refusal reaches the
