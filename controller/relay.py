@@ -68,15 +68,15 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   does not answer (`Handoff.holder_gone`) runs the request again as a whole, once, without
   that engine, and one whose prefill engine answers as a new process (restarted at its
   address: the session went with the old one) runs again the same way, that engine
-  included; one whose first decode engine refused the session NOT_FOUND has the gateway
-  release the session on that prefill engine (`Handoff.release`), after which no other
-  decode engine can take it: ended there by its drain (`Handoff.holder_draining`), the
-  request ends at the handoff, as an aborted request does; otherwise (ended by its TTL,
-  freed by that release, not held there: a decode engine took it, or the engine restarted
-  under its configured instance id, which GetEngineInfo cannot tell; no answer) it runs
-  again as a whole, once (without that engine when it did not answer), and a second
-  session lost so fails it, UNAVAILABLE naming the lost session (sent again, it may
-  succeed);
+  included; one whose first decode engine to fail it (one re-routed past attached no
+  session) refused the session NOT_FOUND has the gateway release the session on that
+  prefill engine (`Handoff.release`), after which no other decode engine can take it:
+  ended there by its drain (`Handoff.holder_draining`), the request ends at the handoff,
+  as an aborted request does; otherwise (ended by its TTL, freed by that release, not held
+  there: a decode engine took it, or the engine restarted under its configured instance
+  id, which GetEngineInfo cannot tell; no answer) it runs again as a whole, once (without
+  that engine when it did not answer), and a second session lost so fails it, UNAVAILABLE
+  naming the lost session (sent again, it may succeed);
 - a hop's failure before anything was relayed is judged alike whether the engine said it
   with a status or in-band (`HopFailure`: an in-band error by its status form), in one
   place (`Relay._judge`); when no other engine takes it, an in-band refusal reaches the
@@ -427,16 +427,18 @@ class _Stage(NamedTuple):
     # again as a whole (`_SessionLost`, raised out of the hop) rather than with the session
     # on another decode engine? None: never asked.
     session_lost: Callable[[str, str], Awaitable[_SessionLost | None]] | None = None
-    # A decode hop's question after its first engine refused the KV session NOT_FOUND before
-    # anything was relayed (given the engine and its failure), the session's holder still
-    # answering as the process that handed it over: is the session still there for another
-    # decode engine? Asking releases it (`Released`), so it never is: ended by the holder's
-    # drain, the request ends at the handoff (`_SessionEnd.drained`); gone otherwise (its
-    # TTL, the client having read slowly; freed, or maybe freed, by the release, the refusal
-    # about something else such as a model the engine no longer serves; not held there, a
-    # decode engine having taken it, or the holder restarted under its instance id, which
-    # GetEngineInfo cannot tell), the first run raises `_SessionLost` (the request runs again
-    # as a whole, once), the run again fails (`_SessionEnd.lost`). None: never asked.
+    # A decode hop's question after its first engine to fail it (one re-routed past, such as
+    # one without the request's LoRA adapter, attached no session) refused the KV session
+    # NOT_FOUND before anything was relayed (given the engine and its failure), the
+    # session's holder still answering as the process that handed it over: is the session
+    # still there for another decode engine? Asking releases it (`Released`), so it never
+    # is: ended by the holder's drain, the request ends at the handoff
+    # (`_SessionEnd.drained`); gone otherwise (its TTL, the client having read slowly;
+    # freed, or maybe freed, by the release, the refusal about something else such as a
+    # model the engine no longer serves; not held there, a decode engine having taken it, or
+    # the holder restarted under its instance id, which GetEngineInfo cannot tell), the
+    # first run raises `_SessionLost` (the request runs again as a whole, once), the run
+    # again fails (`_SessionEnd.lost`). None: never asked.
     session_ended: Callable[[str, str], Awaitable[_SessionEnd]] | None = None
     # The prefill hop of a disaggregated request: the engine it picks is the request's
     # prefill engine in its route (`kvplane-route`), unless that is a decode engine
@@ -496,7 +498,8 @@ class _SessionLost(Exception):
 
 class _SessionEnd(NamedTuple):
     """What a decode hop learned by releasing its KV session on the prefill engine holding
-    it, its first engine having refused the session NOT_FOUND (`_Stage.session_ended`)."""
+    it, its first engine to fail it having refused the session NOT_FOUND
+    (`_Stage.session_ended`)."""
 
     # The session ended there by that engine's drain (ALREADY_FINISHED, the engine
     # DRAINING): the request ends at the handoff, as one aborted there
@@ -1251,15 +1254,20 @@ class Relay:
                 # others refused): its failure says more than a refusal past it.
                 answer = failed or moved
                 failure: Any = answer.failure if answer is not None else None
-                self._count("no_engine" if answer is None else "engine_error")
                 if failure is None or isinstance(failure, grpc.aio.AioRpcError):
-                    # No engine at all, or the failed engine's status is the answer.
+                    # No engine at all, or the failed engine's status is the answer, counted
+                    # by it as when that engine ends the request (a refusal of the request
+                    # itself: "invalid").
                     status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    self._count("no_engine" if failure is None else _failure_outcome(status.code()))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
                         await pass_status(
                             context, status, answer.engine if answer else None, c.fleet
                         )
+                else:  # counted as when the engine's in-band error ends the request
+                    refusal = surface.error(failure)
+                    self._count(refusal.outcome if refusal is not None else "engine_error")
                 yield failure  # an in-band error: the refusing response, or the gateway's
                 return
             if moved is not None:  # every route but the hop's first follows a move
@@ -1309,12 +1317,7 @@ class Relay:
                                 self.let_go(request_id, engine)
                                 refused = HopFailure.of_in_band(error, response, stage)
                                 verdict = await self._judge(
-                                    refused,
-                                    stage,
-                                    engine,
-                                    plan,
-                                    moved=moved,
-                                    retried=failed is not None,
+                                    refused, stage, engine, plan, retried=failed is not None
                                 )
                                 if verdict.aborted:
                                     for closing in await self._end_aborted(
@@ -1391,7 +1394,7 @@ class Relay:
                 if not relayed:
                     failure = HopFailure.of_status(cause, stage)
                     verdict = await self._judge(
-                        failure, stage, engine, plan, moved=moved, retried=failed is not None
+                        failure, stage, engine, plan, retried=failed is not None
                     )
                     if verdict.aborted:
                         for closing in await self._end_aborted(surface, request, stage, context):
@@ -1438,16 +1441,17 @@ class Relay:
         engine: str,
         plan: Plan,
         *,
-        moved: _Retry | None,
         retried: bool,
     ) -> _Verdict:
         """What follows `engine` failing a hop before anything of it was relayed, whichever
-        form it said it in (`HopFailure`); `moved`: the hop's latest move to another engine
-        so far, `retried`: whether it spent its one retry. In order: a decode hop whose KV
+        form it said it in (`HopFailure`); `retried`: whether it spent its one retry (a
+        decode hop's: whether a decode engine failed it before, maybe having attached its KV
+        session; an engine re-routed past attached none). In order: a decode hop whose KV
         session is lost (its holder gone: `_Stage.session_lost`; gone from its holder other
         than by its drain, the release that asked answering: `_Stage.session_ended`) raises
         `_SessionLost`, and in the request's run again fails with no retry; one whose first
-        engine found no session that its holder's drain ended ends at the handoff; an engine
+        engine to fail it (past any re-route) found no session that its holder's drain ended
+        ends at the handoff; an engine
         that no longer holds the request's LoRA adapter is left for one that does (a decode
         engine's NOT_FOUND too, which its session did not cause), and one refusing a prompt
         maybe past its context for one taking a longer one (re-routes, whatever was spent);
@@ -1466,7 +1470,7 @@ class Relay:
         if (
             failure.refused_session
             and failure.cause.code() == grpc.StatusCode.NOT_FOUND
-            and moved is None  # no decode engine attached the session before
+            and not retried  # no decode engine attached the session before
             and stage.session_ended is not None
             and not adapter_left
         ):

@@ -11,7 +11,8 @@ a status) and then commits the request; after that, the request's stream of outp
 ends with the output that carries `usage` (finished, cancelled or failed). Before that, while a
 front end converts it (tokenising a text prompt, compiling a guide: awaits), its id is held
 (`converting`): an Abort then stops it as an accepted one, and it ends aborted, never run,
-even when its conversion then fails (the abort wins over the refusal).
+even when its conversion then fails (the abort wins over the refusal) or acceptance would
+refuse what it converted to: then as far as it is known unconverted.
 
 Pooling tasks (Embed/Classify/Score, `engine.server.pooling_tasks`) are not engine requests:
 each runs as engine-thread commands (`run_task`), but shares the request ids' namespace,
@@ -662,14 +663,22 @@ class EngineService:
         meanwhile: it then never runs, and the caller ends it aborted
         (`aborted_before_prefill`). A conversion that fails after such an Abort ends it so too,
         as `unconverted()`: what is known of it without the conversion
-        (`engine.server.openengine_convert.unconverted_request`)."""
+        (`engine.server.openengine_convert.unconverted_request`); so does a converted request
+        that acceptance would refuse (the core's checks: more `num_sequences` than
+        `max_num_seqs`, say), which ends as no more than the engine takes."""
         try:
             with self.converting(request_id) as held:
                 request = await conversion()
                 await self.compile_guide(request)
         except RequestAbortedError:
             return unconverted(), True
-        return request, held.aborted.is_set()
+        if not held.aborted.is_set():
+            return request, False
+        try:
+            self.engine_loop.core.check_request(request)
+        except KvplaneError:  # never accepted: as one whose conversion refused it
+            return unconverted(), True
+        return request, True
 
     async def run_task(self, handle: TaskHandle, fn: Callable[[EngineCore], T]) -> T:
         """Run `fn(core)` on the engine thread between steps (one pooling batch); raises

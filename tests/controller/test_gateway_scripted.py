@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import grpc
 import pytest
@@ -44,6 +44,7 @@ pytestmark = pytest.mark.timeout(60)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 EMBED_DIMENSION = 4
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class GenerateFaults:
     - "invalid": accepted, then one non-retryable terminal EngineError;
     - "model_not_found": accepted, then one non-retryable terminal EngineError
       MODEL_NOT_FOUND (something the request names other than its LoRA adapter is gone);
+    - "session_ended": a decode request's KV session ended on its prefill engine first (an
+      operator's Abort of it there), then the sim engine's (which finds no session);
     - "token_then_error": the first token, then one retryable terminal EngineError;
     - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE;
     - "token_then_error_then_internal": "token_then_error", then the call fails with INTERNAL;
@@ -69,6 +72,22 @@ class GenerateFaults:
     """
 
     pending: list[str] = field(default_factory=list)
+
+
+async def passed_on(stream: AsyncIterable[T], context: Context) -> AsyncIterator[T]:
+    """The sim engine's `stream`, its status passed on as the engine said it."""
+    try:
+        async for response in stream:
+            yield response
+    except grpc.aio.AioRpcError as refused:
+        await context.abort(refused.code(), refused.details() or "")
+
+
+async def _end_session(session: pb.KvSessionRef) -> None:
+    """Abort `session` on the engine holding it (its first endpoint), as an operator would."""
+    endpoint = session.endpoints[0]
+    async with grpc.aio.insecure_channel(f"{endpoint.host}:{endpoint.port}") as holder:
+        await pb_grpc.OpenEngineStub(holder).Abort(pb.AbortRequest(kv_session=session))
 
 
 class ReportsLoad(Forwarding):
@@ -170,6 +189,8 @@ class ScriptedServicer(ReportsLoad):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: not now")
         if fault == "unauthenticated":
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "scripted: not the token")
+        if fault == "session_ended":
+            await _end_session(request.kv.session)
         if fault in ("overloaded", "invalid", "model_not_found"):
             code = {
                 "overloaded": pb.ERROR_CODE_OVERLOADED,
@@ -187,7 +208,7 @@ class ScriptedServicer(ReportsLoad):
         after, _, then = (fault or "").partition("_then_")
         call = self.inner.Generate(request)
         try:
-            async for response in call:
+            async for response in passed_on(call, context):
                 yield response
                 if response.WhichOneof("event") != after:
                     continue

@@ -36,6 +36,7 @@ from tests.controller.test_gateway_scripted import (
     ScriptedServicer,
     ScriptedVllm,
     address,
+    passed_on,
     task_call,
 )
 from tests.controller.test_pooling_fleet import (
@@ -68,15 +69,6 @@ def _as_tokens(request: Request, text: str | None) -> Request:
     return tokens
 
 
-async def _passed_on(stream: AsyncIterator[T], context: Context) -> AsyncIterator[T]:
-    """The sim engine's `stream`, its status passed on as the engine said it."""
-    try:
-        async for response in stream:
-            yield response
-    except grpc.aio.AioRpcError as refused:
-        await context.abort(refused.code(), refused.details() or "")
-
-
 class Tokenizing(ScriptedServicer):
     """A ScriptedServicer that takes a text prompt (`_as_tokens`: a sim engine has no
     tokenizer), so that its sim engine refuses one past its context as an engine does
@@ -92,8 +84,7 @@ class Tokenizing(ScriptedServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         text = request.prompt if request.WhichOneof("input") == "prompt" else None
-        stream = super().Generate(_as_tokens(request, text), context)
-        async for response in _passed_on(stream, context):
+        async for response in super().Generate(_as_tokens(request, text), context):
             yield response
 
 
@@ -105,14 +96,17 @@ class TokenizingVllm(ScriptedVllm):
     ) -> AsyncIterator[vpb.GenerateResponse]:
         text = request.text if request.WhichOneof("prompt") == "text" else None
         stream = super().GenerateStream(_as_tokens(request, text), context)
-        async for response in _passed_on(stream, context):
+        async for response in passed_on(stream, context):
             yield response
 
 
 TokenizingEngine = FrontedEngine[Tokenizing]
 
 
-async def start_tokenizing(name: str, max_model_len: int) -> TokenizingEngine:
+async def start_tokenizing(name: str, max_model_len: int, **config: Any) -> TokenizingEngine:
+    """A Tokenizing engine (`config`: more of its sim engine's EngineConfig, such as its
+    role)."""
+
     def serve_vllm(engine: Tokenizing, server: grpc.aio.Server, inner: grpc.aio.Channel) -> None:
         vpb_grpc.add_GenerateServicer_to_server(
             TokenizingVllm(vpb_grpc.GenerateStub(inner), engine), server
@@ -125,6 +119,7 @@ async def start_tokenizing(name: str, max_model_len: int) -> TokenizingEngine:
         ),
         serve_also=serve_vllm,
         max_model_len=max_model_len,
+        **config,
     )
 
 
@@ -237,6 +232,29 @@ async def test_a_failure_after_the_refusal_with_the_retry_spent_is_the_clients_a
     details = failed.value.details() or ""
     assert details.startswith(f"engine {address(long)} failed the request: "), details
     assert [e.servicer.generate_calls for e in (short, mid, long)] == [["g"]] * 3
+
+
+async def test_a_prompt_past_every_prefill_engine_counts_as_refused_for_itself() -> None:
+    """A text prompt (240 tokens, not tokenised here) past the context of the only prefill
+    engine (64), not of the decode engine (1024): the prefill engine refuses it
+    (INVALID_ARGUMENT), maybe for its length, and no other prefill engine is left to take
+    it. The client gets that refusal as the engine gave it, and the request counts as
+    "invalid", as a request refused for itself does. It counted as "engine_error"."""
+    engines = [
+        await start_tokenizing("p0", SHORT_CONTEXT, role="prefill"),
+        await start_tokenizing("d0", LONG_CONTEXT, role="decode"),
+    ]
+    async with picking_in_order(engines, tokenize_max_chars=1) as fleet:
+        request = pb.GenerateRequest(request_id="g", model="sim", prompt=LONG_TEXT)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate_routed(fleet, request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert [e.servicer.generate_calls for e in engines] == [["g"], []]
+        requests = fleet.app.controller.metrics.requests
+        assert {o: requests.labels(o)._value.get() for o in ("invalid", "engine_error")} == {
+            "invalid": 1,
+            "engine_error": 0,
+        }
 
 
 class FailsTasks(ScriptedServicer):
@@ -525,6 +543,27 @@ async def test_a_decode_engine_without_the_adapter_leaves_the_retry_unspent(
     assert route["prefill"]["engine"] == address(prefill), route
     assert [e.servicer.generate_calls for e in (d0, d1, d2)] == [["g"]] * 3
     assert moves(fleet) == (1, {"lora_adapter": 1, "context": 0})
+
+
+async def test_a_session_ended_on_its_holder_past_a_decode_engine_without_the_adapter(
+    disaggregated_lora_fleet: LoraFleet,
+) -> None:
+    """d0 refuses the decode (NOT_FOUND, x gone), which is re-routed to d1, which finds no
+    KV session (NOT_FOUND): the prefill engine ended it (an operator's Abort of it there).
+    d0 attached no session, so d1's refusal is judged as a first decode engine's: the
+    session's release says it had ended, and the request runs again as a whole, once (one
+    retry), its second session decoded on d1. Before, the re-route passed for a decode
+    engine that may have attached the session: d1's refusal was retried on d2 with the same
+    session, which found none either, and the client got UNAVAILABLE."""
+    fleet, (prefill, d0, d1, d2) = disaggregated_lora_fleet
+    d1.servicer.faults.pending.append("session_ended")
+    reply, route = await generate_routed(fleet, _decode_request("g"))
+    assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+    assert route is not None and route["engine"] == address(d1), route
+    assert prefill.servicer.generate_calls == ["g", "g"]
+    # The run again's decode hop re-routed past d0 too (the plan's decode engines).
+    assert [e.servicer.generate_calls for e in (d0, d1, d2)] == [["g", "g"], ["g", "g"], []]
+    assert moves(fleet) == (1, {"lora_adapter": 2, "context": 0})
 
 
 async def test_a_decode_with_no_decode_engine_holding_the_adapter_gets_the_fleets_answer(

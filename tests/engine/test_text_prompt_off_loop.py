@@ -194,6 +194,31 @@ async def aborted_while_tokenised(
     return aborted, await generate
 
 
+async def test_an_aborted_request_acceptance_would_refuse_ends_as_the_engine_takes_one() -> None:
+    """Aborted while its prompt is tokenised, a request asking for more outputs than the
+    engine's `max_num_seqs` (8), which acceptance refuses, converts (the conversion does not
+    count seats): it ends as one whose conversion refused it, one output finished CANCELLED,
+    no prompt taken. It ended with all 9 outputs, a request the engine never takes."""
+    tokenizer = BlockingTokenizer()
+    request = oe.GenerateRequest(
+        request_id="held",
+        prompt=HUGE_PROMPT,
+        sampling=oe.SamplingParams(num_sequences=sim_config().max_num_seqs + 1),
+        stopping=oe.StoppingOptions(max_tokens=3),
+    )
+    async with (
+        text_engine(tokenizer) as port,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as client,
+    ):
+        aborted, responses = await aborted_while_tokenised(client, tokenizer, request)
+    assert aborted.status == oe.ABORT_STATUS_ABORTED
+    assert [(r.finished.output_index, r.finished.reason) for r in responses] == [
+        (0, oe.FINISH_REASON_CANCELLED)
+    ]
+    usage = responses[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (0, 0)
+
+
 class FailingTokenizer(BlockingTokenizer):
     """A `BlockingTokenizer` that fails once released, as a tokenizer with a bug would."""
 
