@@ -34,6 +34,7 @@ from kvplane.channels import INSECURE, ClientChannels, Redialling
 from kvplane.config import ClientTlsConfig, TlsConfig
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
+from kvplane.process_exit import log_tail
 from kvplane.server_tls import server_credentials
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -245,9 +246,10 @@ async def test_closing_while_the_controller_registers_an_engine_leaves_it_out(
 
 @pytest.mark.timeout(180)
 async def test_an_engine_killed_is_removed_and_replaced(
-    setup: Setup, caplog: pytest.LogCaptureFixture
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "planner.live")
+    caplog.set_level(logging.INFO, "planner.actuator")
     fleet, actuator = setup.app.controller.fleet, setup.actuator
     metrics = PlannerMetrics()
     async with serving(setup, 2, metrics=metrics) as (live, (victim, _)):
@@ -264,6 +266,15 @@ async def test_an_engine_killed_is_removed_and_replaced(
         # The next tick forgets it (and takes it out of the controller): the pool is below
         # its minimum again, rather than counting a dead engine as serving.
         assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        # How it ended and where its log is, said once: the operator's first question.
+        said = [r.getMessage() for r in caplog.records if r.name == "planner.actuator"]
+        (exit_line,) = [m for m in said if f"({victim}) exited" in m]
+        name = exit_line.split()[1]  # default-N, the name of its log
+        log_path = tmp_path / f"{name}.log"
+        assert exit_line == (
+            f"engine {name} ({victim}) exited with code -9 (SIGKILL); its log {log_path} "
+            f"ends: {log_tail(log_path)}"
+        )
         await asyncio.gather(*live._removals)  # the stop runs beside the ticks
         assert victim not in live.engines and victim not in actuator.running()
         assert victim not in {r.address for r in fleet.registry.records()}
