@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # How often a starting engine's port file is looked at (the wait itself is bounded).
 _PORT_POLL_S = 0.05
 _STOP_GRACE_S = 20.0
+# How long the engines' requests may run on when the planner closes (Ctrl-C), before they are
+# aborted: the engine's own `shutdown_grace_s`, within the 15 s `kvplane up` gives a planner.
+_CLOSE_DRAIN_S = 5.0
 
 
 class Actuator(Protocol):
@@ -327,10 +330,18 @@ class LocalProcesses:
     async def close(self) -> None:
         """Stop every engine started (the fleet ends with the planner), all at once: one at a
         time, a slow or hung engine (its SIGTERM pending for `_STOP_GRACE_S`) would hold up
-        the others' stop past the time `kvplane up` gives the planner, which then kills them."""
-        await asyncio.gather(*(self.stop(address) for address in list(self._processes)))
+        the others' stop past the time `kvplane up` gives the planner, which then kills them.
+        Each is drained first, for `_CLOSE_DRAIN_S`: RemoveEngine ends the streams the
+        controller relays from it, and its clients would lose the requests it runs."""
+        await asyncio.gather(*(self._retire(address) for address in list(self._processes)))
         await asyncio.gather(*self._stopping)
         await self._admin.close()
+
+    async def _retire(self, address: str) -> None:
+        """Drain a serving engine through the controller (no new request routed to it, those
+        it runs finished or aborted at `_CLOSE_DRAIN_S`), then stop it."""
+        await self._admin.drain_to_end(address, _CLOSE_DRAIN_S)
+        await self.stop(address)
 
 
 def _previous_run(workdir: Path) -> tuple[dict[str, Path], int]:

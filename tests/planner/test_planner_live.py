@@ -245,6 +245,30 @@ async def test_closing_while_the_controller_registers_an_engine_leaves_it_out(
 
 
 @pytest.mark.timeout(180)
+async def test_a_request_running_when_the_planner_closes_finishes(setup: Setup) -> None:
+    # Ctrl-C of the planner (or of `kvplane up`) stops its engines: a stream the controller
+    # relays from one of them runs to its end, as a drained engine's does.
+    fleet = setup.app.controller.fleet
+    max_tokens = 40
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel,
+        serving(setup, 1) as (live, (address,)),
+    ):
+        request = generate_request("at-close", [1, 2, 3], max_tokens=max_tokens)
+        stream = pb_grpc.OpenEngineStub(channel).Generate(request)
+        first = await anext(aiter(stream))  # it runs on the engine
+        await live.close()  # `serving` closes it again: idempotent
+        rest = [response async for response in stream]
+    events = [r.WhichOneof("event") for r in [first, *rest]]
+    assert events[-1] == "finished"
+    tokens = sum(len(r.token.tokens) for r in [first, *rest] if r.HasField("token"))
+    assert tokens == max_tokens
+    # Then stopped and out of the controller.
+    assert setup.actuator.num_alive() == 0
+    assert address not in {r.address for r in fleet.registry.records()}
+
+
+@pytest.mark.timeout(180)
 async def test_an_engine_killed_is_removed_and_replaced(
     setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
