@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # How often a starting engine's port file is looked at (the wait itself is bounded).
 _PORT_POLL_S = 0.05
 _STOP_GRACE_S = 20.0
+# How long the engines' requests may run on when the planner closes (Ctrl-C), before they are
+# aborted: the engine's own `shutdown_grace_s`, within the 15 s `kvplane up` gives a planner.
+_CLOSE_DRAIN_S = 5.0
 
 
 class Actuator(Protocol):
@@ -127,6 +130,9 @@ class LocalProcesses:
         self._numbers = itertools.count(first_number)
         self._processes: dict[str, asyncio.subprocess.Process] = {}  # by address, serving
         self._port_files: dict[str, Path] = {}  # by address, serving
+        self._logs: dict[str, Path] = {}  # by address, serving
+        # Engines `exited` said why they exited (once each, though reported until stopped).
+        self._exits_said: set[str] = set()
         # Children not reaped yet as of the last start, for `num_alive`: each start drops
         # those reaped since, so engines crash-looping for days do not grow it.
         self._spawned: list[asyncio.subprocess.Process] = []
@@ -173,7 +179,23 @@ class LocalProcesses:
         await self._admin.restarted()
 
     def exited(self) -> list[str]:
-        return sorted(a for a, process in self._processes.items() if process.returncode is not None)
+        codes = {a: p.returncode for a, p in self._processes.items() if p.returncode is not None}
+        for address, code in codes.items():
+            if address not in self._exits_said:
+                self._say_exit(address, code)
+        return sorted(codes)
+
+    def _say_exit(self, address: str, code: int) -> None:
+        """How an engine that exited on its own ended and its log's last lines (a traceback,
+        an out-of-memory), as a failed start says them: the operator's first question."""
+        self._exits_said.add(address)
+        log_path = self._logs[address]
+        tail = log_tail(log_path)
+        ends = f" ends: {tail}" if tail else ""
+        log.warning(
+            "engine %s (%s) exited with %s; its log %s%s",
+            log_path.stem, address, exit_how(code), log_path, ends,
+        )  # fmt: skip
 
     def num_alive(self) -> int:
         """Child processes not reaped yet, registered or not."""
@@ -223,6 +245,7 @@ class LocalProcesses:
             raise
         self._processes[address] = process
         self._port_files[address] = port_file
+        self._logs[address] = log_path
         return address
 
     def _take_over_port(self, address: str) -> None:
@@ -282,6 +305,8 @@ class LocalProcesses:
     async def _forget(self, address: str) -> asyncio.subprocess.Process | None:
         """Take `address` out of the controller and of the engines started; its process."""
         await self._remove(address, self._port_files.pop(address, None))
+        self._logs.pop(address, None)
+        self._exits_said.discard(address)
         return self._processes.pop(address, None)
 
     async def _remove(self, address: str | None, port_file: Path | None) -> None:
@@ -305,10 +330,18 @@ class LocalProcesses:
     async def close(self) -> None:
         """Stop every engine started (the fleet ends with the planner), all at once: one at a
         time, a slow or hung engine (its SIGTERM pending for `_STOP_GRACE_S`) would hold up
-        the others' stop past the time `kvplane up` gives the planner, which then kills them."""
-        await asyncio.gather(*(self.stop(address) for address in list(self._processes)))
+        the others' stop past the time `kvplane up` gives the planner, which then kills them.
+        Each is drained first, for `_CLOSE_DRAIN_S`: RemoveEngine ends the streams the
+        controller relays from it, and its clients would lose the requests it runs."""
+        await asyncio.gather(*(self._retire(address) for address in list(self._processes)))
         await asyncio.gather(*self._stopping)
         await self._admin.close()
+
+    async def _retire(self, address: str) -> None:
+        """Drain a serving engine through the controller (no new request routed to it, those
+        it runs finished or aborted at `_CLOSE_DRAIN_S`), then stop it."""
+        await self._admin.drain_to_end(address, _CLOSE_DRAIN_S)
+        await self.stop(address)
 
 
 def _previous_run(workdir: Path) -> tuple[dict[str, Path], int]:

@@ -93,6 +93,13 @@ class Removals(NamedTuple):
     kept: list[str]
 
 
+def _drain_request(address: str, within_s: float) -> apb.DrainEngineRequest:
+    """DrainEngine of `address`, what it still runs after `within_s` aborted."""
+    return apb.DrainEngineRequest(
+        engine=address, deadline_ms=max(0, int(within_s * 1000)), abort_after_deadline=True
+    )
+
+
 def _admin_and_gateway(
     channel: grpc.aio.Channel,
 ) -> tuple[apb_grpc.AdminAsyncStub, pb_grpc.OpenEngineAsyncStub]:
@@ -278,12 +285,19 @@ class ControllerAdmin:
     async def drain(self, address: str, within_s: float) -> None:
         """Ask the controller to drain `address`; requests still running after `within_s` are
         aborted. Returns at once: the drain's stream is followed in the background."""
-        request = apb.DrainEngineRequest(
-            engine=address, deadline_ms=max(0, int(within_s * 1000)), abort_after_deadline=True
-        )
-        task = asyncio.create_task(self._follow_drain(request))
+        task = asyncio.create_task(self._follow_drain(_drain_request(address, within_s)))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
+
+    async def drain_to_end(self, address: str, within_s: float) -> None:
+        """As `drain`, returning once the drain has ended (the requests of `address` done, or
+        aborted after `within_s`) or failed (a warning), at the latest `ADMIN_TIMEOUT_S` past
+        `within_s` (a hung engine, a controller that does not answer)."""
+        try:
+            async with asyncio.timeout(within_s + ADMIN_TIMEOUT_S):
+                await self._follow_drain(_drain_request(address, within_s))
+        except TimeoutError:
+            log.warning("drain of %s: not ended %g s past its deadline", address, ADMIN_TIMEOUT_S)
 
     async def _follow_drain(self, request: apb.DrainEngineRequest) -> None:
         try:

@@ -34,6 +34,7 @@ from kvplane.channels import INSECURE, ClientChannels, Redialling
 from kvplane.config import ClientTlsConfig, TlsConfig
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
+from kvplane.process_exit import log_tail
 from kvplane.server_tls import server_credentials
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -244,10 +245,35 @@ async def test_closing_while_the_controller_registers_an_engine_leaves_it_out(
 
 
 @pytest.mark.timeout(180)
+async def test_a_request_running_when_the_planner_closes_finishes(setup: Setup) -> None:
+    # Ctrl-C of the planner (or of `kvplane up`) stops its engines: a stream the controller
+    # relays from one of them runs to its end, as a drained engine's does.
+    fleet = setup.app.controller.fleet
+    max_tokens = 40
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel,
+        serving(setup, 1) as (live, (address,)),
+    ):
+        request = generate_request("at-close", [1, 2, 3], max_tokens=max_tokens)
+        stream = pb_grpc.OpenEngineStub(channel).Generate(request)
+        first = await anext(aiter(stream))  # it runs on the engine
+        await live.close()  # `serving` closes it again: idempotent
+        rest = [response async for response in stream]
+    events = [r.WhichOneof("event") for r in [first, *rest]]
+    assert events[-1] == "finished"
+    tokens = sum(len(r.token.tokens) for r in [first, *rest] if r.HasField("token"))
+    assert tokens == max_tokens
+    # Then stopped and out of the controller.
+    assert setup.actuator.num_alive() == 0
+    assert address not in {r.address for r in fleet.registry.records()}
+
+
+@pytest.mark.timeout(180)
 async def test_an_engine_killed_is_removed_and_replaced(
-    setup: Setup, caplog: pytest.LogCaptureFixture
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "planner.live")
+    caplog.set_level(logging.INFO, "planner.actuator")
     fleet, actuator = setup.app.controller.fleet, setup.actuator
     metrics = PlannerMetrics()
     async with serving(setup, 2, metrics=metrics) as (live, (victim, _)):
@@ -264,6 +290,15 @@ async def test_an_engine_killed_is_removed_and_replaced(
         # The next tick forgets it (and takes it out of the controller): the pool is below
         # its minimum again, rather than counting a dead engine as serving.
         assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        # How it ended and where its log is, said once: the operator's first question.
+        said = [r.getMessage() for r in caplog.records if r.name == "planner.actuator"]
+        (exit_line,) = [m for m in said if f"({victim}) exited" in m]
+        name = exit_line.split()[1]  # default-N, the name of its log
+        log_path = tmp_path / f"{name}.log"
+        assert exit_line == (
+            f"engine {name} ({victim}) exited with code -9 (SIGKILL); its log {log_path} "
+            f"ends: {log_tail(log_path)}"
+        )
         await asyncio.gather(*live._removals)  # the stop runs beside the ticks
         assert victim not in live.engines and victim not in actuator.running()
         assert victim not in {r.address for r in fleet.registry.records()}
