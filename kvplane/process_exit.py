@@ -5,15 +5,25 @@ members, the planner's local engines)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from pathlib import Path
 
+# How much of a log's end is read for its last lines: an engine's log after days of serving
+# can be gigabytes, which read whole would stall the event loop (and fill memory) that says it.
+_TAIL_BYTES = 64 * 1024
+
 
 def log_tail(path: Path, lines: int = 3) -> str:
-    """The last lines of a process's log that are not blank, on one line."""
-    with contextlib.suppress(OSError):
-        text = path.read_text(errors="replace")
-        return " | ".join([line for line in text.splitlines() if line.strip()][-lines:])
+    """The last lines of a process's log that are not blank (within its last `_TAIL_BYTES`),
+    on one line; "" for a log that cannot be read."""
+    with contextlib.suppress(OSError), path.open("rb") as file:
+        start = max(0, file.seek(0, os.SEEK_END) - _TAIL_BYTES)
+        file.seek(start)
+        text = file.read().decode(errors="replace").splitlines()
+        if start > 0:
+            text = text[1:]  # read from within a line: not the whole of it
+        return " | ".join([line for line in text if line.strip()][-lines:])
     return ""
 
 

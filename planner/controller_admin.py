@@ -292,19 +292,33 @@ class ControllerAdmin:
     async def drain_to_end(self, address: str, within_s: float) -> None:
         """As `drain`, returning once the drain has ended (the requests of `address` done, or
         aborted after `within_s`) or failed (a warning), at the latest `ADMIN_TIMEOUT_S` past
-        `within_s` (a hung engine, a controller that does not answer)."""
+        `within_s` (a hung engine), or `ADMIN_TIMEOUT_S` after the call when the controller
+        does not answer it (it answers at once, as the engine takes the drain): a hung
+        controller's RemoveEngine, next, has its `ADMIN_TIMEOUT_S` too, and the planner's stop
+        must fit the 15 s `kvplane up` gives it."""
         try:
             async with asyncio.timeout(within_s + ADMIN_TIMEOUT_S):
-                await self._follow_drain(_drain_request(address, within_s))
+                await self._follow_drain(_drain_request(address, within_s), ADMIN_TIMEOUT_S)
         except TimeoutError:
             log.warning("drain of %s: not ended %g s past its deadline", address, ADMIN_TIMEOUT_S)
 
-    async def _follow_drain(self, request: apb.DrainEngineRequest) -> None:
+    async def _follow_drain(
+        self, request: apb.DrainEngineRequest, answer_within_s: float | None = None
+    ) -> None:
+        """Log the drain's events; given up (a warning) if the controller has not answered
+        within `answer_within_s` (None: waited for)."""
         try:
-            async for event in self._stub.DrainEngine(request):
-                log.debug("drain %s: %s", request.engine, event.message or event.state)
+            async with asyncio.timeout(answer_within_s) as answer_by:
+                async for event in self._stub.DrainEngine(request):
+                    answer_by.reschedule(None)
+                    log.debug("drain %s: %s", request.engine, event.message or event.state)
         except grpc.aio.AioRpcError as exc:
             log.warning("drain of %s: %s", request.engine, self.describe(exc))
+        except TimeoutError:  # `answer_by`'s: an outer timeout's is a cancellation here
+            log.warning(
+                "drain of %s: the controller did not answer in %g s",
+                request.engine, answer_within_s,
+            )  # fmt: skip
 
     async def remove(self, address: str) -> bool:
         """RemoveEngine; whether the controller no longer lists `address` (one it no longer

@@ -1448,6 +1448,29 @@ async def test_a_removal_the_controller_does_not_take_is_said(
     assert said.getMessage().startswith("controller: RemoveEngine of 127.0.0.1:1: UNAVAILABLE")
 
 
+@pytest.mark.timeout(60)
+async def test_a_drain_at_close_the_controller_does_not_answer_is_given_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The planner's close drains each engine, then removes it (RemoveEngine, bounded on its
+    own): a controller that accepts connections but answers nothing (hung) is not waited
+    for past its first answer's time, else the drain's deadline plus that and the removal's
+    would outlast the 15 s `kvplane up` gives a planner to stop (a hung controller: 10 s of
+    drain, 5 s of removal). Here the drain's deadline is an hour: before, the close waited on
+    it until gRPC gave up its connection attempt (20 s)."""
+    caplog.set_level(logging.WARNING, logger="planner.controller_admin")
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()  # the kernel accepts; nothing reads or answers
+        admin = ControllerAdmin(f"127.0.0.1:{hung.getsockname()[1]}")
+        try:
+            await admin.drain_to_end("127.0.0.1:1", 3600.0)
+        finally:
+            await admin.close()
+    (said,) = caplog.records
+    assert said.getMessage() == "drain of 127.0.0.1:1: the controller did not answer in 5 s"
+
+
 async def failed_start(actuator: LocalProcesses) -> str:
     """Why `actuator`'s start of an engine of `default` failed (it is closed then)."""
     try:
