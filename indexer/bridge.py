@@ -14,7 +14,9 @@ An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is 
 backoff, blocking the stream (the source's receive queue buffers meanwhile, up to its bounds;
 an overflow shows up as a gap and is replayed); UNAUTHENTICATED and PERMISSION_DENIED stop the
 bridge (a ConfigError: every later batch would be refused alike, so running on would only drop
-them); any other status drops that batch and is logged.
+them); any other status drops that batch: it raises `IndexRequestError`, which the source
+takes as a batch the index refused (a bad message; a clear that did not land, so the source's
+next clear is sent again rather than skipped).
 The target may lose the worker's blocks (kvplane's memory indexer restarts empty, a Redis
 behind it is flushed or evicts keys) without the bridge seeing a failed apply: the seed's
 applies are unconditional and answer nothing. Two signs make the sink
@@ -62,7 +64,7 @@ from indexer.translate import (
     TranslateOptions,
     WorkerTranslator,
 )
-from indexer.validation import validate_batch
+from indexer.validation import IndexRequestError, ValidationKind, validate_batch
 from indexer.zmq_decode import ArrayTail
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
@@ -82,6 +84,19 @@ _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSIO
 # asked about within ceil(held / 16) probes (docs/indexer.md, "The bridge").
 PROBE_SAMPLE_BLOCKS = 16
 _TIERS = frozenset(int(t) for t in Tier)
+
+
+def _rejection(target: str, exc: grpc.aio.AioRpcError) -> IndexRequestError:
+    """A batch the target refused with a status that would come again, as the source takes
+    a batch the index refuses (`ZmqSource._index`, `ZmqSource._reset_worker`): dropped and
+    its message counted as bad, or a clear that did not land."""
+    code = exc.code()
+    kind = (
+        ValidationKind.RESOURCE_EXHAUSTED
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        else ValidationKind.INVALID_ARGUMENT
+    )
+    return IndexRequestError(kind, f"{target} rejected it: {code.name}: {exc.details()}")
 
 
 class KvIndexerSink:
@@ -151,15 +166,7 @@ class KvIndexerSink:
                     ) from None
                 if exc.code() not in _TRANSIENT:
                     self.num_rejected += 1
-                    log.error(
-                        "%s rejected batch seq %d of worker %s: %s: %s",
-                        self.target,
-                        batch.seq,
-                        batch.worker_id,
-                        exc.code().name,
-                        exc.details(),
-                    )
-                    return
+                    raise _rejection(self.target, exc) from None
                 self.num_retries += 1
                 log.warning(
                     "apply to %s failed (%s: %s); retrying",

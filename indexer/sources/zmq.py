@@ -99,8 +99,10 @@ gap the next message shows and the replay heals.
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one
 (each logged as a warning only at the source's 1st, 2nd, 4th, 8th, ... bad message,
 `_drop_bad_message`; malformed and unknown events likewise, `_drop_bad_events`).
-A message whose content the translator or the index refuses (validation) counts as bad too:
-its refused batch is dropped (a missing block, never a stale one) and the stream goes on.
+A message whose content the translator or the index refuses (validation, or the bridge's
+target refusing it) counts as bad too: its refused batch is dropped (a missing block, never a
+stale one) and the stream goes on. A clear the index refuses is logged and leaves the worker
+not counted as cleared, so the next clear is sent again (`_reset_worker`).
 What these rules cannot see is listed in docs/indexer.md ("Sequence tracking").
 """
 
@@ -162,7 +164,9 @@ RECEIVE_TURN = 32
 
 
 class BatchSink(Protocol):
-    """Where translated batches go: an `IndexBackend`, or a KVIndexer client."""
+    """Where translated batches go: an `IndexBackend`, or a KVIndexer client. A batch the
+    index refuses (and would refuse again) raises `IndexRequestError`; any other failure
+    leaves the index in doubt."""
 
     async def apply(self, batch: Batch) -> None: ...
 
@@ -309,6 +313,10 @@ class ZmqSource:
         # whether replayed batches of another rank were warned about (`_is_other_ranks`).
         self._live_rank: int | None = None
         self._warned_other_rank = False
+        # Whether a replay holding batches under other topics only was warned of: a `topic`
+        # the publisher never sends is said once, not at every replay (a start asks twice when
+        # the SUB connects after the start's replay), until a replay holds the source's.
+        self._warned_foreign_topic = False
         # The rank of the batches the worker holds (None when none said): a start's replay
         # runs before any live batch tells the stream's rank.
         self._applied_rank: int | None = None
@@ -845,9 +853,9 @@ class ZmqSource:
 
     async def _index(self, batch: EventBatch, seq: int) -> None:
         """Translate and apply one decoded message. What its content causes (a translation
-        error, a batch the index refuses as invalid) makes it a bad message: it would fail
-        again on every rebuild, so it must not restart the loop. Any other sink failure
-        (e.g. Redis down) raises: the index is in doubt."""
+        error, a batch the index refuses: invalid, or refused by the bridge's target) makes
+        it a bad message: it would fail again on every rebuild, so it must not restart the
+        loop. Any other sink failure (e.g. Redis down) raises: the index is in doubt."""
         self._worker_clear = False  # (the translator's state changes too, even if it fails)
         try:
             index_batches = self.translator.translate(batch.events, seq=seq)
@@ -910,14 +918,27 @@ class ZmqSource:
     async def _reset_worker(self, seq: int) -> None:
         """Clear the worker in the index; the stream's place is forgotten with it (the next
         message rebuilds, unless a replay applied after this sets it again). A worker this
-        source cleared and has written nothing to since is not cleared again (nor counted)."""
+        source cleared and has written nothing to since is not cleared again (nor counted).
+        A clear the index refuses (`IndexRequestError`: the bridge's target answered a status
+        that would come again) is logged and the stream goes on, the worker not counted as
+        clear: the next clear is sent again, and what the index holds of the worker meanwhile
+        may be stale."""
         self._expected = None
         self._replayed = {}
         self._applied_rank = None
         if self._worker_clear:
             return
         self.counters.num_resets += 1
-        await self.sink.apply(self.translator.reset(seq=seq))
+        try:
+            await self.sink.apply(self.translator.reset(seq=seq))
+        except IndexRequestError as exc:
+            log.warning(
+                "worker %s: the index refused to clear it (%s); what it holds of the worker "
+                "may be stale until a later clear lands",
+                self.worker_id,
+                exc,
+            )
+            return
         self.counters.num_batches_applied += 1
         self._worker_clear = True
 
@@ -1126,9 +1147,12 @@ class ZmqSource:
                 received.add(reply)
             else:
                 foreign_topic = reply.topic
-        if foreign_topic is not None and not count:
+        if count:
+            self._warned_foreign_topic = False
+        elif foreign_topic is not None and not self._warned_foreign_topic:
             # The SUB filters at the publisher, so a `topic` the publisher never sends shows
             # nowhere else: the worker stays empty, its link up, no message counted.
+            self._warned_foreign_topic = True
             log.warning(
                 "worker %s: the replay from %s holds batches under topic %r only, none under "
                 "this source's %r: is `topic` right? (its live messages are filtered out too)",

@@ -5,7 +5,8 @@ probe that finds a target that lost the worker's blocks."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,9 @@ class RecordingServicer(KvIndexerServicer):
     calls (the bridge's probes) are counted; the first ones go as `probe_answers` says: a status
     to fail with (an indexer too slow to answer, or unreachable), or None to answer that
     nothing is held (a read lagging the applies), while the state stays intact. An apply is
-    answered `apply_delay_s` after it changed the index (a target slow to answer)."""
+    answered `apply_delay_s` after it changed the index (a target slow to answer). While
+    `refusing` is set, the applies it holds for are refused with its status, unchanged, and
+    kept in `refused` (a target that would refuse them again)."""
 
     def __init__(
         self,
@@ -62,6 +65,9 @@ class RecordingServicer(KvIndexerServicer):
         self.num_matches = 0
         self.apply_delay_s = 0.0
         self.probe_answers = list(probe_answers)
+        self.refusing: tuple[grpc.StatusCode, Callable[[kv.ApplyExternalKvBatchRequest], bool]]
+        self.refusing = (grpc.StatusCode.OK, lambda _request: False)
+        self.refused: list[kv.ApplyExternalKvBatchRequest] = []
 
     async def MatchExternalKv(
         self, request: kv.MatchExternalKvRequest, context: Any
@@ -80,6 +86,12 @@ class RecordingServicer(KvIndexerServicer):
         if self.unavailable:
             self.unavailable -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+        code, refuses = self.refusing
+        if refuses(request):
+            async with self.arrived:
+                self.refused.append(request)
+                self.arrived.notify_all()
+            await context.abort(code, "refused")
         response = await super().ApplyExternalKvBatch(request, context)
         async with self.arrived:
             self.received.append(request)
@@ -611,3 +623,56 @@ async def test_a_revoked_canary_is_not_taken_for_a_lost_worker(
     assert received[:num_clears] == [_request(0, *CLEAR_ALL)] * num_clears
     assert [r.seq for r in received[num_clears:]] == [0, 1, 2]
     assert (num_clears, source.counters.num_duplicates) in {(1, 1), (2, 0)}
+
+
+def _is_clear(request: kv.ApplyExternalKvBatchRequest) -> bool:
+    return any(a.type == kv.ACTION_CLEAR_ALL_AT_TIER for a in request.actions)
+
+
+async def test_a_clear_the_target_refuses_is_sent_again_at_the_next_clear(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The target holds a block of the worker from an earlier run (stale) and refuses the
+    start's clear with a status that is not transient. The worker is not taken as cleared:
+    the next clear (at the SUB's connection, or the first message's rebuild) is sent and
+    lands, so the stale block goes (before, it was skipped as a clear of a worker cleared
+    already, and the block stayed). A refused batch of blocks is a bad message, not applied."""
+    rig, server = await _rig()
+    async with grpc.aio.insecure_channel(rig.target) as channel:
+        await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+            _request(0, *_stored_actions([99], None)), timeout=5
+        )
+    # (The first clear only: the next one must land.)
+    rig.recorder.refusing = (
+        grpc.StatusCode.INTERNAL,
+        lambda request: _is_clear(request) and not rig.recorder.refused,
+    )
+    publisher = FakeKvPublisher(context)  # its replay holds nothing yet
+    publisher.start_replay()
+    source, sink = await _bridge_run(
+        context, rig, publisher, replay_endpoint=publisher.replay_endpoint
+    )
+    try:
+        async with running(source.run()):
+            async with asyncio.timeout(WAIT_S), rig.recorder.arrived:
+                await rig.recorder.arrived.wait_for(lambda: len(rig.recorder.refused) == 1)
+            rig.recorder.refusing = (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                lambda request: request.seq == 1 and not _is_clear(request),
+            )
+            await publisher.wait_subscribed()
+            await publisher.publish(_stored(0, [11, 12], None))
+            await publisher.publish(_stored(1, [13], 12))  # refused
+            await publisher.publish(_stored(2, [14], None))
+            await eventually(lambda: 14 in _keys(rig.index), WAIT_S)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert _keys(rig.index) == {11, 12, 14}  # not the stale 99
+    assert [r.seq for r in rig.recorder.refused] == [0, 1]
+    assert sink.num_rejected == 2
+    assert source.counters.num_bad_messages == 1  # seq 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("refused to clear it" in m and "INTERNAL: refused" in m for m in warned), warned
+    assert any("dropping seq 1" in m and "FAILED_PRECONDITION" in m for m in warned), warned
