@@ -132,6 +132,7 @@ class Controller:
             clock=clock,
             on_engine_gone=self._engine_gone,
             on_cache_predicted=self.router.predict_cache,
+            hit_worth=self.router.policy.hit_worth,
             on_event_lag=self._event_lag,
             on_implausible_event_stamp=self._implausible_event_stamp,
             instance_id=self.instance_id,
