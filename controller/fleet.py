@@ -89,7 +89,7 @@ from controller.registry import (
     poll_failure,
 )
 from controller.remote_index import RemoteIndex, keep_best_hit
-from controller.router import Candidate, LoadSnapshot, PrefixHit, make_policy
+from controller.router import Candidate, LoadSnapshot, PrefixHit, cacheable_blocks
 from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
@@ -428,6 +428,7 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
         on_engine_gone: Callable[[str], None] | None = None,
         on_cache_predicted: Callable[[str, int | None], None] | None = None,
+        hit_worth: Callable[[PrefixHit], float] = PrefixHit.blocks,
         on_event_lag: Callable[[str, float], None] | None = None,
         on_implausible_event_stamp: Callable[[str], None] | None = None,
         instance_id: str | None = None,
@@ -437,15 +438,15 @@ class Fleet:
         already met (what the router knew of it goes; not on a first contact,
         `_forget_old_process`). `on_cache_predicted(address, capacity_blocks)`: a process of
         an engine whose cache the router predicts (`kv_events: approximate`) was met, the
-        first one included (`_tell_predicted`). `on_event_lag(address, lag_s)`: a KV-event
-        batch of the engine is in the index, `lag_s` after the engine stamped it;
-        `on_implausible_event_stamp(address)` instead when its stamp cannot be when it was
-        produced (`controller.event_lag`)."""
+        first one included (`_tell_predicted`). `hit_worth`: what an index hit is worth to
+        the router's policy (`Policy.hit_worth`; every block alike unless given): an engine
+        indexed rank by rank is seen holding its worthiest rank's hit (`keep_best_hit`).
+        `on_event_lag(address, lag_s)`: a KV-event batch of the engine is in the index,
+        `lag_s` after the engine stamped it; `on_implausible_event_stamp(address)` instead
+        when its stamp cannot be when it was produced (`controller.event_lag`)."""
         self.config = config
         self.index = index
-        # What an index hit is worth to the configured policy: an engine indexed rank by rank
-        # is seen holding its worthiest rank's hit (`keep_best_hit`).
-        self._hit_worth = make_policy(config.router.policy, config.router.weights()).hit_worth
+        self._hit_worth = hit_worth
         health = config.health
         self.registry = Registry(
             health.backoff_initial_s,
@@ -886,7 +887,8 @@ class Fleet:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and listed:
                 try:
-                    hits = await self._indexed_hits(self.index, keys, self._hit_worth)
+                    cacheable = cacheable_blocks(len(token_ids), size, len(keys))
+                    hits = await self._indexed_hits(self.index, keys, self._hit_worth, cacheable)
                 except KvplaneError as exc:  # the shared Redis is down, loading or refusing
                     index_error = str(exc)
         if index_error is not None:
@@ -924,15 +926,18 @@ class Fleet:
 
     @staticmethod
     async def _indexed_hits(
-        index: IndexBackend, keys: Sequence[int], worth: Callable[[PrefixHit], float]
+        index: IndexBackend,
+        keys: Sequence[int],
+        worth: Callable[[PrefixHit], float],
+        cacheable: int,
     ) -> dict[str, PrefixHit]:
         """Each engine's cached prefix of `keys` in the controller's own index (an engine's
-        worthiest rank's by `worth`, `keep_best_hit`)."""
+        worthiest rank's by `worth` within the prompt's `cacheable` blocks, `keep_best_hit`)."""
         hits: dict[str, PrefixHit] = {}
         for match in await index.match_prefix_by_tier(keys, 0):
             device = _device_blocks(match.tiers)
             hit = PrefixHit.along(device, match.matched_blocks, match.any_tier_blocks)
-            keep_best_hit(hits, engine_worker_id(match.worker_id), hit, worth)
+            keep_best_hit(hits, engine_worker_id(match.worker_id), hit, worth, cacheable)
         return hits
 
     # ---- polling ----

@@ -11,7 +11,7 @@ from typing import NamedTuple, TypeVar
 
 import grpc
 
-from controller.router import PrefixHit
+from controller.router import PrefixHit, cacheable_blocks
 from indexer.backend import IndexStats, WorkerStats
 from indexer.batch import Tier
 from indexer.servicer import prompt_block_keys
@@ -30,15 +30,25 @@ log = logging.getLogger(__name__)
 
 
 def keep_best_hit(
-    hits: dict[str, PrefixHit], engine: str, hit: PrefixHit, worth: Callable[[PrefixHit], float]
+    hits: dict[str, PrefixHit],
+    engine: str,
+    hit: PrefixHit,
+    worth: Callable[[PrefixHit], float],
+    cacheable: int,
 ) -> None:
     """Record `hit` for `engine` unless it already has one worth as much (`worth`: the
     routing policy's `Policy.hit_worth`, what a hit saves as the policy weighs the tiers):
     an engine followed rank by rank (one worker per data-parallel rank) holds what its
-    worthiest rank holds, the rank the policy would choose. Of equal worths, the larger hit
-    by tier order (device, host, disk)."""
+    worthiest rank holds, the rank the policy would choose. Worth is of what the prompt can
+    be served from the hit, its first `cacheable` blocks (`cacheable_blocks`: never the
+    block of its last token): a rank's blocks past them save nothing. Of equal worths, the
+    larger hit by tier order (device, host, disk)."""
+
+    def weighed(held: PrefixHit) -> tuple[float, PrefixHit]:
+        return worth(held.within(cacheable)), held
+
     kept = hits.get(engine)
-    if kept is None or (worth(hit), hit) > (worth(kept), kept):
+    if kept is None or weighed(hit) > weighed(kept):
         hits[engine] = hit
 
 
@@ -411,12 +421,13 @@ class RemoteIndex:
             raise
         self._shedding = None
         hits: dict[str, PrefixHit] = {}
+        cacheable = cacheable_blocks(len(token_ids), block_size, len(reply.block_keys))
         for m in reply.matches:
             if (m.worker_address or m.worker_id) in self.restarted:
                 continue
             device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
             hit = PrefixHit.along(device, m.matched_blocks, m.any_tier_blocks)
-            keep_best_hit(hits, m.worker_address or m.worker_id, hit, self._hit_worth)
+            keep_best_hit(hits, m.worker_address or m.worker_id, hit, self._hit_worth, cacheable)
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits
 

@@ -23,7 +23,7 @@ from controller.eligibility import NO_NEEDS, Eligibility, RequestNeeds
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
 from controller.membership import Membership
 from controller.metrics import ControllerMetrics
-from controller.registry import NoEngineRegisteredError, Role, UnknownModelError
+from controller.registry import EngineRecord, NoEngineRegisteredError, Role, UnknownModelError
 from controller.replica_sync import ReplicaSync, open_replica_sync
 from controller.router import (
     AllEnginesBusyError,
@@ -91,6 +91,14 @@ class Plan(NamedTuple):
     role: Role | None = Role.AGGREGATED
 
 
+def _takes_now(record: EngineRecord | None, lora_name: str) -> bool:
+    """Whether the engine of `record` (None: it left) takes requests now, and holds the LoRA
+    adapter `lora_name` ("": none named)."""
+    return (
+        record is not None and record.routable and (not lora_name or record.holds_lora(lora_name))
+    )
+
+
 class Controller:
     def __init__(
         self,
@@ -124,6 +132,7 @@ class Controller:
             clock=clock,
             on_engine_gone=self._engine_gone,
             on_cache_predicted=self.router.predict_cache,
+            hit_worth=self.router.policy.hit_worth,
             on_event_lag=self._event_lag,
             on_implausible_event_stamp=self._implausible_event_stamp,
             instance_id=self.instance_id,
@@ -493,17 +502,20 @@ class Controller:
         return decision
 
     def _of_role(self, plan: Plan, role: Role) -> tuple[Candidate, ...]:
-        """The plan's candidates of `role` that are still routable now (a later hop of a
-        request runs after the plan: an engine may have been drained or removed since)."""
+        """The plan's candidates of `role` that still take the request now (a later hop of
+        a request runs after the plan: an engine may have been drained or removed since, or
+        no longer hold the request's LoRA adapter: an UnloadLora landed, or the engine
+        refused the adapter, `Relay.adapter_left`, which a run again as a whole does not ask
+        again)."""
         registry = self.fleet.registry
         out = []
         for candidate in plan.view.candidates:
             record = registry.by_engine_id(candidate.engine_id)
             if (
                 record is not None
-                and record.routable
                 and record.identity is not None
                 and record.identity.role is role
+                and _takes_now(record, plan.lora_name)
             ):
                 out.append(candidate)
         return tuple(out)
@@ -520,12 +532,7 @@ class Controller:
     def _routable(self, candidate: Candidate, lora_name: str = "") -> bool:
         """Whether the candidate still takes the request (and holds its LoRA adapter: an
         UnloadLora may have landed since the plan was made)."""
-        record = self.fleet.registry.by_engine_id(candidate.engine_id)
-        return (
-            record is not None
-            and record.routable
-            and (not lora_name or record.holds_lora(lora_name))
-        )
+        return _takes_now(self.fleet.registry.by_engine_id(candidate.engine_id), lora_name)
 
     def explain(self, plan: Plan, disaggregated: bool = False) -> Decision:
         """What `route` would decide, charging no one; in a `disaggregated` fleet, the first

@@ -12,6 +12,7 @@ from controller.router.model import (
     PrefixHit,
     Reason,
     RouteRequest,
+    cacheable_blocks,
 )
 from controller.router.peers import DynamoCost, LlmdLongestPrefix, SglangCacheAware
 from controller.router.policies import (
@@ -79,5 +80,6 @@ __all__ = [
     "Reason",
     "RouteRequest",
     "Router",
+    "cacheable_blocks",
     "make_policy",
 ]

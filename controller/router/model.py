@@ -100,6 +100,13 @@ class PrefixHit(NamedTuple):
         """The leading blocks held, whatever their tier (every block alike)."""
         return self.device_blocks + self.host_blocks + self.disk_blocks
 
+    def within(self, limit: int) -> PrefixHit:
+        """The hit's first `limit` blocks, tier by tier: what of it a prompt that can be
+        served `limit` blocks from cache is served (`RouteRequest.max_cacheable_blocks`)."""
+        device = min(self.device_blocks, limit)
+        host = min(self.host_blocks, limit - device)
+        return PrefixHit(device, host, min(self.disk_blocks, limit - device - host))
+
     @staticmethod
     def along(device_blocks: int, servable_blocks: int, any_tier_blocks: int) -> PrefixHit:
         """The hit of an index match (`TokenPrefixMatch`, the MatchTokens reply): its leading
@@ -231,6 +238,14 @@ class Candidate(NamedTuple):
         return self.load.used_kv_blocks / total
 
 
+def cacheable_blocks(num_prompt_tokens: int, block_size: int, num_block_keys: int) -> int:
+    """How many of a prompt's `num_block_keys` full blocks can be served from cache: its last
+    token is always computed (the engine needs its logits), so never the block holding it."""
+    if num_prompt_tokens <= 0:
+        return 0
+    return min(num_block_keys, (num_prompt_tokens - 1) // block_size)
+
+
 class RouteRequest(NamedTuple):
     """A request to place: its prompt length, its canonical block keys (full blocks only) and
     optionally a session key for affinity."""
@@ -248,11 +263,11 @@ class RouteRequest(NamedTuple):
 
     @property
     def max_cacheable_blocks(self) -> int:
-        """Full blocks that can be served from cache: at least one token is always computed,
-        and none for a request that reads no cache."""
-        if self.num_prompt_tokens <= 0 or not self.reads_cache:
+        """Full blocks that can be served from cache (`cacheable_blocks`), none for a request
+        that reads no cache."""
+        if not self.reads_cache:
             return 0
-        return min(len(self.block_keys), (self.num_prompt_tokens - 1) // self.block_size)
+        return cacheable_blocks(self.num_prompt_tokens, self.block_size, len(self.block_keys))
 
     def cached_tokens(self, hit: PrefixHit, limit: int | None = None) -> tuple[int, int, int]:
         """(device, host, disk) prompt tokens an engine with `hit` serves from its cache.
@@ -263,9 +278,7 @@ class RouteRequest(NamedTuple):
             return 0, 0, 0  # a prompt the engine holds none of (most engines of a large fleet)
         if limit is None:
             limit = self.max_cacheable_blocks
-        device = min(hit.device_blocks, limit)
-        host = min(hit.host_blocks, limit - device)
-        disk = min(hit.disk_blocks, limit - device - host)
+        device, host, disk = hit.within(limit)
         size = self.block_size
         return device * size, host * size, disk * size
 

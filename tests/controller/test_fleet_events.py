@@ -288,10 +288,33 @@ async def ranked_fleet() -> AsyncIterator[tuple[EngineFleet[Any], str, list[Fake
         context.term()
 
 
-async def publish_on_rank(ranks: list[FakeKvPublisher], rank: int, event: list[Any]) -> None:
-    """One batch of `event` on rank `rank`'s publisher, numbered 0 and stamped now."""
-    batch = msgpack.packb([time.time(), [event], rank])
+async def publish_on_rank(ranks: list[FakeKvPublisher], rank: int, *events: list[Any]) -> None:
+    """One batch of `events` on rank `rank`'s publisher, numbered 0 and stamped now."""
+    batch = msgpack.packb([time.time(), list(events), rank])
     await ranks[rank].publish([b"", (0).to_bytes(8, "big"), batch])
+
+
+async def seen_holding(
+    fleet: EngineFleet[Any], prompt: list[int], indexed: dict[str, int]
+) -> tuple[apb.EngineMatch, apb.EngineCost]:
+    """Once the index holds `indexed` (each rank's worker and its blocks of the prompt, on
+    any tier), the one engine's hit of `prompt` as admin `match` shows it, and its cost row
+    in admin `route` (which predicts the cached tokens of that row)."""
+    index = fleet.app.controller.index
+    assert index is not None
+    keys = block_keys(prompt, BLOCK)
+
+    async def ranks_indexed() -> bool:
+        matches = await index.match_prefix_by_tier(keys, 0)
+        return {m.worker_id: m.any_tier_blocks for m in matches} == indexed
+
+    await eventually(ranks_indexed, WAIT_S)
+    query = apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt))
+    [held] = (await fleet.admin.Match(query)).matches
+    route = await fleet.admin.Route(query)
+    [row] = route.costs
+    assert route.predicted_cached_tokens == row.cached_tokens + row.host_cached_tokens
+    return held, row
 
 
 async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> None:
@@ -321,28 +344,39 @@ async def test_an_engine_s_best_rank_is_the_one_that_saves_the_most_prefill() ->
     prefix = list(range(6000, 6000 + 4 * BLOCK))
     prompt = [*prefix, 1]
     async with ranked_fleet() as (fleet, address, ranks):
-        index = fleet.app.controller.index
-        assert index is not None
         await publish_on_rank(
             ranks, 1, ["BlockStored", [31, 32, 33, 34], None, prefix, BLOCK, None, "CPU"]
         )
         await publish_on_rank(
             ranks, 0, ["BlockStored", [41], None, prefix[:BLOCK], BLOCK, None, "GPU"]
         )
-        keys = block_keys(prompt, BLOCK)
-
-        async def both_ranks_indexed() -> bool:
-            workers = {m.worker_id for m in await index.match_prefix_by_tier(keys, 0)}
-            return workers == {f"{address}/dp0", f"{address}/dp1"}
-
-        await eventually(both_ranks_indexed, WAIT_S)
-        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt)))
-        [held] = match.matches
+        held, row = await seen_holding(fleet, prompt, {f"{address}/dp0": 1, f"{address}/dp1": 4})
         assert (held.device_blocks, held.host_blocks, held.disk_blocks) == (0, 4, 0)
-        route = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt)))
-        [row] = route.costs
         assert (row.cached_tokens, row.host_cached_tokens) == (0, 4 * BLOCK)
-        assert route.predicted_cached_tokens == 4 * BLOCK
+
+
+async def test_an_engine_s_best_rank_is_weighed_on_the_blocks_the_prompt_can_be_served() -> None:
+    """A prompt of exactly 4 blocks is served at most 3 from cache (its last token is always
+    computed): rank 0 holding its first 3 blocks on the device saves `kvplane` 3 blocks of
+    prefill, rank 1 holding 2 on the device and the next 2 on the host only 2.75 of them (the
+    3rd block at 1 - host_weight; the 4th, past the cap, nothing). So admin `match` and
+    `route` show the engine holding rank 0's 3 device blocks. Before, the ranks were weighed
+    on all their blocks (rank 1's 4th host block too: 3.5), and the route predicted 16 of its
+    48 cached tokens loaded from the host."""
+    prefix = list(range(7000, 7000 + 4 * BLOCK))
+    async with ranked_fleet() as (fleet, address, ranks):
+        await publish_on_rank(
+            ranks, 0, ["BlockStored", [61, 62, 63], None, prefix[: 3 * BLOCK], BLOCK, None, "GPU"]
+        )
+        await publish_on_rank(
+            ranks,
+            1,
+            ["BlockStored", [71, 72], None, prefix[: 2 * BLOCK], BLOCK, None, "GPU"],
+            ["BlockStored", [73, 74], 72, prefix[2 * BLOCK :], BLOCK, None, "CPU"],
+        )
+        held, row = await seen_holding(fleet, prefix, {f"{address}/dp0": 3, f"{address}/dp1": 4})
+        assert (held.device_blocks, held.host_blocks, held.disk_blocks) == (3, 0, 0)
+        assert (row.cached_tokens, row.host_cached_tokens) == (3 * BLOCK, 0)
 
 
 async def test_implausible_event_stamps_are_counted_not_taken_as_lag(

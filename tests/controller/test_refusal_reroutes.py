@@ -554,16 +554,18 @@ async def test_a_session_ended_on_its_holder_past_a_decode_engine_without_the_ad
     session's release says it had ended, and the request runs again as a whole, once (one
     retry), its second session decoded on d1. Before, the re-route passed for a decode
     engine that may have attached the session: d1's refusal was retried on d2 with the same
-    session, which found none either, and the client got UNAVAILABLE."""
+    session, which found none either, and the client got UNAVAILABLE. The run again does not
+    ask d0 again: d0's refusal taught the controller that it lacks x. Before, the run
+    again's decode hop went to d0 first once more (the plan's decode engines), and was
+    re-routed past it a second time."""
     fleet, (prefill, d0, d1, d2) = disaggregated_lora_fleet
     d1.servicer.faults.pending.append("session_ended")
     reply, route = await generate_routed(fleet, _decode_request("g"))
     assert reply[-1].WhichOneof("event") == "finished", reply[-1]
     assert route is not None and route["engine"] == address(d1), route
     assert prefill.servicer.generate_calls == ["g", "g"]
-    # The run again's decode hop re-routed past d0 too (the plan's decode engines).
-    assert [e.servicer.generate_calls for e in (d0, d1, d2)] == [["g", "g"], ["g", "g"], []]
-    assert moves(fleet) == (1, {"lora_adapter": 2, "context": 0})
+    assert [e.servicer.generate_calls for e in (d0, d1, d2)] == [["g"], ["g", "g"], []]
+    assert moves(fleet) == (1, {"lora_adapter": 1, "context": 0})
 
 
 async def test_a_decode_with_no_decode_engine_holding_the_adapter_gets_the_fleets_answer(

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from controller.config import ControllerConfig
 from controller.fleet import Fleet
 from controller.remote_index import RemoteIndex, RemoteIndexError
-from controller.router import PrefixHit
+from controller.router import PrefixHit, cacheable_blocks
+from indexer.backend import IndexBackend
 from indexer.batch import to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
@@ -40,6 +41,16 @@ from tests.redis_servers import RedisServer
 pytestmark = pytest.mark.timeout(30)
 
 TOKENS = list(range(1000, 1070))  # 4 full blocks of 16, then 6 more tokens
+
+
+async def _own_index_hits(index: IndexBackend) -> dict[str, PrefixHit]:
+    """Each engine's hit of TOKENS (blocks of 16) in a controller's own index, every block
+    alike (`Fleet._indexed_hits`)."""
+    keys = block_keys(TOKENS, 16)
+    cacheable = cacheable_blocks(len(TOKENS), 16, len(keys))
+    return await Fleet._indexed_hits(index, keys, PrefixHit.blocks, cacheable)
+
+
 ENGINE = "10.0.0.7:8000"
 CANONICAL_KEYS = [to_sfixed64(k) for k in block_keys(TOKENS, 16)]
 
@@ -240,7 +251,7 @@ async def test_every_index_backend_shows_the_router_a_prefix_on_disk_alike(
         if backend == "remote":
             _, hits = await remote.match(TOKENS, 16, "", "")
         else:
-            hits = await Fleet._indexed_hits(index, block_keys(TOKENS, 16), PrefixHit.blocks)
+            hits = await _own_index_hits(index)
         assert {e: tuple(hits[e]) for e in _TIERED} == {e: hit for e, (_, hit) in _TIERED.items()}
     finally:
         await remote.close()
@@ -328,7 +339,7 @@ def test_every_index_backend_gives_the_router_the_same_tiered_hit_after_removals
             seen: list[object] = []
             for backend, remote in zip(backends, remotes, strict=True):
                 for hits in (
-                    await Fleet._indexed_hits(backend, block_keys(TOKENS, 16), PrefixHit.blocks),
+                    await _own_index_hits(backend),
                     (await remote.match(TOKENS, 16, "", ""))[1],
                 ):
                     seen.append({e: tuple(hits.get(e, PrefixHit())) for e in _ENGINES})

@@ -942,7 +942,7 @@ def test_an_engine_s_ranks_merge_into_the_hit_its_policy_would_route_to(
     for ranks in ((one, other), (other, one)):
         hits: dict[str, PrefixHit] = {}
         for hit in ranks:
-            keep_best_hit(hits, "engine", hit, policy.hit_worth)
+            keep_best_hit(hits, "engine", hit, policy.hit_worth, req.max_cacheable_blocks)
         assert hits["engine"] == (one if chosen == "one" else other)
 
 
