@@ -114,15 +114,16 @@ def _engine_config(config: Path | None, flags: dict[str, str | None]) -> EngineC
     return engine_config
 
 
-def engine_config_of_args(args: Sequence[str]) -> EngineConfig:
+def engine_config_of_args(args: Sequence[str]) -> tuple[EngineConfig, Path | None]:
     """The config `kvplane engine serve ARGS` would serve with, read and checked as `serve`
-    reads it (nothing is started). What `serve` refuses as a usage error (an unknown option,
-    `--role bogus`, a `--config` that cannot be read) is a typer.TyperException, whose
-    `format_message()` says it as click does; a bad `--config` file, a ConfigError naming it."""
+    reads it (nothing is started), and its `--config` file (None: none). What `serve`
+    refuses as a usage error (an unknown option, `--role bogus`, a `--config` that cannot be
+    read) is a typer.TyperException, whose `format_message()` says it as click does; a bad
+    `--config` file, a ConfigError naming it."""
     app = typer.main.get_command(engine_app)
     # The click command of a Typer of one command is that command; of several, their group.
     command = app.commands["serve"] if isinstance(app, typer.core.TyperGroup) else app
     context = command.make_context("kvplane engine serve", list(args))
     flags = dict(context.params)
     config, _ = flags.pop("config"), flags.pop("port_file")
-    return _engine_config(config, flags)
+    return _engine_config(config, flags), config

@@ -12,11 +12,20 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvplane.config import read_token_file
 from kvplane.errors import ConfigError, KvplaneError
+from kvplane.tls_files import (
+    CERTIFICATE,
+    PRIVATE_KEY,
+    PemFileError,
+    check_key_pair,
+    read_ca,
+    read_pem,
+)
 
 
 class IndexUnavailableError(KvplaneError):
@@ -90,6 +99,36 @@ class RedisOptions:
             return self.password
         return read_token_file(self.password_file, "redis.password_file")
 
+    def tls_files(self) -> dict[str, str | None]:
+        """redis-py's options of the TLS files (none: no `redis.tls` files), each file read and
+        checked first (kvplane.tls_files): one that is missing or unusable is a PemFileError
+        naming its setting as the index opens (and in `kvplane up`'s preflight), where
+        redis-py would fail each connection, the first as late as the first command."""
+        ca, cert, key = self.tls_ca_file, self.tls_cert_file, self.tls_key_file
+        if ca is None and cert is None:
+            return {}
+        try:
+            if ca is not None:
+                read_ca(ca, "ca_file")
+            if cert is not None:
+                read_pem(cert, CERTIFICATE, "cert_file")
+                # Without key_file, OpenSSL looks for the key in cert_file.
+                read_pem(key or cert, PRIVATE_KEY, "key_file" if key else "cert_file")
+                check_key_pair(cert, key or cert, _pair_problem(cert, key))
+        except PemFileError as exc:
+            raise PemFileError(f"redis.tls: {exc}") from exc
+        return {
+            "ssl_ca_certs": str(ca) if ca else None,
+            "ssl_certfile": str(cert) if cert else None,
+            "ssl_keyfile": str(key) if key else None,
+        }
+
+
+def _pair_problem(cert: Path, key: Path | None) -> str:
+    if key is None:
+        return f"cert_file {cert} holds no key of its certificate (give key_file)"
+    return f"key_file {key} and cert_file {cert} do not make a pair"
+
 
 class _FcallCluster(RedisCluster):
     """RedisCluster that routes FCALL/FCALL_RO by their first key without asking the server
@@ -117,14 +156,7 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
         # One quick retry heals a pooled connection that a Redis restart broke.
         "retry": Retry(NoBackoff(), 1),
     }
-    tls: dict[str, Any] = {}
-    if options.tls_ca_file or options.tls_cert_file:
-        tls = {
-            "ssl": True,
-            "ssl_ca_certs": str(options.tls_ca_file) if options.tls_ca_file else None,
-            "ssl_certfile": str(options.tls_cert_file) if options.tls_cert_file else None,
-            "ssl_keyfile": str(options.tls_key_file) if options.tls_key_file else None,
-        }
+    tls: dict[str, Any] = options.tls_files()
     if url.startswith("redis+cluster://"):
         rest = url.removeprefix("redis+cluster://").split("/", 1)[0]
         nodes = []
@@ -133,8 +165,10 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
             if not host or not port.isdigit():
                 raise ConfigError(f"backend {url!r}: expected redis+cluster://HOST:PORT[,...]")
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
-        cluster = _FcallCluster(startup_nodes=nodes, **common, **tls)
+        cluster = _FcallCluster(startup_nodes=nodes, **common, **tls, ssl=bool(tls))
         return cluster, rest
+    if tls:  # TLS with redis:// too; a pool's connections take no `ssl` option
+        tls["connection_class"] = SSLConnection
     try:
         client = aioredis.Redis.from_url(url, **common, **tls)
     except ValueError as exc:

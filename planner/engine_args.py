@@ -4,17 +4,22 @@ then the pool's own `engine_args`, then the actuator's `--listen` and `--port-fi
 run`, a `kvplane up` planner member) as `kvplane engine serve` itself reads them
 (`engine.cli.engine_config_of_args`: its options, the engine's config model, the model
 directory), so that a typo or a wrong value stops the planner at once, one line naming the
-setting, rather than failing every engine it starts (each start retried after a backoff)."""
+setting, rather than failing every engine it starts (each start retried after a backoff).
+`pool_engine_configs` gives the configs so read (`kvplane up` reads the files they name)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import typer
 
 from kvplane.errors import ConfigError
 from planner.config import PlannerConfig
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 def serve_args(engine_args: Sequence[str], pool_args: Sequence[str], port_file: Path) -> list[str]:
@@ -22,34 +27,52 @@ def serve_args(engine_args: Sequence[str], pool_args: Sequence[str], port_file: 
     return [*engine_args, *pool_args, "--listen", "127.0.0.1:0", "--port-file", str(port_file)]
 
 
-def check_engine_args(config: PlannerConfig, where: str) -> None:
-    """Raise a ConfigError (`invalid config in WHERE: live.engine_args ...: PROBLEM`) when the
-    arguments of a pool's local engines are ones `kvplane engine serve` refuses. Nothing to
-    check without `live:` (the offline replay) or with `live.kubernetes` (the Deployment's
-    manifest holds the engines' arguments)."""
+class PoolEngines(NamedTuple):
+    """The config one or more pools' local engines serve with (`kvplane engine serve` of
+    their arguments), and where it comes from."""
+
+    setting: str  # the planner settings that give the arguments
+    config: EngineConfig
+    config_file: Path | None  # their --config
+
+
+def pool_engine_configs(config: PlannerConfig) -> list[PoolEngines]:
+    """The config the local engines of each pool serve with, once per distinct arguments, read
+    as `kvplane engine serve` reads them; a ConfigError (`live.engine_args ...: PROBLEM`)
+    when `serve` refuses them. None without `live:` (the offline replay) or with
+    `live.kubernetes` (the Deployment's manifest holds the engines' arguments)."""
     from engine.cli import engine_config_of_args  # the engine's CLI: typer, pydantic only
 
     live = config.live
     if live is None or live.kubernetes is not None:
-        return
-    checked: set[tuple[str, ...]] = set()
+        return []
+    engines: dict[tuple[str, ...], PoolEngines] = {}
     for number, pool in enumerate(config.pools):
         args = serve_args(live.engine_args, pool.engine_args, Path("engine.port"))
-        if tuple(args) in checked:
-            continue
-        checked.add(tuple(args))
-        try:
-            engine_config_of_args(args)
-        except typer.TyperException as exc:  # what `serve` refuses as a usage error
-            problem = exc.format_message()
-        except ConfigError as exc:  # its --config file's content
-            problem = str(exc)
-        else:
+        if tuple(args) in engines:
             continue
         setting = "live.engine_args"
         if pool.engine_args:
             setting += f" with pools.{number}.engine_args (pool {pool.name})"
-        raise ConfigError(
-            f"invalid config in {where}: {setting}, the arguments of `kvplane engine serve`: "
-            f"{problem}"
-        )
+        try:
+            engine, config_file = engine_config_of_args(args)
+        except typer.TyperException as exc:  # what `serve` refuses as a usage error
+            raise ConfigError(engine_args_problem(setting, exc.format_message())) from None
+        except ConfigError as exc:  # its --config file's content
+            raise ConfigError(engine_args_problem(setting, str(exc))) from None
+        engines[tuple(args)] = PoolEngines(setting, engine, config_file)
+    return list(engines.values())
+
+
+def engine_args_problem(setting: str, problem: str) -> str:
+    """A problem of the engines' arguments `setting` gives, in one line."""
+    return f"{setting}, the arguments of `kvplane engine serve`: {problem}"
+
+
+def check_engine_args(config: PlannerConfig, where: str) -> None:
+    """Raise a ConfigError (`invalid config in WHERE: live.engine_args ...: PROBLEM`) when the
+    arguments of a pool's local engines are ones `kvplane engine serve` refuses."""
+    try:
+        pool_engine_configs(config)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config in {where}: {exc}") from None

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvplane.config import join_host_port
+from kvplane.config import join_host_port, read_token_file
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import API_TIMEOUT_S
 
@@ -169,9 +169,10 @@ def in_cluster(
             ) from exc
     if not server.startswith("https://"):
         ca_file = None  # plain HTTP (a `kubectl proxy`): no certificate to verify
-    for what, path in (("token_file", token_file), ("ca_file", ca_file)):
-        if path is not None and not path.is_file():
-            raise ConfigError(f"live.kubernetes.{what} {path} is not a file")
+    if token_file is not None:  # read at every call; here once, to fail at start
+        read_token_file(token_file, "live.kubernetes.token_file")
+    if ca_file is not None and not ca_file.is_file():
+        raise ConfigError(f"live.kubernetes.ca_file {ca_file} is not a file")
     return KubeConnection(server.rstrip("/"), namespace, token_file, ca_file)
 
 

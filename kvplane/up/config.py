@@ -36,7 +36,6 @@ from kvplane.errors import ConfigError
 from kvplane.up.member import cpus_missing
 from kvplane.up.preflight import check_member_files
 from planner.config import PlannerConfig
-from planner.engine_args import check_engine_args
 
 MemberKind = Literal["engine", "indexer", "controller", "planner"]
 # A member's name is a file name in the fleet's folder and is referred to as ${name}.
@@ -261,15 +260,15 @@ def load_fleet(path: Path | None) -> FleetConfig:
         )
         if isinstance(server, EngineConfig):
             _check_engine_checkpoint(server, f"{where}, member {member.name}")
-        # Its files too (TLS, tokens, tokenizers): a member failing on one as it starts would
-        # come after others were started, to be stopped again.
+        # Its files too (TLS, tokens, tokenizers; a planner's engines' arguments and files):
+        # a member failing on one as it starts would come after others were started, to be
+        # stopped again.
         check_member_files(server, f"{where}, member {member.name}")
         if isinstance(server, ControllerConfig) and (server.tls or server.auth):
             secured[member.name] = {"tls"} if server.tls else set()
             if server.auth:
                 secured[member.name].add("auth")
         if isinstance(server, PlannerConfig):
-            check_engine_args(server, f"{where}, member {member.name}")
             _check_planner_reaches(member, server, secured, f"{where}, member {member.name}")
             _check_one_planner_per_controller(server, member.name, planners, members_at, where)
     return fleet

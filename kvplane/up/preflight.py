@@ -1,16 +1,16 @@
 """`kvplane up`'s preflight of a member's files: what its process reads as it starts (its TLS
-certificate, key and CA files, its bearer-token files, a controller's tokenizers, a planner's
-Redis password), read here, before any member starts, by the loaders the process itself
+certificate, key and CA files, its bearer-token files, a controller's tokenizers, a Redis
+index's password and TLS files, a planner's Kubernetes token and CA files and the files of its
+engines' config), read here, before any member starts, by the loaders the process itself
 uses, so that a missing or unusable file is the same one-line ConfigError naming its setting
 and no member is started only to be stopped again when a later one fails on it.
 
-What is read only once a member runs or by another library (a Redis TLS file, by redis-py as
-it connects; a Kubernetes planner's service-account files, at each API call; a checkpoint's
-weights) is left to the member, as is the builtin model and its tokenizer, which kvplane
-builds on first use."""
+What is read only once a member runs (a checkpoint's weights) is left to the member, as is the
+builtin model and its tokenizer, which kvplane builds on first use."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from controller.config import ControllerConfig
@@ -18,12 +18,14 @@ from controller.tokenizers import BUILTIN, ModelTokenizers
 from engine.config import EngineConfig
 from indexer.backends import REDIS_SCHEMES
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, RedisBackendConfig
+from indexer.redis_client import RedisOptions
 from kvplane.channels import ClientChannels
-from kvplane.config import ServerConfig, read_token_file
+from kvplane.config import ServerConfig
 from kvplane.errors import ConfigError
 from kvplane.server_tls import server_credentials
 from kvplane.token_file import TokenFile
 from planner.config import PlannerConfig
+from planner.engine_args import engine_args_problem, pool_engine_configs
 
 
 def check_member_files(config: ServerConfig | PlannerConfig, where: str) -> None:
@@ -37,10 +39,7 @@ def check_member_files(config: ServerConfig | PlannerConfig, where: str) -> None
 
 def _read_files(config: ServerConfig | PlannerConfig) -> None:
     if isinstance(config, PlannerConfig):
-        if config.live is not None:
-            from planner.live import live_channels
-
-            live_channels(config.live)
+        _planner_files(config)
         return
     if config.tls is not None:  # kvplane.server.start_server's
         server_credentials(config.tls)
@@ -57,7 +56,29 @@ def _read_files(config: ServerConfig | PlannerConfig) -> None:
         for source in config.sources:  # indexer.service's
             if isinstance(source, OpenEngineSourceConfig):
                 ClientChannels.load(source.tls, f"source {source.target}: tls")
-        _redis_password(config.backend, config.redis)
+        _redis_files(config.backend, config.redis)
+
+
+def _planner_files(config: PlannerConfig) -> None:
+    """planner.live.run_live's channels and Kubernetes API client, and the files each pool's
+    local engines read as they start (those their --config names)."""
+    live = config.live
+    if live is None:
+        return  # the offline replay: nothing to read
+    from planner.kubernetes import kube_api
+    from planner.live import live_channels
+
+    live_channels(live)
+    if live.kubernetes is not None:
+        # The planner member runs here, in this environment: outside a pod, in-cluster
+        # defaults it is left to (its service-account files) fail it as they would here.
+        kube_api(live.kubernetes, os.environ)
+    for engines in pool_engine_configs(config):
+        try:
+            _read_files(engines.config)
+        except ConfigError as exc:
+            problem = f"invalid config in {engines.config_file}: {exc}"
+            raise ConfigError(engine_args_problem(engines.setting, problem)) from None
 
 
 def _controller_files(config: ControllerConfig) -> None:
@@ -72,7 +93,7 @@ def _controller_files(config: ControllerConfig) -> None:
             index.remote_token_file, "index.remote_token_file"
         )
     else:
-        _redis_password(index.backend, index.redis)
+        _redis_files(index.backend, index.redis)
     default = config.tokenizer if config.tokenizer != Path(BUILTIN) else None
     ModelTokenizers.load(
         {model: path for model, path in config.tokenizers.items() if path != Path(BUILTIN)},
@@ -80,7 +101,10 @@ def _controller_files(config: ControllerConfig) -> None:
     )
 
 
-def _redis_password(backend: str, redis: RedisBackendConfig) -> None:
-    """indexer.redis_client's password file, read as the index opens (at start)."""
-    if backend.startswith(REDIS_SCHEMES) and redis.password_file is not None:
-        read_token_file(redis.password_file, "redis.password_file")
+def _redis_files(backend: str, redis: RedisBackendConfig) -> None:
+    """indexer.redis_client's password file and TLS files, read as the index opens (at
+    start)."""
+    if backend.startswith(REDIS_SCHEMES):
+        options = RedisOptions(**redis.backend_options())
+        options.read_password()
+        options.tls_files()

@@ -37,6 +37,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.kube_api import SERVICE_ACCOUNT_DIR
 from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.engine.test_server_pooling_runner import write_headless_classifier
 from tests.processes import DEFAULT_SIGNALS, running, wait_gone
@@ -745,6 +746,33 @@ BAD_FILES = [
         "{live: {controller_tls: {ca_file: '{missing}'}}}",
         "live.controller_tls: cannot read TLS CA file {missing}: No such file or directory",
     ),
+    # Redis TLS files, read by the index as it opens (a controller's embedded one, an
+    # indexer's), whether Redis is up or not.
+    (
+        "controller",
+        "{index: {backend: 'redis://127.0.0.1:1/0', redis: {tls: {ca_file: '{missing}'}}},"
+        " engines: [{address: '${e0}'}]}",
+        "redis.tls: cannot read ca_file {missing}: No such file or directory",
+    ),
+    (
+        "indexer",
+        "{backend: 'rediss://127.0.0.1:1/0', redis: {tls: {cert_file: '{pki}/client.pem',"
+        " key_file: '{missing}'}}}",
+        "redis.tls: cannot read key_file {missing}: No such file or directory",
+    ),
+    # A Kubernetes planner's service-account files, where its config names them.
+    (
+        "planner",
+        "{live: {kubernetes: {api_server: 'https://127.0.0.1:1', namespace: serving,"
+        " token_file: '{missing}', deployments: {default: kvplane-engine}}}}",
+        "cannot read live.kubernetes.token_file {missing}: No such file or directory",
+    ),
+    (
+        "planner",
+        "{live: {kubernetes: {api_server: 'https://127.0.0.1:1', namespace: serving,"
+        " token_file: null, ca_file: '{missing}', deployments: {default: kvplane-engine}}}}",
+        "live.kubernetes.ca_file {missing} is not a file",
+    ),
 ]
 
 
@@ -769,6 +797,31 @@ def test_up_reads_every_members_files_before_starting_any(
     said = problem.replace("{missing}", str(missing)).replace("{pki}", str(pki))
     assert result.stderr.strip().splitlines() == [
         f"kvplane: error: invalid config in {fleet}, member m1: {said}"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
+
+
+@pytest.mark.skipif(SERVICE_ACCOUNT_DIR.exists(), reason="in a pod: the defaults exist")
+def test_up_refuses_a_kubernetes_planner_left_to_a_pods_files_outside_a_pod(
+    tmp_path: Path,
+) -> None:
+    """A Kubernetes planner member whose config leaves its token to the default, the pod's
+    service-account token, is refused before any member starts where that file is not (up
+    runs its members here, in its environment): before, it started, to fail on the file."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: c0, kind: controller}\n"
+        "  - name: p\n"
+        "    kind: planner\n"
+        "    config: {live: {kubernetes: {api_server: 'http://127.0.0.1:1', namespace: serving,"
+        " deployments: {default: kvplane-engine}}}}\n"
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member p: cannot read"
+        f" live.kubernetes.token_file {SERVICE_ACCOUNT_DIR}/token: No such file or directory"
     ]
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
 

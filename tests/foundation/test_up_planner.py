@@ -213,7 +213,10 @@ def test_up_check_runs_a_planner_against_a_controller_with_auth(tmp_path: Path) 
 def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -> None:
     """Its engines are a Deployment's pods: up gives it no `live.workdir` (which the planner
     refuses beside `kubernetes`), yet still the fleet's controller."""
-    kubernetes = "{api_server: 'http://127.0.0.1:8001', deployments: {default: kvplane-engine}}"
+    kubernetes = (
+        "{api_server: 'http://127.0.0.1:8001', namespace: serving, token_file: null,"
+        " deployments: {default: kvplane-engine}}"
+    )
     fleet = _fleet_file(
         tmp_path,
         "  - {name: ctl, kind: controller}\n"
@@ -324,12 +327,50 @@ def test_up_with_a_bad_planner_member_starts_nothing(tmp_path: Path) -> None:
 
 
 def _failing(folder: Path) -> str:
-    """`engine_args` (YAML) that load (`kvplane up` checks them) and make an engine exit as
-    it starts: a TLS certificate that is not there, read as the engine starts."""
+    """`engine_args` (YAML) that load (`kvplane up` checks them, and the files they name) and
+    make an engine exit as it starts: a metrics address not on this machine (TEST-NET-1),
+    which its metrics server cannot bind."""
     config = folder / "engine-failing.yaml"
-    missing = folder / "missing.pem"
-    config.write_text(f"model: sim\ntls: {{cert_file: '{missing}', key_file: '{missing}'}}\n")
+    config.write_text("model: sim\nmetrics_listen: '192.0.2.1:9000'\n")
     return f"[--config, '{config}']"
+
+
+def _planner_fleet(tmp_path: Path, start_timeout_s: int, planner: str) -> Path:
+    """A fleet file of a controller and a planner `p` of config `planner` (YAML)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        f"start_timeout_s: {start_timeout_s}\n"
+        "members:\n"
+        "  - {name: ctl, kind: controller}\n"
+        f"  - {{name: p, kind: planner, config: {planner}}}\n"
+    )
+    return fleet
+
+
+def test_up_reads_the_files_of_a_planner_engines_config_before_starting_any(
+    tmp_path: Path,
+) -> None:
+    """The files the engine config of a planner member's `engine_args` names (here its TLS
+    certificate) are read as the engine reads them, before any member starts: one line naming
+    the member, the setting, the engine config and the file. Before, the controller and the
+    planner started, and each engine the planner started exited on the file, until up gave
+    up after start_timeout_s."""
+    engine_config = tmp_path / "engine.yaml"
+    missing = tmp_path / "missing.pem"
+    engine_config.write_text(
+        f"model: sim\ntls: {{cert_file: '{missing}', key_file: '{missing}'}}\n"
+    )
+    fleet = _planner_fleet(
+        tmp_path, 10, f"{{live: {{engine_args: [--config, '{engine_config}']}}}}"
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member p: live.engine_args, the arguments"
+        f" of `kvplane engine serve`: invalid config in {engine_config}: tls: cannot read"
+        f" cert_file {missing}: No such file or directory"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
 
 
 def test_up_refuses_a_planner_whose_engine_args_the_engine_refuses(tmp_path: Path) -> None:
@@ -354,18 +395,12 @@ def test_up_refuses_a_planner_whose_engine_args_the_engine_refuses(tmp_path: Pat
 
 @pytest.mark.timeout(60)
 def test_a_planner_whose_engines_never_serve_fails_up_in_one_line(tmp_path: Path) -> None:
-    """Its engines exit at start (their TLS certificate is missing: read as an engine
+    """Its engines exit at start (their metrics address cannot be bound, found as an engine
     starts): the planner keeps trying, up gives up after start_timeout_s, names why from the
     planner's log, and leaves no process. (The timeout holds the controller's start too: 4 s
     failed there on a loaded machine.)"""
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(
-        "start_timeout_s: 10\n"
-        "members:\n"
-        "  - {name: ctl, kind: controller}\n"
-        "  - name: p\n"
-        "    kind: planner\n"
-        f"    config: {{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}\n"
+    fleet = _planner_fleet(
+        tmp_path, 10, f"{{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}"
     )
     result = _up_check(fleet, tmp_path, timeout_s=50)
     assert result.returncode == 1, result.stderr
@@ -384,14 +419,8 @@ def test_a_member_dying_while_another_starts_fails_the_start_naming_it(tmp_path:
     never serve here: the planner's engines exit at start) ends the start at once, naming the
     controller and how it ended: before, up went on waiting for the planner for
     `start_timeout_s`, then blamed it, and never said that the controller had died."""
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(
-        "start_timeout_s: 60\n"
-        "members:\n"
-        "  - {name: ctl, kind: controller}\n"
-        "  - name: p\n"
-        "    kind: planner\n"
-        f"    config: {{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}\n"
+    fleet = _planner_fleet(
+        tmp_path, 60, f"{{scaling: {{tick_s: 1}}, live: {{engine_args: {_failing(tmp_path)}}}}}"
     )
     proc = _up(fleet, tmp_path)
     started: dict[str, int] = {}

@@ -1212,7 +1212,7 @@ def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
     assert proxy == KubeConnection("http://127.0.0.1:8001", "serving", None, None)
     refusals: dict[str, Callable[[], KubeConnection]] = {
         "KUBERNETES_SERVICE_HOST is not in the environment": lambda: connect({}),
-        "token_file /nonexistent is not a file": lambda: connect(
+        "cannot read live.kubernetes.token_file /nonexistent": lambda: connect(
             environ, token_file=Path("/nonexistent")
         ),
     }
