@@ -920,15 +920,14 @@ class ZmqSource:
         message rebuilds, unless a replay applied after this sets it again). A worker this
         source cleared and has written nothing to since is not cleared again (nor counted).
         A clear the index refuses (`IndexRequestError`: the bridge's target answered a status
-        that would come again) is logged and the stream goes on, the worker not counted as
-        clear: the next clear is sent again, and what the index holds of the worker meanwhile
-        may be stale."""
+        that would come again) is logged and the stream goes on, the worker not taken as
+        clear nor the clear counted as a reset: the next clear is sent again, and what the
+        index holds of the worker meanwhile may be stale."""
         self._expected = None
         self._replayed = {}
         self._applied_rank = None
         if self._worker_clear:
             return
-        self.counters.num_resets += 1
         try:
             await self.sink.apply(self.translator.reset(seq=seq))
         except IndexRequestError as exc:
@@ -939,6 +938,7 @@ class ZmqSource:
                 exc,
             )
             return
+        self.counters.num_resets += 1  # (a clear that did not land cleared nothing)
         self.counters.num_batches_applied += 1
         self._worker_clear = True
 
