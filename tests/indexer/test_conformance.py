@@ -343,6 +343,24 @@ async def test_legacy_placements_do_not_provide_full_under_a_spec(backend: Index
     assert await prefix_of(backend, "w", [1, 2, 3]) == 1
 
 
+async def test_masks_are_taken_as_sent(backend: IndexBackend) -> None:
+    """The seed's "FULL is always present on a stored block" is the sender's promise: a mask
+    without FULL is stored as sent (not refused, FULL not added) and ends the prefix there;
+    bits that name no component, in a mask or a spec, are kept and read by no rule."""
+    spec = CacheSpec(
+        components=FULL | SWA | 1 << 8,
+        swa_window_tokens=16,
+        full_tier_mask=HBM_MASK | 1,
+        swa_tier_mask=HBM_MASK | 1 << 9,
+    )
+    masks = [3 | 1 << 8, 3 | 1 << 31, SWA, 3]
+    await apply(backend, "w", report(HBM, [1, 2, 3, 4], masks=masks, sizes=[16] * 4), spec=spec)
+    assert tiers_of(await backend.match([1, 2, 3, 4], False), "w")[HBM].component_masks == tuple(
+        masks
+    )
+    assert await prefix_of(backend, "w", [1, 2, 3, 4]) == 2
+
+
 async def test_fact_swa_gap_with_window_100(backend: IndexBackend) -> None:
     spec = CacheSpec(
         components=FULL | SWA,

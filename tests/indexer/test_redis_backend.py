@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -34,6 +35,7 @@ from indexer.redis_backend import (
     RedisBackend,
     open_redis_backend,
 )
+from indexer.validation import IndexRequestError
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.errors import ConfigError
@@ -52,7 +54,13 @@ SPECS = (
     CacheSpec(2, 1, 0, 0b110, 0, 0),
     # Components resident on SSD too: the router's disk view (`any_tier_blocks`) counts them.
     CacheSpec(1, 3, 16, 0b1110, 0b1010, 0),
+    # Present but empty (no components: fails closed); unknown component and tier bits, and
+    # uint32's extremes, which the seed's fields may carry.
+    CacheSpec(),
+    CacheSpec(1, 9 | 0x8000_0000, 0, 0xFFFF_FFFF, 0, 0),
+    CacheSpec(0, 0xFFFF_FFFF, 0xFFFF_FFFF, 0b110, 0xFFFF_FFFF, 0b10),
 )
+MAX_U32 = 0xFFFF_FFFF
 keys = st.integers(-3, 5).map(lambda k: k * 0x0101_0101_0101_0101)
 tiers = st.sampled_from(list(Tier))
 
@@ -67,18 +75,35 @@ def actions(draw: st.DrawFn) -> Action:
     copies = draw(st.booleans())
     if kind == ActionType.REVOKE:
         return Action(kind, tier, hashes, copies=copies)
-    hashes = tuple(dict.fromkeys(hashes))  # a REPORT's chain may not loop (validate_batch)
-    n = len(hashes)
+    n = len(hashes)  # a hash may repeat down the chain: taken (validate_batch)
+    # Any component set, FULL-less ones and bits no component has included: stored as sent.
     masks = draw(
-        st.one_of(st.just(()), st.lists(st.sampled_from([0, 1, 3, 7]), min_size=n, max_size=n))
+        st.one_of(
+            st.just(()), st.lists(st.integers(0, 15) | st.just(MAX_U32), min_size=n, max_size=n)
+        )
     )
     sizes = draw(
-        st.one_of(st.just(()), st.lists(st.sampled_from([0, 16, 32]), min_size=n, max_size=n))
+        st.one_of(
+            st.just(()), st.lists(st.sampled_from([0, 16, 32, 50, MAX_U32]), min_size=n, max_size=n)
+        )
     )
     parent = draw(st.one_of(st.none(), keys))
-    if parent in hashes:
-        parent = None
+    if parent == hashes[0]:
+        parent = None  # refused: one of BAD_ACTIONS
     return Action(kind, tier, hashes, tuple(masks), tuple(sizes), parent, copies)
+
+
+# Actions each backend must refuse, with the whole batch around them (validate_batch).
+BAD_ACTIONS = (
+    Action(ActionType.REPORT, Tier.HBM, ()),
+    Action(ActionType.REVOKE, Tier.DRAM, ()),
+    Action(ActionType.REPORT, Tier.HBM, (1, 2), component_masks=(1,)),
+    Action(ActionType.REPORT, Tier.HBM, (1, 2), block_sizes=(16, 16, 16)),
+    Action(ActionType.REPORT, Tier.HBM, (3, 4), parent=3),
+    Action(cast(ActionType, 0), Tier.HBM, (1,)),  # ACTION_UNKNOWN
+    Action(ActionType.CLEAR_ALL_AT_TIER, cast(Tier, 0)),  # TIER_UNKNOWN
+)
+BAD = frozenset(BAD_ACTIONS)
 
 
 @st.composite
@@ -99,6 +124,11 @@ def operations(draw: st.DrawFn) -> tuple[object, ...]:
         draw(st.sampled_from(["", f"addr-{worker}"])),
         cache_spec=draw(st.sampled_from(SPECS)),
     )
+    if draw(st.integers(0, 5)) == 0:
+        # One bad action anywhere in it: the whole batch is refused (address and spec too).
+        at = draw(st.integers(0, len(batch.actions)))
+        bad = draw(st.sampled_from(BAD_ACTIONS))
+        batch = batch._replace(actions=(*batch.actions[:at], bad, *batch.actions[at:]))
     return ("apply", batch)
 
 
@@ -113,6 +143,8 @@ def operations(draw: st.DrawFn) -> tuple[object, ...]:
 def test_redis_answers_like_memory(
     redis_server: RedisServer, ops: list[tuple[object, ...]], queries: list[list[int]]
 ) -> None:
+    refused: dict[str, list[str]] = {"memory": [], "redis": []}  # each backend's refusals
+
     async def run() -> tuple[list[object], list[object]]:
         redis_server.flushall()
         memory = MemoryBackend()
@@ -123,7 +155,11 @@ def test_redis_answers_like_memory(
                 for backend in (memory, shared):
                     if op[0] == "apply":
                         assert isinstance(op[1], Batch)
-                        await backend.apply(op[1]._replace(worker_id=names[op[1].worker_id]))
+                        batch = op[1]._replace(worker_id=names[op[1].worker_id])
+                        try:
+                            await backend.apply(batch)
+                        except IndexRequestError as exc:
+                            refused[backend.name].append(f"{exc.kind.name}: {exc}")
                     elif op[0] == "sweep":
                         if isinstance(backend, RedisBackend):
                             await backend.sweep()
@@ -142,6 +178,10 @@ def test_redis_answers_like_memory(
 
     expected, actual = asyncio.run(run())
     assert actual == expected
+    assert refused["redis"] == refused["memory"]
+    batches = [op[-1] for op in ops if op[0] == "apply"]
+    bad_batches = [b for b in batches if isinstance(b, Batch) and set(b.actions) & BAD]
+    assert len(refused["memory"]) == len(bad_batches)  # those refused, and only those
 
 
 # ---------------------------------------------------------------- failures
