@@ -14,7 +14,7 @@ from controller.config import KvEventsMode
 from controller.eligibility import lack_of
 from controller.registry import EngineRecord, Role
 from controller.relay import engine_failure, naming_engine
-from controller.router import Decision
+from controller.router import Decision, Hop
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
 from controller.statuses import status_of
 from kvplane.config import parse_dial_target
@@ -265,18 +265,19 @@ class AdminServicer(apb_grpc.AdminServicer):
             await abort_with(context, status_of(exc), str(exc))
         reply = self._explanation(plan, decision)
         if disaggregated:
-            # Which of the hops this one is: a prefill engine's, or a decode engine
-            # prefilling the prompt itself (it holds router.skip_prefill_ratio of it).
-            reply.hop = self._role(decision.engine_id)
+            # Which hop this is: a prefill engine's, or a decode engine prefilling the
+            # prompt itself (it holds router.skip_prefill_ratio of it).
+            on_prefill = self._role(decision.engine_id) is Role.PREFILL
+            reply.hop = Hop.PREFILL if on_prefill else Hop.DECODE_PREFILL
         return reply
 
     def _instance(self, address: str) -> str:
         record = self.controller.fleet.registry.by_engine_id(address)
         return record.engine_id if record is not None else address
 
-    def _role(self, address: str) -> str:
+    def _role(self, address: str) -> Role:
         record = self.controller.fleet.registry.by_engine_id(address)
-        return (record.role if record is not None else Role.UNKNOWN).value
+        return record.role if record is not None else Role.UNKNOWN
 
     def _explanation(self, plan: Plan, decision: Decision) -> apb.RouteExplanation:
         reply = apb.RouteExplanation(

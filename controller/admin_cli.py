@@ -527,7 +527,7 @@ def match(
 _HOP_NOTES = {
     "prefill": "\nprefill hop: this prefill engine computes the prompt's KV; a decode engine is "
     "chosen by load when it hands the KV session over",
-    "decode": "\nno prefill hop: this decode engine prefills the prompt itself (it holds "
+    "decode_prefill": "\nno prefill hop: this decode engine prefills the prompt itself (it holds "
     "router.skip_prefill_ratio of it, or no prefill engine takes traffic)",
 }
 

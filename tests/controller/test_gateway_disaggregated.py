@@ -33,6 +33,7 @@ from tests.controller.disagg_engines import (
     restart_role_engine,
     start_role_engine,
 )
+from tests.controller.test_fleet_events import scrape
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -252,6 +253,39 @@ async def test_admin_route_match_and_load_tell_each_engines_hop_and_role(tmp_pat
         load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
         assert " role=prefill " in load.attributes[f"engine.{p0}"]
         assert " role=decode " in load.attributes[f"engine.{d0}"]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_route_decisions_name_the_hop_each_placed() -> None:
+    """`route_decisions_total` counts each hop by its `hop` label: the prefill engine's and
+    the decode engine's taking its session, and a decode engine prefilling a prompt itself
+    (no prefill hop). Only policy and reason told them apart, which read alike for a decode
+    engine with or without a session (`least_loaded`, `load`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fleet, _, decode, _ = await _fleet(
+        1,
+        1,
+        accept_local_prefill=True,
+        router={"skip_prefill_ratio": 0.9},
+        metrics_listen="127.0.0.1:0",
+    )
+    try:
+        prompt = await _decode_engine_holding_a_prompt(fleet, decode[0])  # prefill, decode
+        reply = await _generate(fleet, generate_request("b", [*prompt, 2]))  # decode alone
+        assert reply[-1].WhichOneof("event") == "finished"
+        decisions = {
+            (s.labels["hop"], s.labels["policy"], s.labels["reason"]): s.value
+            for family in text_string_to_metric_families(await scrape(fleet))
+            for s in family.samples
+            if s.name == "kvplane_controller_route_decisions_total"
+        }
+        assert decisions == {
+            ("prefill", "kvplane", "only"): 1,
+            ("decode", "least_loaded", "load"): 1,
+            ("decode_prefill", "least_loaded", "load"): 1,
+        }
     finally:
         await close_fleet(fleet)
 

@@ -453,9 +453,10 @@ class RouteExplanation(_message.Message):
     an engine without the prefix costs less to prefill it. 0: no hot prefix.
     """
     hop: _builtins.str
-    """In a disaggregated fleet, the role of the first hop `engine` is: "prefill" (the prompt
-    is prefilled there, and a decode engine is chosen by load at the handoff) or "decode"
-    (a decode engine prefilling the prompt itself: no prefill hop). "" in an aggregated one.
+    """In a disaggregated fleet, which hop `engine` is (the request's first), as the
+    route_decisions_total `hop` label names it: "prefill" (the prompt is prefilled there,
+    and a decode engine is chosen by load at the handoff) or "decode_prefill" (a decode
+    engine prefilling the prompt itself: no prefill hop). "" in an aggregated fleet.
     """
     @_builtins.property
     def costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCost]: ...
