@@ -14,7 +14,7 @@ from controller.config import KvEventsMode
 from controller.eligibility import lack_of
 from controller.registry import EngineRecord, Role
 from controller.relay import engine_failure, naming_engine
-from controller.router import Decision
+from controller.router import Decision, Hop
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
 from controller.statuses import status_of
 from kvplane.config import parse_dial_target
@@ -67,19 +67,17 @@ class AdminServicer(apb_grpc.AdminServicer):
             info.kv_events_since_unix_s = following.since_unix_s
         if following.last_event_unix_s is not None:
             info.last_kv_event_unix_s = following.last_event_unix_s
+        info.role = record.role.value
         identity = record.identity
         if identity is not None:
             info.engine_name = identity.engine_name
             info.engine_version = identity.engine_version
-            info.role = identity.role.value
             info.pooling_only = not identity.generates
             info.models.extend(identity.models)
             if identity.block_size is not None:
                 info.block_size = identity.block_size
             if identity.total_kv_blocks is not None:
                 info.total_kv_blocks = identity.total_kv_blocks
-        else:
-            info.role = "unknown"
         load = record.load
         if load.running_requests is not None:
             info.running_requests = load.running_requests
@@ -265,11 +263,21 @@ class AdminServicer(apb_grpc.AdminServicer):
             decision = self.controller.explain(plan, disaggregated)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
-        return self._explanation(plan, decision)
+        reply = self._explanation(plan, decision)
+        if disaggregated:
+            # Which hop this is: a prefill engine's, or a decode engine prefilling the
+            # prompt itself (it holds router.skip_prefill_ratio of it).
+            on_prefill = self._role(decision.engine_id) is Role.PREFILL
+            reply.hop = Hop.PREFILL if on_prefill else Hop.DECODE_PREFILL
+        return reply
 
     def _instance(self, address: str) -> str:
         record = self.controller.fleet.registry.by_engine_id(address)
         return record.engine_id if record is not None else address
+
+    def _role(self, address: str) -> Role:
+        record = self.controller.fleet.registry.by_engine_id(address)
+        return record.role if record is not None else Role.UNKNOWN
 
     def _explanation(self, plan: Plan, decision: Decision) -> apb.RouteExplanation:
         reply = apb.RouteExplanation(
@@ -353,6 +361,7 @@ class AdminServicer(apb_grpc.AdminServicer):
                     disk_blocks=hit.disk_blocks,
                     cached_tokens=sum(plan.request.cached_tokens(hit)),
                     predicted=c.predicts_cache,
+                    role=record.role.value,
                     out_of_routing=record.availability
                     if not record.routable
                     else lack_of(record, plan.model or None, plan.needs) or "",

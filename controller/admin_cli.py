@@ -500,10 +500,13 @@ def match(
         # unreachable, ..., or the limit it lacks for this prompt), a column only when one
         # would not.
         aside = any(m.get("out_of_routing") for m in d["matches"])
+        # ROLE: in a disaggregated fleet, which engines a prompt's prefix helps on which hop.
+        roles = _disaggregated(m.get("role") for m in d["matches"])
         rows = [
             [
                 m.get("instance_id"),
                 m.get("engine"),
+                *([m.get("role")] if roles else []),
                 m.get("device_blocks", 0),
                 m.get("host_blocks", 0),
                 m.get("disk_blocks", 0),
@@ -512,11 +515,26 @@ def match(
             ]
             for m in d["matches"]
         ]
-        columns = ["ENGINE", "ADDRESS", "DEVICE BLOCKS", "HOST BLOCKS", "DISK BLOCKS"]
+        columns = ["ENGINE", "ADDRESS", *(["ROLE"] if roles else [])]
+        columns += ["DEVICE BLOCKS", "HOST BLOCKS", "DISK BLOCKS"]
         columns += ["CACHED TOKENS", *(["OUT OF ROUTING"] if aside else [])]
         return head + "\n" + _table(columns, rows)
 
     emit(data, output, render)
+
+
+# In a disaggregated fleet, what the engine `route` names is to the request.
+_HOP_NOTES = {
+    "prefill": "\nprefill hop: this prefill engine computes the prompt's KV; a decode engine is "
+    "chosen by load when it hands the KV session over",
+    "decode_prefill": "\nno prefill hop: this decode engine prefills the prompt itself (it holds "
+    "router.skip_prefill_ratio of it, or no prefill engine takes traffic)",
+}
+
+
+def _disaggregated(roles: Iterable[str | None]) -> bool:
+    """Whether any of the engines' roles is a disaggregated one (prefill or decode)."""
+    return any(role in ("prefill", "decode") for role in roles)
 
 
 def route(
@@ -564,6 +582,7 @@ def route(
             f"{d.get('policy')}, predicted cached {d.get('predicted_cached_tokens', 0)} of "
             f"{d.get('num_prompt_tokens', 0)} tokens"
         ) + _prefix_unknown(d, model)
+        head += _HOP_NOTES.get(d.get("hop", ""), "")
         if bypass_prefix_cache:
             # Why CACHED is 0 on every engine, even the one `match` shows holding the prompt.
             head += (

@@ -1570,7 +1570,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 kv += f" kv_tokens={_text(load.used_kv_tokens)}/{_text(load.total_kv_tokens)}"
             inflight = self.controller.router.inflight.of(r.address).requests
             reply.attributes[f"engine.{r.address}"] = (
-                f"instance={r.engine_id} state={r.state.value} cordoned={r.cordoned} "
+                f"instance={r.engine_id} role={r.role.value} state={r.state.value} "
+                f"cordoned={r.cordoned} "
                 f"running={_text(load.running_requests)} queued={_text(load.queued_requests)} "
                 f"{kv} block_size={','.join(str(s) for s in sorted(sizes))} inflight={inflight}"
             )

@@ -231,8 +231,8 @@ class ControllerMetrics:
         r = self.registry
         self.decisions = Counter(
             "kvplane_controller_route_decisions",
-            "Routing decisions",
-            ["policy", "reason"],
+            "Routing decisions, by the hop of its request each placed",
+            ["policy", "reason", "hop"],
             registry=r,
         )
         self.predicted_cached_tokens = Counter(
@@ -271,7 +271,7 @@ class ControllerMetrics:
         # Labelled children looked up once: `labels()` takes a lock and builds its key on every
         # call, a few times the cost of the increment itself, on every routed request.
         self._outcomes = {o: self.requests.labels(o) for o in get_args(RequestOutcome)}
-        self._decisions: dict[tuple[str, str], Counter] = {}
+        self._decisions: dict[tuple[str, str, str], Counter] = {}
         self._event_lags: dict[str, Histogram] = {}  # by engine, until `forget_engine`
         self.retries = Counter(
             "kvplane_controller_retries",
@@ -397,8 +397,10 @@ class ControllerMetrics:
             with contextlib.suppress(KeyError):
                 family.remove(engine)
 
-    def count_decision(self, policy: str, reason: str) -> None:
-        child = self._decisions.get((policy, reason))
+    def count_decision(self, policy: str, reason: str, hop: str) -> None:
+        child = self._decisions.get((policy, reason, hop))
         if child is None:
-            child = self._decisions[policy, reason] = self.decisions.labels(policy, reason)
+            child = self._decisions[policy, reason, hop] = self.decisions.labels(
+                policy, reason, hop
+            )
         child.inc()

@@ -484,6 +484,11 @@ class EngineRecord:
         return self.state in ROUTABLE_STATES and not self.cordoned and self.identity is not None
 
     @property
+    def role(self) -> Role:
+        """Its role as its GetEngineInfo told it; UNKNOWN before it was read."""
+        return self.identity.role if self.identity is not None else Role.UNKNOWN
+
+    @property
     def availability(self) -> str:
         """Its state as a refusal for want of an engine names it ("cordoned" for an engine
         that is routable but for its cordon)."""

@@ -30,6 +30,7 @@ from controller.router import (
     Candidate,
     Decision,
     DisaggDecision,
+    Hop,
     NoEngineAvailableError,
     Reason,
     Router,
@@ -374,7 +375,7 @@ class Controller:
                 self.clock(),
                 reject_when_all_busy=self.sheds_load and not exclude,
             )
-        self.metrics.count_decision(decision.policy, decision.reason.value)
+        self.metrics.count_decision(decision.policy, decision.reason.value, Hop.AGGREGATED)
         return decision
 
     def _why_unavailable(self, plan: Plan) -> str:
@@ -411,7 +412,7 @@ class Controller:
         try:
             yield
         except AllEnginesBusyError:
-            self.metrics.count_decision(self.router.policy.name, Reason.OVERLOADED.value)
+            self.metrics.count_decision(self.router.policy.name, Reason.OVERLOADED.value, Hop.NONE)
             raise
 
     # ---- disaggregated fleets (prefill and decode engines) ----
@@ -444,9 +445,12 @@ class Controller:
         self.check_disaggregated_lora(plan)
         with self._counting_refusal():
             placement = self._first_hop(plan, charge=True)
-        for decision in placement.prefill, placement.decode:
+        for decision, hop in (
+            (placement.prefill, Hop.PREFILL),
+            (placement.decode, Hop.DECODE_PREFILL),
+        ):
             if decision is not None:
-                self.metrics.count_decision(decision.policy, decision.reason.value)
+                self.metrics.count_decision(decision.policy, decision.reason.value, hop)
         return placement
 
     def _first_hop(self, plan: Plan, *, charge: bool) -> DisaggDecision:
@@ -470,7 +474,10 @@ class Controller:
         decision = self.router.route_prefill_again(
             plan.request, prefill, decode, self.rng, self.clock()
         )
-        self.metrics.count_decision(decision.policy, decision.reason.value)
+        # With no other prefill engine, a decode engine prefilling the prompt itself.
+        on_prefill = any(c.engine_id == decision.engine_id for c in prefill)
+        hop = Hop.PREFILL if on_prefill else Hop.DECODE_PREFILL
+        self.metrics.count_decision(decision.policy, decision.reason.value, hop)
         return decision
 
     def route_decode(
@@ -498,7 +505,8 @@ class Controller:
                 plan.model or None, candidates, plan.needs, prompt_tokens
             )
         decision = self.router.route_decode(plan.request, candidates, self.rng, prefilled)
-        self.metrics.count_decision(decision.policy, decision.reason.value)
+        hop = Hop.DECODE if prefilled else Hop.DECODE_PREFILL
+        self.metrics.count_decision(decision.policy, decision.reason.value, hop)
         return decision
 
     def _of_role(self, plan: Plan, role: Role) -> tuple[Candidate, ...]:

@@ -39,6 +39,20 @@ class Reason(enum.StrEnum):
     OVERLOADED = "overloaded"
 
 
+class Hop(enum.StrEnum):
+    """Which hop of its request a decision places (a Prometheus label and the admin `route`
+    explanation): how a disaggregated fleet's requests split between the prefill hop and
+    decode engines prefilling prompts themselves reads without knowing the engines' roles."""
+
+    AGGREGATED = "aggregated"  # an aggregated engine: the request's one hop
+    PREFILL = "prefill"  # a prefill engine, whose KV session a decode engine then takes
+    DECODE = "decode"  # a decode engine taking the prefill engine's KV session
+    # A decode engine prefilling the prompt itself (no prefill hop: it holds
+    # `skip_prefill_ratio` of the prompt, or no prefill engine takes traffic).
+    DECODE_PREFILL = "decode_prefill"
+    NONE = "none"  # the request was refused (reason `overloaded`): no hop placed
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """The last GetLoad of one engine. None = the engine did not report that value.

@@ -107,7 +107,7 @@ async def test_a_bypass_prefix_cache_request_is_not_routed_by_the_cache(fleet: F
     metrics = fleet.app.controller.metrics
 
     def by_cache() -> float:
-        return float(metrics.decisions.labels("kvplane", "cache")._value.get())
+        return float(metrics.decisions.labels("kvplane", "cache", "aggregated")._value.get())
 
     predicted_before, by_cache_before = metrics.predicted_cached_tokens._value.get(), by_cache()
     for i in range(3):
@@ -1202,7 +1202,9 @@ async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> Non
     chunks = [r async for r in stub.GenerateStream(request("v1", 1))]
     assert chunks[-1].outputs.finish_info.num_output_tokens == 3
     holder = await holder_of(fleet, PREFIX, 4)
-    cache_decisions = fleet.app.controller.metrics.decisions.labels("kvplane", "cache")
+    cache_decisions = fleet.app.controller.metrics.decisions.labels(
+        "kvplane", "cache", "aggregated"
+    )
     before = cache_decisions._value.get()
     call = stub.Generate(request("v2", 2))
     reply = await call
@@ -1355,7 +1357,9 @@ async def test_vllm_truncated_prompt_is_routed_by_the_tokens_the_engine_keeps(
     )  # fmt: skip
     await stub.Generate(warm)
     await holder_of(fleet, PREFIX, 4)
-    cache_decisions = fleet.app.controller.metrics.decisions.labels("kvplane", "cache")
+    cache_decisions = fleet.app.controller.metrics.decisions.labels(
+        "kvplane", "cache", "aggregated"
+    )
     before = cache_decisions._value.get()
     truncated = vpb.GenerateRequest(
         model="sim", token_ids=vpb.TokenIds(ids=[*range(500, 540), *kept]),

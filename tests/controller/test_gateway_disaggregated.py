@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from typer.testing import CliRunner, Result
 
 from controller.outcomes import read_outcomes
 from controller.route_report import read_route
+from kvplane.cli import app
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -30,6 +33,7 @@ from tests.controller.disagg_engines import (
     restart_role_engine,
     start_role_engine,
 )
+from tests.controller.test_fleet_events import scrape
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,6 +61,11 @@ async def _generate(
     fleet: EngineFleet[Any], request: pb.GenerateRequest
 ) -> list[pb.GenerateResponse]:
     return [r async for r in fleet.gateway.Generate(request)]
+
+
+async def _cli(*args: str) -> Result:
+    """`kvplane admin ARGS`, as an operator types it."""
+    return await asyncio.to_thread(CliRunner().invoke, app, ["admin", *args])
 
 
 async def _prefix_indexed(fleet: EngineFleet[Any]) -> None:
@@ -203,6 +212,80 @@ async def test_decode_engine_holding_the_prompt_prefills_it_itself() -> None:
         reply = await _generate(fleet, generate_request("b", [*prompt, 2]))
         assert reply[-1].WhichOneof("event") == "finished"
         assert _calls(prefill + decode, "b") == [("d0", False)]  # no prefill hop
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_admin_route_match_and_load_tell_each_engines_hop_and_role(tmp_path: Path) -> None:
+    """An operator reads which hop admin `route`'s engine is (a prefill engine, its decode
+    engine chosen by load at the handoff; or a decode engine prefilling the prompt itself),
+    and each engine's role in `match` and `load`: they named engines only, and a decode
+    engine prefilling a prompt read as any decision by load (only `workers` told roles)."""
+    fleet, prefill, decode, _ = await _fleet(
+        1, 1, accept_local_prefill=True, router={"skip_prefill_ratio": 0.9}
+    )
+    p0, d0 = (f"127.0.0.1:{e.port}" for e in (prefill[0], decode[0]))
+    try:
+        target = ["--target", fleet.target]
+        fresh = tmp_path / "fresh.txt"
+        fresh.write_text(" ".join(str(t) for t in range(2000, 2040)))
+        routed = await _cli("route", "--tokens-file", str(fresh), *target)
+        assert routed.exit_code == 0, routed.output
+        assert p0 in routed.output.splitlines()[0]
+        assert (
+            "prefill hop: this prefill engine computes the prompt's KV; a decode engine is "
+            "chosen by load when it hands the KV session over"
+        ) in " ".join(routed.output.split())
+        held = tmp_path / "held.txt"
+        prompt = await _decode_engine_holding_a_prompt(fleet, decode[0])
+        held.write_text(" ".join(str(t) for t in [*prompt, 2]))
+        routed = await _cli("route", "--tokens-file", str(held), *target)
+        assert d0 in routed.output.splitlines()[0]
+        assert (
+            "no prefill hop: this decode engine prefills the prompt itself (it holds "
+            "router.skip_prefill_ratio of it"
+        ) in " ".join(routed.output.split())
+        matched = await _cli("match", "--tokens-file", str(held), *target)
+        assert matched.exit_code == 0, matched.output
+        header, *rows = matched.output.splitlines()[1:]
+        assert header.split()[:3] == ["ENGINE", "ADDRESS", "ROLE"]
+        assert {row.split()[1]: row.split()[2] for row in rows} == {p0: "prefill", d0: "decode"}
+        load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        assert " role=prefill " in load.attributes[f"engine.{p0}"]
+        assert " role=decode " in load.attributes[f"engine.{d0}"]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_route_decisions_name_the_hop_each_placed() -> None:
+    """`route_decisions_total` counts each hop by its `hop` label: the prefill engine's and
+    the decode engine's taking its session, and a decode engine prefilling a prompt itself
+    (no prefill hop). Only policy and reason told them apart, which read alike for a decode
+    engine with or without a session (`least_loaded`, `load`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fleet, _, decode, _ = await _fleet(
+        1,
+        1,
+        accept_local_prefill=True,
+        router={"skip_prefill_ratio": 0.9},
+        metrics_listen="127.0.0.1:0",
+    )
+    try:
+        prompt = await _decode_engine_holding_a_prompt(fleet, decode[0])  # prefill, decode
+        reply = await _generate(fleet, generate_request("b", [*prompt, 2]))  # decode alone
+        assert reply[-1].WhichOneof("event") == "finished"
+        decisions = {
+            (s.labels["hop"], s.labels["policy"], s.labels["reason"]): s.value
+            for family in text_string_to_metric_families(await scrape(fleet))
+            for s in family.samples
+            if s.name == "kvplane_controller_route_decisions_total"
+        }
+        assert decisions == {
+            ("prefill", "kvplane", "only"): 1,
+            ("decode", "least_loaded", "load"): 1,
+            ("decode_prefill", "least_loaded", "load"): 1,
+        }
     finally:
         await close_fleet(fleet)
 

@@ -1255,12 +1255,12 @@ async def test_get_load_sums_the_engines_and_details_each() -> None:
         )
         assert (load.attributes["engines"], load.attributes["routable_engines"]) == ("2", "1")
         assert load.attributes[f"engine.{address(engines[0])}"] == (
-            "instance=l0 state=ready cordoned=False running=2 queued=3 kv=10/100 block_size=16 "
-            "inflight=0"
+            "instance=l0 role=aggregated state=ready cordoned=False running=2 queued=3 kv=10/100 "
+            "block_size=16 inflight=0"
         )
         assert load.attributes[f"engine.{address(engines[1])}"] == (
-            "instance=l1 state=ready cordoned=True running=5 queued=? kv=1/50 block_size=16 "
-            "inflight=0"
+            "instance=l1 role=aggregated state=ready cordoned=True running=5 queued=? kv=1/50 "
+            "block_size=16 inflight=0"
         )
     finally:
         await close_fleet(fleet)

@@ -103,7 +103,7 @@ async def test_every_engine_busy_refuses_new_requests_before_any_engine(policy: 
         metrics = controller.metrics
         assert metrics.requests.labels("overloaded")._value.get() == 2  # the generations
         assert metrics.requests.labels("no_engine")._value.get() == 0
-        assert metrics.decisions.labels(policy, "overloaded")._value.get() == 2
+        assert metrics.decisions.labels(policy, "overloaded", "none")._value.get() == 2
         # Nothing of the refused requests is left: no id held, no engine charged.
         assert relay.running == set() and relay.holding == {}
         assert all(controller.router.inflight.engine_of(rid) is None for rid in ("r1", "v1"))

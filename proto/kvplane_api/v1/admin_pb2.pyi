@@ -435,6 +435,7 @@ class RouteExplanation(_message.Message):
     TOKENIZED_FIELD_NUMBER: _builtins.int
     INDEX_ERROR_FIELD_NUMBER: _builtins.int
     HOT_PREFIX_SHARERS_FIELD_NUMBER: _builtins.int
+    HOP_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     reason: _builtins.str
@@ -450,6 +451,12 @@ class RouteExplanation(_message.Message):
     """Requests in flight that share the prompt's cached prefix, when the policy found it hot
     and divided its overlap weight by their number (kvplane router.hot_prefix_requests): why
     an engine without the prefix costs less to prefill it. 0: no hot prefix.
+    """
+    hop: _builtins.str
+    """In a disaggregated fleet, which hop `engine` is (the request's first), as the
+    route_decisions_total `hop` label names it: "prefill" (the prompt is prefilled there,
+    and a decode engine is chosen by load at the handoff) or "decode_prefill" (a decode
+    engine prefilling the prompt itself: no prefill hop). "" in an aggregated fleet.
     """
     @_builtins.property
     def costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCost]: ...
@@ -467,10 +474,11 @@ class RouteExplanation(_message.Message):
         tokenized: _builtins.bool = ...,
         index_error: _builtins.str = ...,
         hot_prefix_sharers: _builtins.int = ...,
+        hop: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "costs", b"costs", "engine", b"engine", "hot_prefix_sharers", b"hot_prefix_sharers", "index_error", b"index_error", "instance_id", b"instance_id", "num_prompt_tokens", b"num_prompt_tokens", "policy", b"policy", "predicted_cached_tokens", b"predicted_cached_tokens", "reason", b"reason", "tokenized", b"tokenized"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "costs", b"costs", "engine", b"engine", "hop", b"hop", "hot_prefix_sharers", b"hot_prefix_sharers", "index_error", b"index_error", "instance_id", b"instance_id", "num_prompt_tokens", b"num_prompt_tokens", "policy", b"policy", "predicted_cached_tokens", b"predicted_cached_tokens", "reason", b"reason", "tokenized", b"tokenized"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -488,6 +496,7 @@ class EngineMatch(_message.Message):
     PREDICTED_FIELD_NUMBER: _builtins.int
     DISK_BLOCKS_FIELD_NUMBER: _builtins.int
     OUT_OF_ROUTING_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     device_blocks: _builtins.int
@@ -507,6 +516,8 @@ class EngineMatch(_message.Message):
     are what the index holds of it (an unreachable engine's: from before it went out of
     reach).
     """
+    role: _builtins.str
+    """The engine's role, as admin `workers` names it: aggregated, prefill, decode, unknown."""
     def __init__(
         self,
         *,
@@ -518,10 +529,11 @@ class EngineMatch(_message.Message):
         predicted: _builtins.bool = ...,
         disk_blocks: _builtins.int = ...,
         out_of_routing: _builtins.str = ...,
+        role: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "disk_blocks", b"disk_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id", "out_of_routing", b"out_of_routing", "predicted", b"predicted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "disk_blocks", b"disk_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id", "out_of_routing", b"out_of_routing", "predicted", b"predicted", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
