@@ -428,7 +428,7 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
         on_engine_gone: Callable[[str], None] | None = None,
         on_cache_predicted: Callable[[str, int | None], None] | None = None,
-        hit_worth: Callable[[PrefixHit], float] = PrefixHit.blocks,
+        hit_worth: Callable[[PrefixHit, int], float] = PrefixHit.blocks_within,
         on_event_lag: Callable[[str, float], None] | None = None,
         on_implausible_event_stamp: Callable[[str], None] | None = None,
         instance_id: str | None = None,
@@ -439,7 +439,7 @@ class Fleet:
         `_forget_old_process`). `on_cache_predicted(address, capacity_blocks)`: a process of
         an engine whose cache the router predicts (`kv_events: approximate`) was met, the
         first one included (`_tell_predicted`). `hit_worth`: what an index hit is worth to
-        the router's policy (`Policy.hit_worth`; every block alike unless given): an engine
+        the router's policy (`Policy.hit_worth`; every block served alike unless given): an engine
         indexed rank by rank is seen holding its worthiest rank's hit (`keep_best_hit`).
         `on_event_lag(address, lag_s)`: a KV-event batch of the engine is in the index,
         `lag_s` after the engine stamped it; `on_implausible_event_stamp(address)` instead
@@ -928,11 +928,12 @@ class Fleet:
     async def _indexed_hits(
         index: IndexBackend,
         keys: Sequence[int],
-        worth: Callable[[PrefixHit], float],
+        worth: Callable[[PrefixHit, int], float],
         cacheable: int,
     ) -> dict[str, PrefixHit]:
         """Each engine's cached prefix of `keys` in the controller's own index (an engine's
-        worthiest rank's by `worth` within the prompt's `cacheable` blocks, `keep_best_hit`)."""
+        worthiest rank's by `worth` for a prompt served at most `cacheable` blocks from
+        cache, `keep_best_hit`)."""
         hits: dict[str, PrefixHit] = {}
         for match in await index.match_prefix_by_tier(keys, 0):
             device = _device_blocks(match.tiers)

@@ -33,22 +33,17 @@ def keep_best_hit(
     hits: dict[str, PrefixHit],
     engine: str,
     hit: PrefixHit,
-    worth: Callable[[PrefixHit], float],
+    worth: Callable[[PrefixHit, int], float],
     cacheable: int,
 ) -> None:
     """Record `hit` for `engine` unless it already has one worth as much (`worth`: the
-    routing policy's `Policy.hit_worth`, what a hit saves as the policy weighs the tiers):
-    an engine followed rank by rank (one worker per data-parallel rank) holds what its
-    worthiest rank holds, the rank the policy would choose. Worth is of what the prompt can
-    be served from the hit, its first `cacheable` blocks (`cacheable_blocks`: never the
-    block of its last token): a rank's blocks past them save nothing. Of equal worths, the
-    larger hit by tier order (device, host, disk)."""
-
-    def weighed(held: PrefixHit) -> tuple[float, PrefixHit]:
-        return worth(held.within(cacheable)), held
-
+    routing policy's `Policy.hit_worth`, what a hit saves as the policy weighs the tiers, for
+    a prompt that can be served `cacheable` blocks from cache, `cacheable_blocks`: never the
+    block of its last token): an engine followed rank by rank (one worker per data-parallel
+    rank) holds what its worthiest rank holds, the rank the policy would choose. Of equal
+    worths, the larger hit by tier order (device, host, disk)."""
     kept = hits.get(engine)
-    if kept is None or weighed(hit) > weighed(kept):
+    if kept is None or (worth(hit, cacheable), hit) > (worth(kept, cacheable), kept):
         hits[engine] = hit
 
 
@@ -198,7 +193,7 @@ class RemoteIndex:
         clock: Callable[[], float] = time.monotonic,
         routes: Callable[[str], bool] = lambda engine: True,
         block_size_of: Callable[[str], int | None] = lambda engine: None,
-        hit_worth: Callable[[PrefixHit], float] = PrefixHit.blocks,
+        hit_worth: Callable[[PrefixHit, int], float] = PrefixHit.blocks_within,
     ) -> None:
         initial_s, _ = backoff_s
         # Every call fails at once while the indexer is down, without asking it; every
@@ -220,7 +215,8 @@ class RemoteIndex:
         # yet): a worker whose engine stores blocks of another size matches none of them.
         self._block_size_of = block_size_of
         # What a hit is worth to the routing policy (`Policy.hit_worth`; by default every
-        # block alike): `match` gives an engine indexed rank by rank its worthiest rank's hit.
+        # block served alike): `match` gives an engine indexed rank by rank its worthiest
+        # rank's hit.
         self._hit_worth = hit_worth
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0

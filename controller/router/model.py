@@ -121,6 +121,11 @@ class PrefixHit(NamedTuple):
         host = min(self.host_blocks, limit - device)
         return PrefixHit(device, host, min(self.disk_blocks, limit - device - host))
 
+    def blocks_within(self, limit: int) -> int:
+        """How many of the hit's blocks a prompt that can be served `limit` blocks from cache
+        is served, whatever their tier (`within`, every block alike)."""
+        return min(self.blocks(), limit)
+
     @staticmethod
     def along(device_blocks: int, servable_blocks: int, any_tier_blocks: int) -> PrefixHit:
         """The hit of an index match (`TokenPrefixMatch`, the MatchTokens reply): its leading

@@ -111,10 +111,10 @@ class SglangCacheAware:
     def forget_engine(self, engine_id: str) -> None:
         self._trees.pop(engine_id, None)
 
-    def hit_worth(self, hit: PrefixHit) -> float:
-        """Every block alike: it routes by its own tree, and reads the index's hit only for the
-        decision's predicted cached tokens, which count all tiers."""
-        return hit.blocks()
+    def hit_worth(self, hit: PrefixHit, cacheable: int) -> float:
+        """Every block served alike: it routes by its own tree, and reads the index's hit only
+        for the decision's predicted cached tokens, which count all tiers."""
+        return hit.blocks_within(cacheable)
 
 
 class DynamoCost:
@@ -165,8 +165,9 @@ class DynamoCost:
     def forget_engine(self, engine_id: str) -> None:
         return None
 
-    def hit_worth(self, hit: PrefixHit) -> float:
-        """Its device blocks: the only ones this selector counts as cached."""
+    def hit_worth(self, hit: PrefixHit, cacheable: int) -> float:
+        """Its device blocks, every one held (the cap or not): the only ones this selector
+        counts as cached, all subtracted from the prompt (`choose`)."""
         return hit.device_blocks
 
 
@@ -190,7 +191,7 @@ class LlmdLongestPrefix:
         query = max(len(request.block_keys), 1)
         scores = []
         for c in candidates:
-            scores.append(min(self.hit_worth(c.hit) / query, 1.0))
+            scores.append(min(self._weighed(c.hit) / query, 1.0))
         best = max(scores)
         tied = [i for i, s in enumerate(scores) if s == best]
         chosen = candidates[tied[0] if len(tied) == 1 else rng.choice(tied)]
@@ -203,6 +204,10 @@ class LlmdLongestPrefix:
     def forget_engine(self, engine_id: str) -> None:
         return None
 
-    def hit_worth(self, hit: PrefixHit) -> float:
-        """Its blocks weighted by where they live (disk blocks add nothing): its score."""
+    def hit_worth(self, hit: PrefixHit, cacheable: int) -> float:
+        """Its score (`_weighed`), of every block held, the cap or not."""
+        return self._weighed(hit)
+
+    def _weighed(self, hit: PrefixHit) -> float:
+        """Its blocks weighted by where they live (disk blocks add nothing)."""
         return hit.device_blocks * self.device_weight + hit.host_blocks * self.host_weight

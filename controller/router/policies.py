@@ -52,11 +52,13 @@ class Policy(Protocol):
         """The request was sent to `engine_id` (policies with their own state learn here)."""
         ...
 
-    def hit_worth(self, hit: PrefixHit) -> float:
-        """What `hit` is worth to this policy, in blocks, as it weighs the tiers: of two hits,
-        the one it would route to (all else equal) is worth more. An engine whose
-        data-parallel ranks are indexed one by one is routed as holding its worthiest rank's
-        hit (`controller.remote_index.keep_best_hit`)."""
+    def hit_worth(self, hit: PrefixHit, cacheable: int) -> float:
+        """What `hit` is worth to this policy, in blocks, as it weighs the tiers, for a prompt
+        that can be served `cacheable` blocks from cache (`RouteRequest.max_cacheable_blocks`:
+        a policy that scores the blocks served weighs no block past them; one that scores
+        every block held, all of them): of two hits, the one it would route to (all else
+        equal) is worth more. An engine whose data-parallel ranks are indexed one by one is
+        routed as holding its worthiest rank's hit (`controller.remote_index.keep_best_hit`)."""
         ...
 
     def forget_engine(self, engine_id: str) -> None: ...
@@ -73,10 +75,10 @@ class _Stateless:
     def forget_engine(self, engine_id: str) -> None:
         return None
 
-    def hit_worth(self, hit: PrefixHit) -> float:
-        """Every block alike: the cache a blind policy reads is the decision's predicted cached
-        tokens, which count all tiers (`decision_for`)."""
-        return hit.blocks()
+    def hit_worth(self, hit: PrefixHit, cacheable: int) -> float:
+        """Every block served alike: the cache a blind policy reads is the decision's predicted
+        cached tokens, which count all tiers (`decision_for`)."""
+        return hit.blocks_within(cacheable)
 
 
 def blind_costs(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple[EngineCost, ...]:
@@ -313,10 +315,12 @@ class KvplanePolicy(_Stateless):
         w = self.weights
         self.counts_active_blocks = w.memory_weight > 0 or w.hot_prefix_requests > 0
 
-    def hit_worth(self, hit: PrefixHit) -> float:
-        """The prefill the hit saves: its blocks, less what loading those past the device tier
-        costs (`host_weight`, `disk_weight` of computing them), as `work` in `_score`."""
+    def hit_worth(self, hit: PrefixHit, cacheable: int) -> float:
+        """The prefill the hit saves: its blocks served, less what loading those past the
+        device tier costs (`host_weight`, `disk_weight` of computing them), as `work` in
+        `_score`."""
         w = self.weights
+        hit = hit.within(cacheable)
         return (
             hit.device_blocks
             + (1.0 - w.host_weight) * hit.host_blocks

@@ -268,15 +268,18 @@ class RankedZmqEngine(Forwarding):
 
 
 @contextlib.asynccontextmanager
-async def ranked_fleet() -> AsyncIterator[tuple[EngineFleet[Any], str, list[FakeKvPublisher]]]:
-    """A controller in front of one engine followed rank by rank (`RankedZmqEngine`, two
-    ranks): the fleet, the engine's address and its ranks' publishers, subscribed to."""
+async def ranked_fleet(
+    **controller: Any,
+) -> AsyncIterator[tuple[EngineFleet[Any], str, list[FakeKvPublisher]]]:
+    """A controller (`controller`: more ControllerConfig fields) in front of one engine
+    followed rank by rank (`RankedZmqEngine`, two ranks): the fleet, the engine's address
+    and its ranks' publishers, subscribed to."""
     context = zmq.asyncio.Context()
     ranks = [FakeKvPublisher(context), FakeKvPublisher(context)]
     for publisher in ranks:
         publisher.start_replay()
     engine = await start_fronted_engine("ranked", lambda inner: RankedZmqEngine(inner, ranks))
-    fleet = await make_fleet(engines=[engine])
+    fleet = await make_fleet(engines=[engine], **controller)
     try:
         for publisher in ranks:
             await publisher.wait_subscribed()
@@ -355,16 +358,26 @@ async def test_an_engine_s_best_rank_is_the_one_that_saves_the_most_prefill() ->
         assert (row.cached_tokens, row.host_cached_tokens) == (0, 4 * BLOCK)
 
 
-async def test_an_engine_s_best_rank_is_weighed_on_the_blocks_the_prompt_can_be_served() -> None:
+@pytest.mark.parametrize(
+    ("policy", "best", "served"),
+    [("kvplane", (3, 0, 0), (3, 0)), ("llmd_longest_prefix", (2, 2, 0), (2, 1))],
+)
+async def test_an_engine_s_best_rank_is_weighed_on_the_blocks_the_prompt_can_be_served(
+    policy: str, best: tuple[int, int, int], served: tuple[int, int]
+) -> None:
     """A prompt of exactly 4 blocks is served at most 3 from cache (its last token is always
     computed): rank 0 holding its first 3 blocks on the device saves `kvplane` 3 blocks of
     prefill, rank 1 holding 2 on the device and the next 2 on the host only 2.75 of them (the
     3rd block at 1 - host_weight; the 4th, past the cap, nothing). So admin `match` and
     `route` show the engine holding rank 0's 3 device blocks. Before, the ranks were weighed
     on all their blocks (rank 1's 4th host block too: 3.5), and the route predicted 16 of its
-    48 cached tokens loaded from the host."""
+    48 cached tokens loaded from the host. `llmd_longest_prefix` scores every block an
+    engine holds (device 1.0, host 0.8: rank 1's 3.6 beats rank 0's 3), the cap or not: the
+    engine holds rank 1's hit, the one it would route to (it was seen holding rank 0's
+    while every policy's ranks were weighed within the cap), and the route predicts the 3
+    cacheable blocks of that hit (2 on the device, 1 on the host)."""
     prefix = list(range(7000, 7000 + 4 * BLOCK))
-    async with ranked_fleet() as (fleet, address, ranks):
+    async with ranked_fleet(router={"policy": policy}) as (fleet, address, ranks):
         await publish_on_rank(
             ranks, 0, ["BlockStored", [61, 62, 63], None, prefix[: 3 * BLOCK], BLOCK, None, "GPU"]
         )
@@ -375,8 +388,9 @@ async def test_an_engine_s_best_rank_is_weighed_on_the_blocks_the_prompt_can_be_
             ["BlockStored", [73, 74], 72, prefix[2 * BLOCK :], BLOCK, None, "CPU"],
         )
         held, row = await seen_holding(fleet, prefix, {f"{address}/dp0": 3, f"{address}/dp1": 4})
-        assert (held.device_blocks, held.host_blocks, held.disk_blocks) == (3, 0, 0)
-        assert (row.cached_tokens, row.host_cached_tokens) == (3 * BLOCK, 0)
+        assert (held.device_blocks, held.host_blocks, held.disk_blocks) == best
+        device, host = served
+        assert (row.cached_tokens, row.host_cached_tokens) == (device * BLOCK, host * BLOCK)
 
 
 async def test_implausible_event_stamps_are_counted_not_taken_as_lag(

@@ -45,10 +45,10 @@ TOKENS = list(range(1000, 1070))  # 4 full blocks of 16, then 6 more tokens
 
 async def _own_index_hits(index: IndexBackend) -> dict[str, PrefixHit]:
     """Each engine's hit of TOKENS (blocks of 16) in a controller's own index, every block
-    alike (`Fleet._indexed_hits`)."""
+    served alike (`Fleet._indexed_hits`)."""
     keys = block_keys(TOKENS, 16)
     cacheable = cacheable_blocks(len(TOKENS), 16, len(keys))
-    return await Fleet._indexed_hits(index, keys, PrefixHit.blocks, cacheable)
+    return await Fleet._indexed_hits(index, keys, PrefixHit.blocks_within, cacheable)
 
 
 ENGINE = "10.0.0.7:8000"

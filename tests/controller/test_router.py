@@ -921,22 +921,26 @@ def test_llmd_longest_prefix_weights_host_blocks_at_0_8() -> None:
 
 @pytest.mark.parametrize("name", ["kvplane", "dynamo_cost", "llmd_longest_prefix"])
 @pytest.mark.parametrize(
-    ("one", "other"),
+    ("one", "other", "extra"),
     [
-        (PrefixHit(1), PrefixHit(0, 4)),
-        (PrefixHit(2), PrefixHit(0, 0, 4)),
-        (PrefixHit(1), PrefixHit(0, 0, 8)),
+        (PrefixHit(1), PrefixHit(0, 4), 5),
+        (PrefixHit(2), PrefixHit(0, 0, 4), 5),
+        (PrefixHit(1), PrefixHit(0, 0, 8), 5),
+        (PrefixHit(6), PrefixHit(2, 6), 0),
     ],
 )
 def test_an_engine_s_ranks_merge_into_the_hit_its_policy_would_route_to(
-    name: str, one: PrefixHit, other: PrefixHit
+    name: str, one: PrefixHit, other: PrefixHit, extra: int
 ) -> None:
     """An engine indexed rank by rank holds its worthiest rank's hit (`keep_best_hit` with
     the policy's `hit_worth`): the one the policy chooses when the two ranks' hits are two
     idle engines' (1 device block beats 4 host blocks for `dynamo_cost` alone, 8 disk
-    blocks for `kvplane` alone)."""
+    blocks for `kvplane` alone). A prompt of exactly 8 blocks (`extra` 0) is served at most
+    7 from cache: 6 device blocks beat 2 device and 6 host blocks for `kvplane`, which
+    weighs the 7 (the 8th host block saves nothing), not for `llmd_longest_prefix`, whose
+    score counts every block held (`LlmdLongestPrefix.choose`)."""
     policy = make_policy(name)
-    req = request(blocks=8)
+    req = request(blocks=8, extra=extra)
     engines = [Candidate("one", hit=one), Candidate("other", hit=other)]
     chosen = policy.choose(req, engines, random.Random(0), 0).engine_id
     for ranks in ((one, other), (other, one)):
