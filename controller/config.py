@@ -140,7 +140,9 @@ class IndexConfig(StrictModel):
             raise ValueError(
                 f"set either remote (a kvplane indexer) or backend {self.backend!r}, not both"
             )
-        check_redis_options(self.backend, "redis" in self.model_fields_set)
+        check_redis_options(
+            self.backend, "redis" in self.model_fields_set, tls=self.redis.tls is not None
+        )
         redis = self.backend.startswith(REDIS_SCHEMES)
         check_needs(self, LEASE_KEYS, f"a Redis backend (backend is {self.backend})", met=redis)
         check_needs(self, _REMOTE_KEYS, "remote (a kvplane indexer)", met=self.remote is not None)

@@ -38,12 +38,19 @@ def check_backend_url(url: str) -> None:
             raise ValueError(f"backend {url!r}: a Redis Cluster has DB 0 only")
 
 
-def check_redis_options(backend: str, given: bool) -> None:
-    """A `redis:` options block only goes with a Redis backend (it would be ignored)."""
+def check_redis_options(backend: str, given: bool, tls: bool = False) -> None:
+    """A `redis:` options block only goes with a Redis backend (it would be ignored), and
+    TLS (`tls`: `redis.tls` given) only with a Redis reached over TCP: Redis serves TLS on its
+    tls-port, never on a unix socket."""
     if given and not backend.startswith(REDIS_SCHEMES):
         raise ValueError(
             f"redis: options are for a Redis backend, but backend is {backend}: "
             "remove the redis: block or set backend to redis://HOST:PORT/DB"
+        )
+    if tls and backend.startswith("unix://"):
+        raise ValueError(
+            f"redis.tls: a unix:// socket carries no TLS (Redis serves TLS on a TCP port), "
+            f"but backend is {backend}: remove redis.tls or set backend to rediss://HOST:PORT/DB"
         )
 
 

@@ -45,6 +45,7 @@ from indexer.vllm_hash import VllmHashAlgo, unseeded_problem
 from indexer.zmq_decode import ArrayTail
 from kvplane.config import (
     ClientTlsConfig,
+    ClientTlsFilesConfig,
     ServerConfig,
     StrictBool,
     StrictFloat,
@@ -266,12 +267,8 @@ class OpenEngineSourceConfig(_SourceCommon):
 SourceConfig = Annotated[ZmqSourceConfig | OpenEngineSourceConfig, Field(discriminator="kind")]
 
 
-class RedisTlsConfig(StrictModel):
-    """TLS to Redis (also implied by a rediss:// URL). Files are PEM."""
-
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
+class RedisTlsConfig(ClientTlsFilesConfig):
+    """TLS to Redis (also implied by a rediss:// URL)."""
 
 
 class RedisBackendConfig(StrictModel):
@@ -355,7 +352,9 @@ class IndexerConfig(ServerConfig):
 
     @model_validator(mode="after")
     def _redis_needs_a_redis_backend(self) -> IndexerConfig:
-        check_redis_options(self.backend, "redis" in self.model_fields_set)
+        check_redis_options(
+            self.backend, "redis" in self.model_fields_set, tls=self.redis.tls is not None
+        )
         redis = self.backend.startswith(REDIS_SCHEMES)
         check_needs(self, LEASE_KEYS, f"a Redis backend (backend is {self.backend})", met=redis)
         return self

@@ -16,6 +16,7 @@ from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from indexer.backends import check_redis_options
 from kvplane.config import read_token_file
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.tls_files import (
@@ -167,6 +168,10 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
         cluster = _FcallCluster(startup_nodes=nodes, **common, **tls, ssl=bool(tls))
         return cluster, rest
+    try:
+        check_redis_options(url, True, tls=bool(tls))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if tls:  # TLS with redis:// too; a pool's connections take no `ssl` option
         tls["connection_class"] = SSLConnection
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Self, TypeVar
 
 import yaml
 from pydantic import (
@@ -163,22 +163,28 @@ class TlsConfig(StrictModel):
     client_ca_file: Path | None = None
 
 
-class ClientTlsConfig(StrictModel):
-    """TLS for a client's connections (kvplane.channels): `ca_file` verifies the server
-    (None: the system's trusted roots), `cert_file` + `key_file` are a client certificate for
-    servers that require mutual TLS, `server_name` overrides the name checked in the server's
-    certificate (default: the host of the address dialled). Files are PEM."""
+class ClientTlsFilesConfig(StrictModel):
+    """A TLS client's files: `ca_file` verifies the server (None: the system's trusted
+    roots), `cert_file` + `key_file` are a client certificate for servers that require
+    mutual TLS (one without the other is refused, never ignored). Files are PEM."""
 
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
-    server_name: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
-    def _cert_with_key(self) -> ClientTlsConfig:
+    def _cert_with_key(self) -> Self:
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("cert_file and key_file go together (a client certificate)")
         return self
+
+
+class ClientTlsConfig(ClientTlsFilesConfig):
+    """TLS for a client's connections (kvplane.channels): its files, and `server_name`, which
+    overrides the name checked in the server's certificate (default: the host of the address
+    dialled)."""
+
+    server_name: str | None = Field(default=None, min_length=1)
 
 
 class AuthConfig(StrictModel):

@@ -1,11 +1,11 @@
 """The `kvplane engine serve` arguments a planner starts its local engines with: `live.engine_args`,
 then the pool's own `engine_args`, then the actuator's `--listen` and `--port-file`
-(`serve_args`). `check_engine_args` reads them when the planner config loads (`kvplane planner
-run`, a `kvplane up` planner member) as `kvplane engine serve` itself reads them
+(`serve_args`). `pool_engine_configs` reads them when the planner config loads (`kvplane
+planner run`, a `kvplane up` planner member: kvplane.up.preflight, which also reads the files
+the configs so read name) as `kvplane engine serve` itself reads them
 (`engine.cli.engine_config_of_args`: its options, the engine's config model, the model
 directory), so that a typo or a wrong value stops the planner at once, one line naming the
-setting, rather than failing every engine it starts (each start retried after a backoff).
-`pool_engine_configs` gives the configs so read (`kvplane up` reads the files they name)."""
+setting, rather than failing every engine it starts (each start retried after a backoff)."""
 
 from __future__ import annotations
 
@@ -67,12 +67,3 @@ def pool_engine_configs(config: PlannerConfig) -> list[PoolEngines]:
 def engine_args_problem(setting: str, problem: str) -> str:
     """A problem of the engines' arguments `setting` gives, in one line."""
     return f"{setting}, the arguments of `kvplane engine serve`: {problem}"
-
-
-def check_engine_args(config: PlannerConfig, where: str) -> None:
-    """Raise a ConfigError (`invalid config in WHERE: live.engine_args ...: PROBLEM`) when the
-    arguments of a pool's local engines are ones `kvplane engine serve` refuses."""
-    try:
-        pool_engine_configs(config)
-    except ConfigError as exc:
-        raise ConfigError(f"invalid config in {where}: {exc}") from None

@@ -6,11 +6,16 @@ uses, so that a missing or unusable file is the same one-line ConfigError naming
 and no member is started only to be stopped again when a later one fails on it.
 
 What is read only once a member runs (a checkpoint's weights) is left to the member, as is the
-builtin model and its tokenizer, which kvplane builds on first use."""
+builtin model and its tokenizer, which kvplane builds on first use.
+
+`kvplane planner run` makes the part of a planner's that concerns its local engines as it
+loads (`check_pool_engines`): its own channels and Kubernetes client it makes as it starts."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from controller.config import ControllerConfig
@@ -31,8 +36,22 @@ from planner.engine_args import engine_args_problem, pool_engine_configs
 def check_member_files(config: ServerConfig | PlannerConfig, where: str) -> None:
     """Read the files the member of `config` reads as it starts; a ConfigError
     (`invalid config in WHERE: ...`) for the first that is missing or cannot be used."""
-    try:
+    with _config_in(where):
         _read_files(config)
+
+
+def check_pool_engines(config: PlannerConfig, where: str) -> None:
+    """`kvplane planner run`'s check as it loads, before any engine starts: the arguments of
+    each pool's local engines and the files their --config names, read as up reads a planner
+    member's; a ConfigError (`invalid config in WHERE: live.engine_args ...: PROBLEM`)."""
+    with _config_in(where):
+        _pool_engine_files(config)
+
+
+@contextmanager
+def _config_in(where: str) -> Iterator[None]:
+    try:
+        yield
     except ConfigError as exc:
         raise ConfigError(f"invalid config in {where}: {exc}") from None
 
@@ -73,6 +92,12 @@ def _planner_files(config: PlannerConfig) -> None:
         # The planner member runs here, in this environment: outside a pod, in-cluster
         # defaults it is left to (its service-account files) fail it as they would here.
         kube_api(live.kubernetes, os.environ)
+    _pool_engine_files(config)
+
+
+def _pool_engine_files(config: PlannerConfig) -> None:
+    """The arguments of each pool's local engines, read as `kvplane engine serve` reads them
+    (planner.engine_args), and the files their --config names, as those engines read them."""
     for engines in pool_engine_configs(config):
         try:
             _read_files(engines.config)

@@ -213,6 +213,38 @@ def test_a_redis_block_with_the_memory_backend_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
+    ("backend", "tls", "problem"),
+    [
+        # Before, a key alone was ignored: no TLS at all with redis://.
+        (
+            "redis://h:1/0",
+            {"key_file": "client.key"},
+            "redis.tls: cert_file and key_file go together (a client certificate)",
+        ),
+        (
+            "rediss://h:1/0",
+            {"ca_file": "ca.pem", "cert_file": "client.pem"},
+            "redis.tls: cert_file and key_file go together (a client certificate)",
+        ),
+        # Before, the index crashed as it opened (a TypeError of redis-py's).
+        (
+            "unix:///run/redis.sock",
+            {"ca_file": "ca.pem"},
+            "redis.tls: a unix:// socket carries no TLS (Redis serves TLS on a TCP port), but"
+            " backend is unix:///run/redis.sock: remove redis.tls or set backend to"
+            " rediss://HOST:PORT/DB",
+        ),
+    ],
+)
+def test_redis_tls_that_cannot_be_as_given_is_a_config_error(
+    backend: str, tls: dict[str, str], problem: str
+) -> None:
+    assert _error({"backend": backend, "redis": {"tls": tls}}) == (
+        f"invalid config in indexer.yaml: {problem}"
+    )
+
+
+@pytest.mark.parametrize(
     ("url", "message"),
     [
         ("redis://127.0.0.1:6379/abc", "the DB must be a number, got 'abc'"),

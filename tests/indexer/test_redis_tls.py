@@ -92,3 +92,15 @@ async def test_an_unusable_redis_tls_file_is_a_config_error_as_the_index_opens(
             **{option: Path(filled(path)) for option, path in files.items()},
         )
     assert str(error.value) == filled(problem)
+
+
+async def test_tls_over_a_unix_socket_is_a_config_error(pki: Path, tmp_path: Path) -> None:
+    """Redis serves TLS on a TCP port only. Before, redis-py refused the client's options (a
+    TypeError: an unexpected `path`) as the index opened."""
+    url = f"unix://{tmp_path}/redis.sock"
+    with pytest.raises(ConfigError) as error:
+        await open_redis_backend(url, buckets=16, tls_ca_file=pki / "ca.pem")
+    assert str(error.value) == (
+        f"redis.tls: a unix:// socket carries no TLS (Redis serves TLS on a TCP port), but"
+        f" backend is {url}: remove redis.tls or set backend to rediss://HOST:PORT/DB"
+    )

@@ -229,6 +229,15 @@ def test_yamls_own_numbers_load() -> None:
             "live.engine_args, the arguments of `kvplane engine serve`: invalid config in"
             " {tmp}/engine.yaml: num_kv_blocks: Input should be a valid integer",
         ),
+        # A file the engine config names, read as the engine reads it (as `kvplane up` reads
+        # a planner member's): before, the planner started, and each engine failed on it.
+        (
+            "[--config, '{tmp}/engine-tls.yaml']",
+            "",
+            "live.engine_args, the arguments of `kvplane engine serve`: invalid config in"
+            " {tmp}/engine-tls.yaml: tls: cannot read cert_file {tmp}/missing.pem: No such file"
+            " or directory",
+        ),
     ],
 )
 @pytest.mark.timeout(60)  # the old code retried the engines for good
@@ -236,10 +245,14 @@ def test_planner_run_refuses_engine_args_the_engine_refuses_before_starting_one(
     tmp_path: Path, engine_args: str, pool_args: str, problem: str
 ) -> None:
     """The arguments of the planner's local engines are read as `kvplane engine serve` reads
-    them (its options, the engine's config model) when the planner loads: one line naming
-    the setting, exit 1, no engine started. Before, each engine it started failed on them,
-    and the planner went on retrying."""
+    them (its options, the engine's config model, the files it names) when the planner
+    loads: one line naming the setting, exit 1, no engine started. Before, each engine it
+    started failed on them, and the planner went on retrying."""
     (tmp_path / "engine.yaml").write_text("model: sim\nnum_kv_blocks: '100'\n")
+    missing = tmp_path / "missing.pem"
+    (tmp_path / "engine-tls.yaml").write_text(
+        f"model: sim\ntls: {{cert_file: '{missing}', key_file: '{missing}'}}\n"
+    )
     work = tmp_path / "work"
     pool = f", engine_args: {pool_args}" if pool_args else ""
     path = tmp_path / "planner.yaml"
