@@ -42,6 +42,7 @@ from indexer.backend import IndexBackend, IndexStats, ReachableIndex, index_answ
 from indexer.backends import open_backend
 from indexer.size_gauges import refresh_wait_s
 from indexer.sources.resync import connect_resync
+from kvplane.prompt_truncation import kept_prompt
 from kvplane.tokenize import tokenize_all_off_loop
 from openengine.v1 import openengine_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2 as vpb
@@ -240,8 +241,8 @@ class Controller:
         if tokens is None and query.prompt is not None:
             tokens = await self.tokenize(query.prompt, self._tokenizer_name(query))
             tokenized = tokens is not None
-        if tokens is not None and query.truncate_prompt_tokens:
-            tokens = tokens[-query.truncate_prompt_tokens :]
+        if tokens is not None:
+            tokens = kept_prompt(tokens, query.truncate_prompt_tokens)
         view = await self.fleet.prompt_view(
             tokens,
             model=query.model,

@@ -45,6 +45,7 @@ from controller.fleet import SERVING_STATES
 from controller.gateway import fleet_health_state
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
+from kvplane.prompt_truncation import kept_prompt
 from kvplane.server import ServiceHealth
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
@@ -122,7 +123,7 @@ class _VllmGenerate:
             for index in range(1 if self._unary else self.num_outputs(request))
         ]
         if request.WhichOneof("prompt") == "token_ids":
-            kept = request.token_ids.ids[-request.truncate_prompt_tokens :]
+            kept = kept_prompt(request.token_ids.ids, request.truncate_prompt_tokens)
             info = ending[0].prompt_info
             info.num_prompt_tokens = len(kept)
             if request.response.prompt_token_ids:

@@ -64,6 +64,7 @@ from engine.server.errors import (
 from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto, unconverted_request
 from engine.server.openengine_servicer import refuse
+from kvplane.prompt_truncation import kept_prompt
 from kvplane.server import Service, ServiceHealth, abort_with
 from kvplane.tokenize import tokenize_off_loop
 from openengine.v1 import openengine_pb2 as oe
@@ -157,8 +158,7 @@ async def engine_request_from_vllm(
         prompt = await tokenize_off_loop(ctx.encode, request.text)
     else:
         raise InvalidRequestError("set text or token_ids")
-    if request.truncate_prompt_tokens:
-        prompt = prompt[-request.truncate_prompt_tokens :]
+    prompt = list(kept_prompt(prompt, request.truncate_prompt_tokens))
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
     s, stop, resp = request.sampling, request.stopping, request.response
@@ -340,7 +340,9 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
             return engine_request
 
         def unconverted() -> EngineRequest:
-            prompt = request.token_ids.ids if request.WhichOneof("prompt") == "token_ids" else ()
+            # The token ids sent, as the engine keeps them (none for a text prompt: never taken).
+            sent = request.token_ids.ids if request.WhichOneof("prompt") == "token_ids" else ()
+            prompt = kept_prompt(sent, request.truncate_prompt_tokens)
             num_sequences = 1 if single else request.sampling.num_sequences or 1
             return unconverted_request(request.request_id, prompt, num_sequences, self._ctx)
 

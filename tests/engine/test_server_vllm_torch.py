@@ -4,11 +4,18 @@ The sim runner's side (defaults, stop tokens, abort, errors, the cache): test_se
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from typing import Any
+
+import grpc
 import pytest
 
 from engine.config import EngineConfig
 from engine.torch_runner.builtin_model import ensure_builtin_model
+from openengine.v1 import openengine_pb2 as oe
 from tests.engine.engine_server_harness import running_engine, torch_config
+from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -249,3 +256,49 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_output(config: EngineC
     assert [t for r in streamed for t in r.outputs.token_ids] == [77] * 12
     assert set(drawn.outputs.token_ids) <= {10, 20, 30}
     assert len(set(drawn.outputs.token_ids)) > 1
+
+
+async def test_a_truncated_prompt_aborted_while_converted_counts_the_tokens_kept(
+    config: EngineConfig,
+) -> None:
+    """A GenerateStream aborted while its guide compiles, which acceptance would then refuse
+    (more sequences than `max_num_seqs`), ends ABORTED as one the engine never took; its
+    `prompt_info` is still the prompt `truncate_prompt_tokens` keeps (its last 4 tokens), as
+    an accepted request's is and as the gateway answers one aborted before any engine took it.
+    It counted every token sent."""
+    sent = list(range(20, 50))
+    request = pb.GenerateRequest(
+        request_id="held",
+        token_ids=pb.TokenIds(ids=sent),
+        truncate_prompt_tokens=4,
+        sampling=pb.RandomSampling(num_sequences=config.max_num_seqs + 1),
+        decoding=pb.DecodingParameters(regex="a+"),
+        stopping=pb.StoppingCriteria(max_new_tokens=3),
+        response=pb.ResponseOptions(prompt_token_ids=True),
+    )
+    async with running_engine(config) as engine:
+        # The guide compiler (one worker) is busy until released: the request waits there,
+        # held as being converted.
+        compiler_free = threading.Event()
+        busy = engine.app.service._guide_compiler.submit(compiler_free.wait, 30)
+        generate = asyncio.create_task(_read_all(engine.vllm.GenerateStream(request)))
+
+        async def aborted_while_held() -> bool:
+            try:
+                reply = await engine.stub.Abort(oe.AbortRequest(request_id="held"))
+            except grpc.aio.AioRpcError as error:  # not held yet
+                assert error.code() == grpc.StatusCode.NOT_FOUND, error
+                return False
+            return reply.status == oe.ABORT_STATUS_ABORTED
+
+        await eventually(aborted_while_held)
+        compiler_free.set()
+        responses = await generate
+        assert busy.result() is True
+    info = responses[0].prompt_info
+    assert (info.num_prompt_tokens, list(info.token_ids)) == (4, sent[-4:])
+    assert [r.outputs.finish_info.finish_reason for r in responses] == [pb.FinishInfo.ABORTED]
+
+
+async def _read_all(stream: Any) -> list[pb.GenerateResponse]:
+    return [response async for response in stream]
