@@ -32,6 +32,8 @@ routing and prefix-cache namespaces in tests and benchmarks.
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,11 +42,16 @@ from pathlib import Path
 from engine.core.api import (
     Candidate,
     KvBlockBytes,
+    LogprobRequest,
     ScheduledBatch,
     SequenceResult,
     TokenLogprob,
 )
 from engine.core.lora import AdapterConfig, read_adapter_config
+
+# The logprob of the token at each position (sampled or the prompt's): the sim has no model,
+# so a fixed, plausible figure; the rest of the vocabulary shares the remaining mass.
+CHOSEN_LOGPROB = -1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +164,8 @@ class SimRunner:
         self._eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.token_id_floor = token_id_floor
+        # What each other token's logprob is when the chosen one takes CHOSEN_LOGPROB.
+        self._other_logprob = math.log(-math.expm1(CHOSEN_LOGPROB) / (vocab_size - 1))
         self.eos_after = eos_after
         self.timing = timing or TimingModel()
         self.time_scale = time_scale
@@ -214,7 +223,7 @@ class SimRunner:
             if seq.prompt_logprobs is not None:
                 last = min(seq.start_position + len(seq.token_ids), len(seq.prompt_token_ids) - 1)
                 prompt_logprobs = tuple(
-                    self._logprob(seq.prompt_token_ids[p])
+                    self._logprob(seq.prompt_token_ids[p], seq.prompt_logprobs)
                     for p in range(seq.start_position + 1, last + 1)
                 )
             if not seq.sample:
@@ -223,7 +232,8 @@ class SimRunner:
             token_id = self.next_token(
                 seq.token_ids[-1], len(seq.output_token_ids), seq.output_index
             )
-            logprob = self._logprob(token_id) if seq.sampling.logprobs is not None else None
+            wanted = seq.sampling.logprobs
+            logprob = None if wanted is None else self._logprob(token_id, wanted)
             results.append(SequenceResult(seq.seq_id, token_id, logprob, prompt_logprobs))
         return results
 
@@ -285,6 +295,20 @@ class SimRunner:
             tokens.append(last)
         return tokens
 
-    def _logprob(self, token_id: int) -> TokenLogprob:
-        # A fixed, plausible figure: the simulator has no distribution to report.
-        return TokenLogprob(token_id, -1.0, 1, (Candidate(token_id, -1.0, 1),))
+    def _logprob(self, token_id: int, wanted: LogprobRequest) -> TokenLogprob:
+        """The sim's fixed distribution at every position: the token there (sampled, or the
+        prompt's) at logprob -1.0, rank 1, the rest of the vocabulary sharing what is left
+        (rank 2, a tie). The candidates are those `wanted` selects, as a model's are."""
+
+        def candidate(candidate_id: int) -> Candidate:
+            if candidate_id == token_id:
+                return Candidate(token_id, CHOSEN_LOGPROB, 1)
+            return Candidate(candidate_id, self._other_logprob, 2)
+
+        if wanted.top_n > 0 or wanted.all_candidates:
+            count = self.vocab_size if wanted.all_candidates else min(wanted.top_n, self.vocab_size)
+            others = (t for t in range(self.vocab_size) if t != token_id)
+            ids = [token_id, *itertools.islice(others, count - 1)]
+        else:  # explicit ids (the front ends refused any outside the vocabulary), or none
+            ids = [t for t in wanted.token_ids if t < self.vocab_size]
+        return TokenLogprob(token_id, CHOSEN_LOGPROB, 1, tuple(candidate(t) for t in ids))

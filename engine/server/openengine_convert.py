@@ -77,12 +77,17 @@ def _candidates(selection: pb.CandidateTokenSelection) -> LogprobRequest:
 
 
 def _logprob_request(
-    requested: bool, has_selection: bool, selection: pb.CandidateTokenSelection
+    flag: bool | None, selection: pb.CandidateTokenSelection | None, kind: str
 ) -> LogprobRequest | None:
-    # Asking for candidates implies asking for the logprobs they are scored with.
-    if not requested and not has_selection:
-        return None
-    return _candidates(selection) if has_selection else LogprobRequest()
+    """What a request asks of its `kind` ("prompt" or "output") logprobs: `flag` its
+    `return_<kind>_logprobs` (None: absent), `selection` its candidates (None: absent).
+    Candidates imply the logprobs they are scored with; with the flag explicitly false (a
+    value, not the default) they contradict it."""
+    if selection is None:
+        return LogprobRequest() if flag else None
+    if flag is False:
+        raise InvalidRequestError(f"{kind}_candidates is set but return_{kind}_logprobs is false")
+    return _candidates(selection)
 
 
 def _sampling(request: pb.GenerateRequest, defaults: SamplingDefaults) -> SamplingParams:
@@ -107,10 +112,14 @@ def _sampling(request: pb.GenerateRequest, defaults: SamplingDefaults) -> Sampli
             "(max_new_tokens in its generation_config.json): set max_tokens"
         )
     prompt_lp = _logprob_request(
-        resp.return_prompt_logprobs, resp.HasField("prompt_candidates"), resp.prompt_candidates
+        resp.return_prompt_logprobs if resp.HasField("return_prompt_logprobs") else None,
+        resp.prompt_candidates if resp.HasField("prompt_candidates") else None,
+        "prompt",
     )
     output_lp = _logprob_request(
-        resp.return_output_logprobs, resp.HasField("output_candidates"), resp.output_candidates
+        resp.return_output_logprobs if resp.HasField("return_output_logprobs") else None,
+        resp.output_candidates if resp.HasField("output_candidates") else None,
+        "output",
     )
     params = SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else default.temperature,

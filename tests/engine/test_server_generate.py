@@ -126,6 +126,50 @@ async def test_output_logprobs_and_prompt_output() -> None:
     assert all(t.HasField("logprob") and len(t.candidates) == 1 for t in out)
 
 
+async def test_candidates_follow_the_selection_on_the_sim_runner() -> None:
+    """The seed: candidate entries follow the prompt or output candidate selection. The sim's
+    distribution puts -1.0 on the token at each position (rank 1) and spreads the rest over
+    the other tokens (a tie at rank 2): top_n gives n, most likely first, explicit ids
+    exactly those, `all` the whole vocabulary, and logprobs asked without a selection none."""
+
+    async def tokens(response: pb.ResponseOptions) -> tuple[list[Any], list[Any]]:
+        request = generate_request(PROMPT[:4], max_tokens=2, response=response)
+        events = await collect(engine.stub, request)
+        prompt = [t for e in events if e.HasField("prompt") for t in e.prompt.tokens]
+        output = [t for e in events if e.HasField("token") for t in e.token.tokens]
+        return prompt[1:], output  # the first prompt token has no conditional probability
+
+    async with running_engine() as engine:  # a vocabulary of 1000
+        prompt, output = await tokens(
+            pb.ResponseOptions(
+                prompt_candidates=pb.CandidateTokenSelection(token_ids=pb.TokenIds(ids=[5, 12])),
+                output_candidates=pb.CandidateTokenSelection(top_n=3),
+            )
+        )
+        everything, plain = await tokens(
+            pb.ResponseOptions(
+                prompt_candidates=pb.CandidateTokenSelection(all=pb.AllCandidates()),
+                return_output_logprobs=True,
+            )
+        )
+    other = math.log((1 - math.exp(-1)) / 999)
+    for token in prompt:  # explicit ids: exactly those, in order; 12 is the token at position 2
+        got = [(c.token_id, c.rank) for c in token.candidates]
+        assert got == [(5, 1 if token.token_id == 5 else 2), (12, 1 if token.token_id == 12 else 2)]
+        for c in token.candidates:
+            assert c.logprob == pytest.approx(-1.0 if c.token_id == token.token_id else other)
+    assert len(output) == 2
+    for token in output:
+        assert (token.logprob, token.rank) == (-1.0, 1)
+        assert [c.rank for c in token.candidates] == [1, 2, 2]
+        assert token.candidates[0].token_id == token.token_id
+        assert len({c.token_id for c in token.candidates}) == 3
+    for token in everything:
+        assert sorted(c.token_id for c in token.candidates) == list(range(1000))
+        assert math.fsum(math.exp(c.logprob) for c in token.candidates) == pytest.approx(1.0)
+    assert all(t.HasField("logprob") and not t.candidates for t in plain)
+
+
 @pytest.mark.parametrize(
     ("request_fields", "code"),
     [
@@ -142,6 +186,26 @@ async def test_output_logprobs_and_prompt_output() -> None:
         ),
         (
             {"kv": pb.KvOptions(data_parallel_rank=3)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        # Candidates with their logprobs explicitly refused (false is a value, not the
+        # default): a contradiction, not logprobs sent against the flag.
+        (
+            {
+                "response": pb.ResponseOptions(
+                    return_prompt_logprobs=False,
+                    prompt_candidates=pb.CandidateTokenSelection(top_n=2),
+                )
+            },
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            {
+                "response": pb.ResponseOptions(
+                    return_output_logprobs=False,
+                    output_candidates=pb.CandidateTokenSelection(all=pb.AllCandidates()),
+                )
+            },
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
     ],
