@@ -83,15 +83,21 @@ async def _decode_engine_holding_a_prompt(fleet: EngineFleet[Any], decode: RoleE
     when the index shows the decode engine holding all of it."""
     prompt = [*PREFIX, *range(900, 964)]
     await _generate(fleet, generate_request("a", [*prompt, 1]))
+    await _held(fleet, decode, prompt)
+    return prompt
+
+
+async def _held(fleet: EngineFleet[Any], engine: RoleEngine, prompt: list[int]) -> None:
+    """Until the index shows `engine` holding all of `prompt`'s full blocks."""
 
     async def held() -> bool:
         reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt)))
         return any(
-            m.engine == f"127.0.0.1:{decode.port}" and m.device_blocks >= 8 for m in reply.matches
+            m.engine == fleet.address(engine) and m.device_blocks >= len(prompt) // 16
+            for m in reply.matches
         )
 
     await eventually(held)
-    return prompt
 
 
 def _calls(engines: list[RoleEngine], request_id: str) -> list[tuple[str, bool]]:
@@ -290,6 +296,35 @@ async def test_route_decisions_name_the_hop_each_placed() -> None:
         await close_fleet(fleet)
 
 
+async def test_a_dead_decode_engine_prefilling_the_prompt_itself_is_retried_on_another() -> None:
+    """The decode engine holding the prompt would prefill it itself, but is gone: the request
+    is retried on the other decode engine, which prefills it itself too (no prefill hop), and
+    both decisions count as `decode_prefill`."""
+    fleet, prefill, decode, _ = await _fleet(
+        1,
+        2,
+        accept_local_prefill=True,
+        router={"skip_prefill_ratio": 0.9},
+        health={"poll_interval_s": 60, "load_poll_interval_s": 60},
+    )
+    try:
+        prompt = [*PREFIX, *range(900, 964)]
+        await _generate(fleet, generate_request("a", [*prompt, 1]))
+        _, (holder, _) = _calls(prefill + decode, "a")
+        dead = next(e for e in decode if e.servicer.name == holder)
+        await _held(fleet, dead, prompt)
+        await dead.server.stop(None)  # the controller still believes it is ready
+        reply = await _generate(fleet, generate_request("b", [*prompt, 2]))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert _calls(prefill + decode, "b") == [
+            (next(e.servicer.name for e in decode if e is not dead), False)
+        ]
+        # "a"'s two hops; "b"'s decode engine and its retry.
+        assert _hops(fleet) == {"prefill": 1, "decode": 1, "decode_prefill": 2}
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_by_default_decode_engines_always_get_a_session() -> None:
     """The seed's DECODE engines take requests that carry a KV session: unless
     `router.skip_prefill_ratio` says they also prefill, every request takes the hop, even
@@ -332,6 +367,8 @@ async def test_a_dead_prefill_engine_is_retried_on_another() -> None:
             "d0",
         ]
         assert fleet.app.controller.metrics.retries._value.get() == 1
+        # "a"'s two hops; "b"'s prefill, its retry on the other prefill engine, its decode.
+        assert _hops(fleet) == {"prefill": 3, "decode": 2}
         assert sessions.open == {}
         assert len(fleet.app.controller.router.inflight) == 0
     finally:
@@ -440,6 +477,17 @@ def _outcomes(fleet: EngineFleet[Any]) -> dict[str, float]:
     outcomes = ("ok", "no_engine", "engine_error", "invalid")
     counts = {o: requests.labels(o)._value.get() for o in outcomes}
     return {o: n for o, n in counts.items() if n}
+
+
+def _hops(fleet: EngineFleet[Any]) -> dict[str, float]:
+    """`route_decisions_total` summed by its `hop` label (retries and runs again included)."""
+    counts: dict[str, float] = {}
+    for family in fleet.app.controller.metrics.decisions.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                hop = sample.labels["hop"]
+                counts[hop] = counts.get(hop, 0) + sample.value
+    return counts
 
 
 async def test_an_abort_during_the_prefill_ends_the_request_once() -> None:
@@ -578,6 +626,7 @@ async def test_with_rejection_a_request_is_refused_while_every_prefill_engine_is
         assert _calls(prefill + decode, "b") == []
         controller = fleet.app.controller
         assert controller.metrics.requests.labels("overloaded")._value.get() == 1
+        assert _hops(fleet) == {"prefill": 1, "none": 1}  # "a"'s prefill, "b" refused
         assert controller.router.inflight.engine_of("b") is None
         gate.set()
         assert (await running)[-1].WhichOneof("event") == "finished"
@@ -688,6 +737,7 @@ async def test_a_failed_pull_on_every_decode_engine_is_unavailable_in_either_for
         assert sorted(_calls(decode, "r")) == [("d0", True), ("d1", True)]
         assert _outcomes(fleet) == {"engine_error": 1}
         assert fleet.app.controller.metrics.retries._value.get() == 1
+        assert _hops(fleet) == {"prefill": 1, "decode": 2}  # the decode hop and its retry
     finally:
         await close_fleet(fleet)
 
@@ -761,6 +811,8 @@ async def test_a_session_lost_with_its_prefill_engine_runs_the_request_again(for
         assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
         assert _calls(prefill + decode, "r") == [("p0", False), ("d0", True), ("d0", False)]
         assert _outcomes(fleet) == {"ok": 1}
+        # The run again's first hop: the decode engine prefilling the prompt itself.
+        assert _hops(fleet) == {"prefill": 1, "decode": 1, "decode_prefill": 1}
     finally:
         await close_fleet(fleet)
 
