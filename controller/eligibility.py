@@ -25,7 +25,8 @@ for it; and where an engine refuses such a prompt INVALID_ARGUMENT, maybe for it
 it goes to one taking a longer context: `Eligibility.past_refusal`; its `min_tokens` alone
 is judged all the same, a context the prompt can only lengthen), the number of
 outputs, the logprob candidates, and the options a request uses (text or token input,
-logprobs, guided decoding, priority, stop in output, cache salt, prefix cache bypass).
+logprobs, read as the engine reads them: `kvplane.logprobs_asked`, guided decoding,
+priority, stop in output, cache salt, prefix cache bypass).
 Every hop's engine is checked alike, but for the output a prefill engine's hop produces:
 the prompt and one token, whatever `min_tokens` asks (`RequestNeeds.on_hop_of`). An engine
 that does not report a limit or an option may take any. `max_output_tokens` is not: an
@@ -56,6 +57,7 @@ from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
 from controller.registry import EngineRecord, ModelFacts, Registry, RegistryMemo, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
+from kvplane.logprobs_asked import KINDS, openengine_asks, vllm_asks
 from openengine.v1 import openengine_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
@@ -261,7 +263,7 @@ def needs_of(request: pb.GenerateRequest | vpb.GenerateRequest) -> RequestNeeds:
         _Asks(
             input=request.WhichOneof("input"),
             num_sequences=sampling.num_sequences,
-            logprobs=_logprobs_asked(request.response, "return_{}_logprobs", "selection"),
+            logprobs=_logprobs_asked(request.response, openengine_asks, "selection"),
             guided=request.HasField("guided") and request.guided.WhichOneof("guide") is not None,
             priority=request.HasField("priority"),
             stop_in_output=stopping.include_stop_in_output,
@@ -272,13 +274,15 @@ def needs_of(request: pb.GenerateRequest | vpb.GenerateRequest) -> RequestNeeds:
     )
 
 
-def _logprobs_asked(response: Any, flag: str, selection: str) -> tuple[tuple[str, int], ...]:
+def _logprobs_asked(
+    response: Any, asks: Callable[[Any, str], bool], selection: str
+) -> tuple[tuple[str, int], ...]:
     """("prompt" or "output", the top_n candidates asked: 0 for none) of each logprobs a
-    request's `response` options ask for, in its API's names: the flag asking for them
-    (`flag`, "{}" the kind) and the oneof of its candidates' selection (`selection`)."""
+    request's `response` options ask for, as the engine reads its API's (`asks`, of
+    `kvplane.logprobs_asked`; `selection` the oneof of its candidates' selection)."""
     asked = []
-    for kind in ("prompt", "output"):
-        if getattr(response, flag.format(kind)):
+    for kind in KINDS:
+        if asks(response, kind):
             candidates = getattr(response, f"{kind}_candidates")
             top_n = candidates.top_n if candidates.WhichOneof(selection) == "top_n" else 0
             asked.append((kind, top_n))
@@ -314,7 +318,7 @@ def _vllm_asks(request: vpb.GenerateRequest) -> _Asks:
     return _Asks(
         input=request.WhichOneof("prompt"),
         num_sequences=request.sampling.num_sequences,
-        logprobs=_logprobs_asked(request.response, "{}_logprobs", "select"),
+        logprobs=_logprobs_asked(request.response, vllm_asks, "select"),
         guided=structured is not None and (structured != "json_object" or decoding.json_object),
         priority=request.priority != 0,
         stop_in_output=request.stopping.include_stop_strings,

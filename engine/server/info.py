@@ -121,19 +121,25 @@ def engine_info(
     data_parallel_rank: int,
     kv_connector: pb.KvConnectorInfo,
 ) -> pb.EngineInfo:
+    """What GetEngineInfo tells. The engine is one data-parallel rank (`data_parallel_rank`,
+    `kv_events.data_parallel_rank`): rank 0 is taken for a lone engine, a group of 1; above
+    0 it is one rank of a group whose size it is not told, so `data_parallel_size` is left
+    absent (the seed: not reported), never 1, which no rank above 0 is within."""
+    parallelism = pb.ParallelismInfo(
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_start_rank=data_parallel_rank,
+    )
+    if data_parallel_rank == 0:
+        parallelism.data_parallel_size = 1
     return pb.EngineInfo(
         engine_name=ENGINE_NAME,
         engine_version=__version__,
         role=role,
         instance_id=instance_id,
         supported_models=model.names,
-        parallelism=pb.ParallelismInfo(
-            tensor_parallel_size=1,
-            pipeline_parallel_size=1,
-            data_parallel_size=1,
-            data_parallel_rank=data_parallel_rank,
-            data_parallel_start_rank=data_parallel_rank,
-        ),
+        parallelism=parallelism,
         kv_connector=kv_connector,
         schema_revision=SCHEMA_REVISION,
         minimum_client_revision=MINIMUM_CLIENT_REVISION,

@@ -38,6 +38,7 @@ from engine.server.errors import (
     UnsupportedOptionError,
 )
 from engine.server.info import LORA_DISABLED_MESSAGE, POOLING_ONLY_MESSAGE, ServedModel
+from kvplane.logprobs_asked import contradiction, openengine_asks
 from kvplane.tokenize import tokenize_off_loop
 from openengine.v1 import openengine_pb2 as pb
 
@@ -76,18 +77,16 @@ def _candidates(selection: pb.CandidateTokenSelection) -> LogprobRequest:
     return LogprobRequest()
 
 
-def _logprob_request(
-    flag: bool | None, selection: pb.CandidateTokenSelection | None, kind: str
-) -> LogprobRequest | None:
-    """What a request asks of its `kind` ("prompt" or "output") logprobs: `flag` its
-    `return_<kind>_logprobs` (None: absent), `selection` its candidates (None: absent).
-    Candidates imply the logprobs they are scored with; with the flag explicitly false (a
-    value, not the default) they contradict it."""
-    if selection is None:
-        return LogprobRequest() if flag else None
-    if flag is False:
-        raise InvalidRequestError(f"{kind}_candidates is set but return_{kind}_logprobs is false")
-    return _candidates(selection)
+def _logprob_request(response: pb.ResponseOptions, kind: str) -> LogprobRequest | None:
+    """What a request's `response` options ask of its `kind` ("prompt" or "output")
+    logprobs, read as the controller routes it (`kvplane.logprobs_asked`): None for none;
+    candidates contradicting an explicit false flag are refused."""
+    contradicted = contradiction(response, kind)
+    if contradicted is not None:
+        raise InvalidRequestError(contradicted)
+    if not openengine_asks(response, kind):
+        return None
+    return _candidates(getattr(response, f"{kind}_candidates"))
 
 
 def _sampling(request: pb.GenerateRequest, defaults: SamplingDefaults) -> SamplingParams:
@@ -111,16 +110,8 @@ def _sampling(request: pb.GenerateRequest, defaults: SamplingDefaults) -> Sampli
             f"min_tokens {min_tokens} exceeds the model's default max_tokens {max_tokens} "
             "(max_new_tokens in its generation_config.json): set max_tokens"
         )
-    prompt_lp = _logprob_request(
-        resp.return_prompt_logprobs if resp.HasField("return_prompt_logprobs") else None,
-        resp.prompt_candidates if resp.HasField("prompt_candidates") else None,
-        "prompt",
-    )
-    output_lp = _logprob_request(
-        resp.return_output_logprobs if resp.HasField("return_output_logprobs") else None,
-        resp.output_candidates if resp.HasField("output_candidates") else None,
-        "output",
-    )
+    prompt_lp = _logprob_request(resp, "prompt")
+    output_lp = _logprob_request(resp, "output")
     params = SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else default.temperature,
         top_p=s.top_p if s.HasField("top_p") else default.top_p,

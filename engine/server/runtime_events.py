@@ -5,12 +5,15 @@ duration) and one BATCH (the step's prefill/decode composition); QUEUE is emitte
 the running/waiting counts change. Values are strings in `attributes` (the proto's map).
 Subscribers get bounded queues: one that falls `max_queue` events behind is ended with
 SubscriberOverrunError (its stream's terminal EngineError), never allowed to grow memory.
+An event has one id on every subscription, never given again, even by a later process of
+the same `instance_id`: `<instance_id>-<token drawn at start>-<n>`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
@@ -35,7 +38,9 @@ class RuntimeEventHub:
     def __init__(
         self, instance_id: str, max_queue: int = 4096, clock_ns: Callable[[], int] = time.time_ns
     ) -> None:
-        self._instance_id = instance_id
+        # `<instance_id>-<this process's token>-<n>`: an engine restarted with the same
+        # `instance_id` counts from 1 again under another token, so an id names one event.
+        self._id_prefix = f"{instance_id}-{secrets.token_hex(4)}-"
         self._max_queue = max_queue
         self._clock_ns = clock_ns
         self._ids = itertools.count(1)
@@ -49,7 +54,7 @@ class RuntimeEventHub:
 
     def _event(self, kind: pb.RuntimeEventType.ValueType, attrs: dict[str, str]) -> pb.RuntimeEvent:
         return pb.RuntimeEvent(
-            event_id=f"{self._instance_id}-{next(self._ids)}",
+            event_id=f"{self._id_prefix}{next(self._ids)}",
             timestamp_unix_nanos=self._clock_ns(),
             type=kind,
             attributes=attrs,

@@ -64,6 +64,7 @@ from engine.server.errors import (
 from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto, unconverted_request
 from engine.server.openengine_servicer import refuse
+from kvplane.logprobs_asked import vllm_asks
 from kvplane.prompt_truncation import kept_prompt
 from kvplane.server import Service, ServiceHealth, abort_with
 from kvplane.tokenize import tokenize_off_loop
@@ -98,10 +99,13 @@ def _candidates(select: pb.CandidateTokens) -> LogprobRequest:
     return LogprobRequest()
 
 
-def _logprobs(wanted: bool, select: pb.CandidateTokens) -> LogprobRequest | None:
+def _logprobs(response: pb.ResponseOptions, kind: str) -> LogprobRequest | None:
     """Candidates are extras of the logprobs, as in vLLM's server: without `output_logprobs`
-    (`prompt_logprobs`) a candidate selection is ignored and neither is computed or sent."""
-    return _candidates(select) if wanted else None
+    (`prompt_logprobs`) a candidate selection is ignored and neither is computed or sent
+    (`kvplane.logprobs_asked`, the controller's reading too)."""
+    if not vllm_asks(response, kind):
+        return None
+    return _candidates(getattr(response, f"{kind}_candidates"))
 
 
 def _structured_output(dec: pb.DecodingParameters, ctx: EngineContext) -> GuidedDecoding | None:
@@ -192,8 +196,8 @@ async def engine_request_from_vllm(
         ignore_eos=stop.ignore_eos,
         include_stop_in_output=stop.include_stop_strings,
         emit_stop_token=True,
-        logprobs=_logprobs(resp.output_logprobs, resp.output_candidates),
-        prompt_logprobs=_logprobs(resp.prompt_logprobs, resp.prompt_candidates),
+        logprobs=_logprobs(resp, "output"),
+        prompt_logprobs=_logprobs(resp, "prompt"),
         logit_bias=tuple(sorted(dec.logit_bias.items())),
         allowed_token_ids=tuple(dec.allowed_token_ids) or None,  # empty: unset
     )

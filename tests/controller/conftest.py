@@ -33,13 +33,13 @@ async def start_sim_engine(
     name: str, time_scale: float = 0.0, port: int = 0, **config: Any
 ) -> EngineApp:
     """An in-process sim engine on `port` (0: a free one; `config`: more EngineConfig
-    fields)."""
+    fields, its `sim` a dict of more SimTimingConfig fields)."""
     return await start_engine(
         EngineConfig(
             model="sim",
             listen=f"127.0.0.1:{port}",
             instance_id=name,
-            sim=SimTimingConfig(time_scale=time_scale),
+            sim=SimTimingConfig(time_scale=time_scale, **config.pop("sim", {})),
             **{"num_kv_blocks": 256, "shutdown_grace_s": 0.5, **config},
         )
     )

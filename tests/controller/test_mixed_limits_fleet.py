@@ -33,7 +33,7 @@ from tests.controller.conftest import (
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_admin_cli import cli, cli_json
 from tests.controller.test_fleet_health import SaysHealth
-from tests.controller.test_gateway import generate_routed
+from tests.controller.test_gateway import engine_answer_or_raise, generate_routed
 from tests.controller.test_lora_fleet_intent import adapter, on
 from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vpb
@@ -363,6 +363,54 @@ async def test_a_vllm_generate_goes_only_to_an_engine_that_takes_what_it_asks() 
         await close_fleet(fleet)
 
 
+async def test_candidates_asked_without_their_flag_go_only_to_an_engine_taking_them() -> None:
+    """Round robin between engines of a 64-token and a 1000-token vocabulary (each takes as
+    many logprob candidates, its `max_top_n`): a Generate selecting 100 prompt or output
+    candidates and leaving `return_*_logprobs` absent asks for those logprobs, as an engine
+    reads it, so it goes to the second and is served; 2000 is refused before any engine is
+    asked, naming the largest; candidates beside an explicit false flag are the engine's
+    refusal, relayed as it is. The controller counted logprobs asked by the flag alone:
+    every other such request went to the small engine, which refused it ("top_n 100 is more
+    than max_top_n 64")."""
+    small = await start_sim_engine("small", sim={"vocab_size": 64})
+    large = await start_sim_engine("large", sim={"vocab_size": 1000})
+    fleet = await make_fleet(engines=[small, large], router={"policy": "round_robin"})
+
+    def request(request_id: str, **response: Any) -> pb.GenerateRequest:
+        generate = generate_request(request_id, [5, 6, 7, 8], max_tokens=2)
+        generate.response.CopyFrom(pb.ResponseOptions(**response))
+        return generate
+
+    hundred = pb.CandidateTokenSelection(top_n=100)
+    try:
+        for i in range(4):
+            asked = {"output_candidates": hundred} if i % 2 else {"prompt_candidates": hundred}
+            reply, route = await generate_routed(fleet, request(f"c{i}", **asked))
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            tokens = [t for r in reply for t in (*r.prompt.tokens, *r.token.tokens)]
+            assert max(len(t.candidates) for t in tokens) == 100
+            assert route is not None and route["engine"] == fleet.address(large), route
+        call = fleet.gateway.Generate(
+            request("past", output_candidates=pb.CandidateTokenSelection(top_n=2000))
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in call]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        details = caught.value.details() or ""
+        assert "generation.output_logprobs.max_top_n 2000; the largest" in details, details
+        assert "is 1000" in details, details
+        contradicting = request("no", return_prompt_logprobs=False, prompt_candidates=hundred)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await engine_answer_or_raise(fleet.address(large), contradicting)
+        with pytest.raises(grpc.aio.AioRpcError) as relayed:
+            [r async for r in fleet.gateway.Generate(contradicting)]
+        assert relayed.value.code() == refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert relayed.value.details() == refused.value.details(), relayed.value
+        assert "return_prompt_logprobs is false" in (relayed.value.details() or "")
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_the_aggregated_path_refuses_past_its_own_engines_limits() -> None:
     """Aggregated engines of a short and a middle context beside a long-context decode
     engine: requests take the aggregated path while an aggregated engine is routable, so a
@@ -432,6 +480,25 @@ def test_a_vllm_generate_needs_what_the_same_openengine_generate_needs() -> None
         token_ids=vpb.TokenIds(ids=[1]), decoding=vpb.DecodingParameters(json_object=False)
     )
     assert needs_of(plain) == needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))
+
+
+def test_candidates_ask_for_their_logprobs_unless_the_flag_says_false() -> None:
+    """As an engine reads a Generate (`kvplane.logprobs_asked`): candidates with the flag
+    absent ask what candidates with it true do, an empty selection the logprobs alone; with
+    it false nothing is asked of the engine routed to, which refuses the contradiction."""
+    from controller.eligibility import needs_of
+
+    def needs(**response: Any) -> Any:
+        return needs_of(pb.GenerateRequest(prompt="hi", response=pb.ResponseOptions(**response)))
+
+    five = pb.CandidateTokenSelection(top_n=5)
+    assert needs(output_candidates=five) == needs(
+        return_output_logprobs=True, output_candidates=five
+    )
+    assert needs(prompt_candidates=pb.CandidateTokenSelection()) == needs(
+        return_prompt_logprobs=True
+    )
+    assert needs(return_output_logprobs=False, output_candidates=five) == needs()
 
 
 class TellsNoRole(Forwarding):

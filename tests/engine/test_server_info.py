@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.config import KvEventsConfig
 from kvplane.config import AuthConfig
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
@@ -38,6 +39,22 @@ async def test_engine_info_advertises_the_contract_revision() -> None:
     assert list(info.supported_models) == ["sim", "sim-alias"]
     assert info.parallelism.HasField("data_parallel_rank")
     assert info.kv_connector.HasField("enabled") and not info.kv_connector.enabled
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+async def test_engine_info_tells_no_data_parallel_size_its_rank_is_outside(rank: int) -> None:
+    """A lone engine (rank 0) is a data-parallel group of 1; one given rank 3
+    (`kv_events.data_parallel_rank`) is one rank of a group whose size it is not told: the
+    size is left absent (not reported, the seed), as rank 3 < size 1 cannot be. It said 1
+    whatever the rank."""
+    config = sim_config(kv_events=KvEventsConfig(data_parallel_rank=rank))
+    async with running_engine(config) as engine:
+        info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest())
+    parallelism = info.parallelism
+    assert (parallelism.data_parallel_rank, parallelism.data_parallel_start_rank) == (rank, rank)
+    assert parallelism.HasField("data_parallel_size") is (rank == 0)
+    if parallelism.HasField("data_parallel_size"):
+        assert parallelism.data_parallel_rank < parallelism.data_parallel_size
 
 
 async def test_model_info_says_exactly_what_is_supported() -> None:

@@ -250,6 +250,43 @@ async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
         only_queue.cancel()
 
 
+async def test_runtime_event_ids_are_never_reused_by_an_engine_restarted_as_the_same_instance() -> (
+    None
+):
+    """Each engine process names its events apart: two subscriptions to one see the same id
+    for the same event (a planner moving its stream tells where the two overlap by it), and
+    the process that follows, started with the same `instance_id`, gives none of the first's
+    ids. Both gave `fixed-1`, `fixed-2`, ... to other events."""
+
+    async def event_ids() -> tuple[list[str], list[str]]:
+        async with running_engine(sim_config(instance_id="fixed")) as engine:
+            streams = [
+                engine.stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
+                for _ in range(2)
+            ]
+            hub = engine.app.service.runtime_events
+
+            async def subscribed() -> bool:
+                return hub.num_subscribers == 2
+
+            await eventually(subscribed, what="runtime event subscribers")
+            await collect(engine.stub, generate_request([1, 2, 3], max_tokens=3))
+            seen: list[list[str]] = []
+            for stream in streams:
+                responses: list[Any] = [
+                    await asyncio.wait_for(stream.read(), timeout=10) for _ in range(6)
+                ]
+                seen.append([r.runtime_event.event_id for r in responses])
+                stream.cancel()
+        return seen[0], seen[1]
+
+    first, also_first = await event_ids()
+    assert first == also_first and len(set(first)) == len(first)
+    assert all(i.startswith("fixed-") for i in first)
+    restarted, _ = await event_ids()
+    assert not set(first) & set(restarted), (first, restarted)
+
+
 async def test_a_runtime_event_subscriber_that_falls_behind_ends_with_one_overloaded_error() -> (
     None
 ):
