@@ -31,7 +31,7 @@ from kvplane.channels import INSECURE, ClientChannels
 from kvplane.child_signals import signal_child
 from kvplane.errors import KvplaneError
 from kvplane.process_exit import exit_how, log_tail
-from kvplane.up.member import member_environment
+from kvplane.up.member import STOP_TIMEOUT_S, member_environment
 from planner.controller_admin import ControllerAdmin, Reconciliation
 from planner.engine_args import serve_args
 
@@ -39,10 +39,20 @@ log = logging.getLogger(__name__)
 
 # How often a starting engine's port file is looked at (the wait itself is bounded).
 _PORT_POLL_S = 0.05
+# How long a stopped engine (scaled down, or a failed start's) has to exit after its SIGTERM,
+# then it is killed (a hung one, SIGSTOPped, holds SIGTERM pending).
 _STOP_GRACE_S = 20.0
 # How long the engines' requests may run on when the planner closes (Ctrl-C), before they are
-# aborted: the engine's own `shutdown_grace_s`, within the 15 s `kvplane up` gives a planner.
+# aborted: the engine's own `shutdown_grace_s`.
 _CLOSE_DRAIN_S = 5.0
+# The planner's close ends within the time `kvplane up` gives it (then it kills the planner,
+# and the engines, which lead sessions of their own, get only their parent-death SIGTERM: a
+# hung one never handles it), less a margin for the planner's own exit. Every engine still
+# running at the close's end is killed. In that time the engines are drained together (at
+# most `_CLOSE_DRAIN_S`, then `DRAIN_ANSWER_S` for their answers), each taken out of the
+# controller (at most `ADMIN_TIMEOUT_S`: a hung controller) and sent SIGTERM: the rest is its
+# time to exit (a test checks that some is left).
+_CLOSE_WITHIN_S = STOP_TIMEOUT_S - 2.0
 
 
 class Actuator(Protocol):
@@ -133,12 +143,16 @@ class LocalProcesses:
         self._logs: dict[str, Path] = {}  # by address, serving
         # Engines `exited` said why they exited (once each, though reported until stopped).
         self._exits_said: set[str] = set()
-        # Children not reaped yet as of the last start, for `num_alive`: each start drops
-        # those reaped since, so engines crash-looping for days do not grow it.
+        # Children not reaped yet as of the last start, for `num_alive` and `kill_all`: each
+        # start drops those reaped since, so engines crash-looping for days do not grow it.
         self._spawned: list[asyncio.subprocess.Process] = []
-        # Stops under way: each waits for its engine to exit (killed after `_STOP_GRACE_S`)
-        # beside the ticks, so a drained engine that hangs as it stops holds up no decision.
-        self._stopping: set[asyncio.Task[None]] = set()
+        # Stops under way, with their processes: each waits for its engine to exit (killed
+        # after `_STOP_GRACE_S`) beside the ticks, so a drained engine that hangs as it stops
+        # holds up no decision.
+        self._stopping: dict[asyncio.Task[None], asyncio.subprocess.Process] = {}
+        # The close's drain while under way (`kill_all` cuts it); whether `kill_all` was called.
+        self._close_drain: asyncio.Future[None] | None = None
+        self._killed = False
 
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
@@ -226,7 +240,7 @@ class LocalProcesses:
             await self._routed(address)
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             await self._remove(address, port_file)
-            await _terminate(process)
+            self._terminate(process)
             if isinstance(exc, grpc.aio.AioRpcError):
                 why = self._admin.describe(exc)
             elif isinstance(exc, TimeoutError):  # its str is empty
@@ -241,7 +255,7 @@ class LocalProcesses:
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
             # The controller may have taken it before the answer came.
             await self._remove(address, port_file)
-            await _terminate(process)
+            self._terminate(process)
             raise
         self._processes[address] = process
         self._port_files[address] = port_file
@@ -286,14 +300,18 @@ class LocalProcesses:
         await self._admin.drain(address, within_s)
 
     async def stop(self, address: str) -> None:
-        """Out of the controller, SIGTERM sent; its exit is waited for in the background
-        (`close` waits for every stop under way)."""
+        """Out of the controller, then `_terminate`d."""
         process = await self._forget(address)
         if process is not None:
-            signal_child(process, signal.SIGTERM)
-            task = asyncio.create_task(_exited(process))
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+            self._terminate(process)
+
+    def _terminate(self, process: asyncio.subprocess.Process) -> None:
+        """SIGTERM sent; its exit is waited for in the background (`close` waits for every
+        stop under way)."""
+        signal_child(process, signal.SIGTERM)
+        task = asyncio.create_task(_exited(process))
+        self._stopping[task] = process
+        task.add_done_callback(self._stopping.pop)
 
     async def kill(self, address: str) -> None:
         # SIGKILL: a hung process may never handle SIGTERM (a SIGSTOPped one holds it pending).
@@ -329,19 +347,41 @@ class LocalProcesses:
 
     async def close(self) -> None:
         """Stop every engine started (the fleet ends with the planner), all at once: one at a
-        time, a slow or hung engine (its SIGTERM pending for `_STOP_GRACE_S`) would hold up
-        the others' stop past the time `kvplane up` gives the planner, which then kills them.
-        Each is drained first, for `_CLOSE_DRAIN_S`: RemoveEngine ends the streams the
-        controller relays from it, and its clients would lose the requests it runs."""
-        await asyncio.gather(*(self._retire(address) for address in list(self._processes)))
+        time, a slow or hung engine would hold up the others' stop. Each is drained first,
+        for `_CLOSE_DRAIN_S` (all together, `ControllerAdmin.drain_all`): RemoveEngine ends
+        the streams the controller relays from it, and its clients would lose the requests
+        it runs; then stopped. Every engine still running `_CLOSE_WITHIN_S` after the close
+        began (hung: SIGSTOPped, its SIGTERM pending), stops under way before it included, is
+        killed: the close fits the time `kvplane up` gives the planner."""
+        kill_at = asyncio.get_running_loop().time() + _CLOSE_WITHIN_S
+        addresses = list(self._processes)
+        if addresses and not self._killed:
+            log.info(
+                "draining %d engine(s) for up to %g s, then stopping them (interrupt again to "
+                "stop them at once)", len(addresses), _CLOSE_DRAIN_S,
+            )  # fmt: skip
+            self._close_drain = asyncio.ensure_future(
+                self._admin.drain_all(addresses, _CLOSE_DRAIN_S)
+            )
+            try:  # waited, not awaited: `kill_all` cancels it, the close goes on
+                await asyncio.wait([self._close_drain])
+            finally:
+                self._close_drain.cancel()
+                self._close_drain = None
+        await asyncio.gather(*(self.stop(address) for address in addresses))
+        await asyncio.gather(*(_exited(process, kill_at) for process in self._stopping.values()))
         await asyncio.gather(*self._stopping)
         await self._admin.close()
 
-    async def _retire(self, address: str) -> None:
-        """Drain a serving engine through the controller (no new request routed to it, those
-        it runs finished or aborted at `_CLOSE_DRAIN_S`), then stop it."""
-        await self._admin.drain_to_end(address, _CLOSE_DRAIN_S)
-        await self.stop(address)
+    def kill_all(self) -> None:
+        """SIGKILL every engine, started, starting or stopping (a second Ctrl-C while the
+        planner closes): the close's drain, under way or not begun, is cut; the close then
+        takes them out of the controller."""
+        self._killed = True
+        for process in self._spawned:
+            signal_child(process, signal.SIGKILL)
+        if self._close_drain is not None:
+            self._close_drain.cancel()
 
 
 def _previous_run(workdir: Path) -> tuple[dict[str, Path], int]:
@@ -371,15 +411,12 @@ def _read_port(path: Path) -> int | None:
         return None
 
 
-async def _terminate(process: asyncio.subprocess.Process) -> None:
-    signal_child(process, signal.SIGTERM)
-    await _exited(process)
-
-
-async def _exited(process: asyncio.subprocess.Process) -> None:
-    """Until `process` exits after its SIGTERM; killed if it has not within `_STOP_GRACE_S`."""
+async def _exited(process: asyncio.subprocess.Process, kill_at: float | None = None) -> None:
+    """Until `process` exits after its SIGTERM; killed if it has not within `_STOP_GRACE_S`,
+    or by `kill_at` (the event loop's clock) if that comes first."""
+    deadline = asyncio.get_running_loop().time() + _STOP_GRACE_S
     try:
-        async with asyncio.timeout(_STOP_GRACE_S):
+        async with asyncio.timeout_at(deadline if kill_at is None else min(deadline, kill_at)):
             await process.wait()
     except TimeoutError:
         signal_child(process, signal.SIGKILL)

@@ -7,7 +7,8 @@ serving engines the controller does not list (it restarted, or someone removed t
 are registered again, those it lists as draining are returned with the blocks its index
 places on each engine (the one listing, ListWorkers), and those the planner drained that it
 routes to again (the drain was not taken) are drained again. Every call is bounded by
-`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `restarted`
+`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain (at the
+planner's close, `drain_all`: until `DRAIN_ANSWER_S` past the drain's deadline). `restarted`
 returns when the controller is a new process (its instance id changed): the planner then
 registers its engines again at once, not at its next tick. Every registration carries the
 `owner` that `owner_of` gives its address (none when ""), so that the actuator finds its
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 # The longest an admin call may take (the tick waits for the reconciliation's).
 ADMIN_TIMEOUT_S = 5.0
+# How long past its deadline a drain's end is waited for (`drain_all`): the engine aborts
+# what is left at the deadline and says so at once.
+DRAIN_ANSWER_S = 1.0
 # A controller that does not answer (restarting, or a network hiccup): waited for.
 _CONTROLLER_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # How often `wait_routed` lists the controller's engines.
@@ -289,18 +293,33 @@ class ControllerAdmin:
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
 
-    async def drain_to_end(self, address: str, within_s: float) -> None:
-        """As `drain`, returning once the drain has ended (the requests of `address` done, or
-        aborted after `within_s`) or failed (a warning), at the latest `ADMIN_TIMEOUT_S` past
-        `within_s` (a hung engine), or `ADMIN_TIMEOUT_S` after the call when the controller
-        does not answer it (it answers at once, as the engine takes the drain): a hung
-        controller's RemoveEngine, next, has its `ADMIN_TIMEOUT_S` too, and the planner's stop
-        must fit the 15 s `kvplane up` gives it."""
+    async def drain_all(self, addresses: Collection[str], within_s: float) -> None:
+        """As `drain`, for each of `addresses` at once, returning once every drain has ended
+        (its engine's requests done, or aborted after `within_s`) or failed (a warning each),
+        and `DRAIN_ANSWER_S` past `within_s` at the latest, whatever the controller does
+        meanwhile (hung before its first answer, or after it): one warning then names the
+        drains not ended. A drain the controller does not answer at all is given up after
+        `ADMIN_TIMEOUT_S` (it answers at once, as the engine takes the drain). Cancelled,
+        the drains are."""
+        drains = {
+            asyncio.ensure_future(
+                self._follow_drain(_drain_request(address, within_s), ADMIN_TIMEOUT_S)
+            ): address
+            for address in addresses
+        }
+        if not drains:
+            return
         try:
-            async with asyncio.timeout(within_s + ADMIN_TIMEOUT_S):
-                await self._follow_drain(_drain_request(address, within_s), ADMIN_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("drain of %s: not ended %g s past its deadline", address, ADMIN_TIMEOUT_S)
+            _, late = await asyncio.wait(drains, timeout=within_s + DRAIN_ANSWER_S)
+        finally:
+            for drain in drains:
+                drain.cancel()
+            await asyncio.gather(*drains, return_exceptions=True)
+        if late:
+            log.warning(
+                "drain of %s: not ended %g s past its deadline",
+                ", ".join(sorted(drains[drain] for drain in late)), DRAIN_ANSWER_S,
+            )  # fmt: skip
 
     async def _follow_drain(
         self, request: apb.DrainEngineRequest, answer_within_s: float | None = None

@@ -872,8 +872,9 @@ def live_channels(live: LiveConfig) -> tuple[ClientChannels, ClientChannels]:
 
 async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
     """`kvplane planner run`: the core over the actuator `live:` chooses (local engine
-    processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are removed from the
-    controller and stopped (SIGTERM) at the end; pods keep serving. `environ` gives a
+    processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are drained, removed
+    from the controller and stopped (SIGTERM) at the end, killed on a second signal; pods keep
+    serving. `environ` gives a
     Kubernetes actuator its in-cluster defaults; with its `leader_election` (the default), the
     planner acts only while it leads (planner/leader_election.py), each term through an
     actuator of its own, as a restarted planner would, and stands by otherwise, observing the
@@ -937,9 +938,19 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             drain_deadline_s=config.scaling.drain_deadline_s,
         )
         stop = asyncio.Event()
+
+        def on_signal() -> None:
+            """The first SIGTERM/SIGINT closes the planner; one while it closes stops its
+            local engines at once (killed, their drain cut), as a second Ctrl-C to `kvplane
+            up` kills its members. A Deployment's pods keep serving either way."""
+            if stop.is_set() and isinstance(actuator, LocalProcesses):
+                log.warning("interrupted while closing: killing the engines now")
+                actuator.kill_all()
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, on_signal)
         tick_s = config.scaling.tick_s
         try:
             if elector is None:

@@ -10,6 +10,7 @@ and at runtime the generated base's methods still answer.
 from collections.abc import Callable
 from typing import Any
 
+from kvplane_api.v1 import admin_pb2_grpc as admin_grpc
 from kvplane_api.v1 import index_pb2_grpc as index_grpc
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kv_transfer_grpc
 from openengine.v1 import openengine_pb2_grpc as openengine_grpc
@@ -38,6 +39,20 @@ class PartialOpenEngine(openengine_grpc.OpenEngineServicer):
     GetKvEventSources: Rpc
     SubscribeKvEvents: Rpc
     SubscribeRuntimeEvents: Rpc
+
+
+class PartialAdmin(admin_grpc.AdminServicer):
+    """A controller's Admin servicer; the RPCs a subclass leaves out answer UNIMPLEMENTED."""
+
+    ListWorkers: Rpc
+    RegisterEngine: Rpc
+    RemoveEngine: Rpc
+    Cordon: Rpc
+    Uncordon: Rpc
+    DrainEngine: Rpc
+    Route: Rpc
+    Match: Rpc
+    CheckAccess: Rpc
 
 
 class PartialKvIndex(index_grpc.KvIndexServicer):

@@ -33,7 +33,7 @@ from kvplane.config import (
     validate_config,
 )
 from kvplane.errors import ConfigError
-from kvplane.up.member import cpus_missing
+from kvplane.up.member import STOP_TIMEOUT_S, cpus_missing
 from kvplane.up.preflight import check_member_files
 from planner.config import PlannerConfig
 
@@ -157,7 +157,7 @@ class FleetConfig(StrictModel):
     start_timeout_s: StrictFloat = Field(default=120.0, gt=0)
     # Seconds a member gets to stop after SIGTERM, then it is killed; at the latest this long
     # past the drain's deadline (`Fleet.stop`).
-    stop_timeout_s: StrictFloat = Field(default=15.0, gt=0)
+    stop_timeout_s: StrictFloat = Field(default=STOP_TIMEOUT_S, gt=0)
     # On Ctrl-C engines finish what they run for this long; what is left is then aborted.
     drain_deadline_s: StrictFloat = Field(default=3.0, ge=0)
     # How up dials its members (readiness, status, drain, --check): members serving `tls:`

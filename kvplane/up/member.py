@@ -1,4 +1,6 @@
-"""What a process that `kvplane up` starts does first: die with `up`, keep to its CPUs.
+"""What a process that `kvplane up` starts does first: die with `up`, keep to its CPUs; and
+how long `up` gives it to stop by default (`STOP_TIMEOUT_S`), which a member that stops
+others (the planner, its engines) fits its own stop in.
 
 `up` says both through the environment (`member_environment`), and the member acts on them
 as the CLI starts (`join_fleet`), before it starts a thread or loads torch. They are not done
@@ -19,6 +21,9 @@ import sys
 PARENT_ENV = "KVPLANE_UP_PARENT"  # the pid of `up`: the member dies with it
 CPUS_ENV = "KVPLANE_UP_CPUS"  # comma-separated CPUs the member keeps to
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Seconds `up` gives a member to stop after its SIGTERM (`stop_timeout_s`'s default); then it
+# kills the member with its process group.
+STOP_TIMEOUT_S = 15.0
 
 
 def member_environment(cpus: list[int] | None) -> dict[str, str]:

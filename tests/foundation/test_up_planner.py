@@ -4,6 +4,7 @@ stopping stops the planner first, which takes its engines along, leaving no proc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -59,6 +60,11 @@ PLANNER_FLEET = {
         },
     ]
 }
+ONE_ENGINE_PLANNER = {
+    "name": "planner",
+    "kind": "planner",
+    "config": {"pools": [{"name": "default", "min_engines": 1, "max_engines": 1}]},
+}
 
 
 @pytest.mark.timeout(90)
@@ -90,6 +96,33 @@ async def test_the_planners_engines_are_the_fleets_until_the_planner_stops_first
         assert fleet.member("controller").state == "serving"
     finally:
         await fleet.stop()  # drains first
+        assert wait_gone(engines, 10) == []
+
+
+@pytest.mark.timeout(90)
+async def test_a_planner_whose_engine_hangs_stops_within_up_s_grace(tmp_path: Path) -> None:
+    """A planner's engine hung (SIGSTOPped: it answers no drain and holds SIGTERM pending)
+    when up stops the planner: the planner kills it and exits on its own within up's
+    `stop_timeout_s`. Before, it waited 20 s for the engine, so up killed the planner (-9)
+    and the engine, in a session of its own, was left stopped with only its parent-death
+    SIGTERM pending."""
+    config = {**PLANNER_FLEET, "members": [PLANNER_FLEET["members"][0], ONE_ENGINE_PLANNER]}
+    fleet = Fleet(FleetConfig.model_validate(config), tmp_path)
+    planner = fleet.member("planner")
+    engines: list[int] = []
+    try:
+        await fleet.start()
+        assert planner.pid is not None
+        (engine,) = engines = _children(planner.pid)
+        os.kill(engine, signal.SIGSTOP)
+        await fleet.stop_planners()
+        assert planner.state == "stopped (0)"  # not killed by up
+        assert wait_gone(engines, 0) == []  # the planner killed it before it exited
+    finally:
+        for pid in engines:  # let a stopped one take its SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await fleet.stop()
         assert wait_gone(engines, 10) == []
 
 

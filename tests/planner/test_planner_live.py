@@ -31,11 +31,13 @@ from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from controller.registry import EngineState as RegistryState
 from kvplane.channels import INSECURE, ClientChannels, Redialling
+from kvplane.child_signals import signal_child
 from kvplane.config import ClientTlsConfig, TlsConfig
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
 from kvplane.process_exit import log_tail
 from kvplane.server_tls import server_credentials
+from kvplane.up.member import STOP_TIMEOUT_S
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -43,7 +45,7 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner import live as live_module
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
-from planner.controller_admin import ControllerAdmin
+from planner.controller_admin import ADMIN_TIMEOUT_S, DRAIN_ANSWER_S, ControllerAdmin
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import IDLE, EngineObservation, EngineRole, EngineState
 from planner.core.planner import Planner
@@ -53,8 +55,9 @@ from planner.start_backoff import StartBackoff
 from tests.controller.conftest import generate_request, start_sim_engine
 from tests.controller.test_processes import controller_process
 from tests.interrupted import interrupted
-from tests.partial_servicers import PartialOpenEngine
+from tests.partial_servicers import PartialAdmin, PartialOpenEngine
 from tests.polling import eventually
+from tests.processes import DEFAULT_SIGNALS
 from tests.rotation import replace_file
 from tests.tcp_forwarder import TcpForwarder
 
@@ -1464,11 +1467,160 @@ async def test_a_drain_at_close_the_controller_does_not_answer_is_given_up(
         hung.listen()  # the kernel accepts; nothing reads or answers
         admin = ControllerAdmin(f"127.0.0.1:{hung.getsockname()[1]}")
         try:
-            await admin.drain_to_end("127.0.0.1:1", 3600.0)
+            await admin.drain_all(["127.0.0.1:1"], 3600.0)
         finally:
             await admin.close()
     (said,) = caplog.records
     assert said.getMessage() == "drain of 127.0.0.1:1: the controller did not answer in 5 s"
+
+
+class ControllerHungInDrains(PartialAdmin):
+    """A controller that registers engines and routes to them at once, and answers each
+    DrainEngine's first message (STARTED), then nothing more (hung, the stream open)."""
+
+    def __init__(self) -> None:
+        self.registered: set[str] = set()
+
+    async def CheckAccess(
+        self, request: apb.CheckAccessRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.CheckAccessResponse:
+        return apb.CheckAccessResponse()
+
+    async def RegisterEngine(
+        self, request: apb.RegisterEngineRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.WorkerInfo:
+        self.registered.add(request.address)
+        return apb.WorkerInfo(address=request.address)
+
+    async def ListWorkers(
+        self, request: apb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.ListWorkersResponse:
+        workers = [
+            apb.WorkerInfo(address=address, state="ready", routable=True)
+            for address in sorted(self.registered)
+        ]
+        return apb.ListWorkersResponse(workers=workers)
+
+    async def RemoveEngine(
+        self, request: apb.EngineRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.WorkerInfo:
+        self.registered.discard(request.engine)
+        return apb.WorkerInfo(address=request.engine)
+
+    async def DrainEngine(
+        self, request: apb.DrainEngineRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.DrainResponse]:
+        yield pb.DrainResponse(state=pb.DRAIN_STATE_STARTED)
+        await asyncio.Event().wait()
+
+
+@pytest.mark.timeout(120)
+async def test_a_controller_hung_after_a_drain_s_first_answer_holds_the_close_drain_no_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The close's drain of all the engines together ends at its deadline (and
+    `DRAIN_ANSWER_S` for the answers), whatever the controller does after it answered: here
+    the admin calls' own bound is an hour. Before, each drain was bounded by its deadline
+    plus `ADMIN_TIMEOUT_S` after its first answer, then RemoveEngine's `ADMIN_TIMEOUT_S`: a
+    hung controller held the close 15 s, all of the time `kvplane up` gives a planner."""
+    from planner import controller_admin as controller_admin_module
+
+    monkeypatch.setattr(controller_admin_module, "ADMIN_TIMEOUT_S", 3600.0)
+    caplog.set_level(logging.WARNING, logger="planner.controller_admin")
+    controller = ControllerHungInDrains()
+    server = grpc.aio.server()
+    apb_grpc.add_AdminServicer_to_server(controller, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    actuator = local_processes(port, tmp_path)
+    try:
+        engines = [await actuator.start("default") for _ in range(2)]
+        await actuator.close()
+    finally:
+        await actuator.close()
+        await server.stop(0)
+    said = [r.getMessage() for r in caplog.records if r.name == "planner.controller_admin"]
+    assert said == [f"drain of {', '.join(sorted(engines))}: not ended 1 s past its deadline"]
+    assert not controller.registered  # then taken out of the controller
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_hung_engine_at_close_is_killed_at_the_close_s_end(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung engine (SIGSTOPped: its drain unanswered, its SIGTERM pending) is killed at
+    the close's end, whatever a stop's own grace (here an hour): `kvplane up` kills a planner
+    that has not stopped within its `stop_timeout_s`, and the engines, in sessions of their
+    own, then get only their parent-death SIGTERM, which a stopped one never handles.
+    Before, the close waited the stop's grace (20 s), past up's 15 s."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_STOP_GRACE_S", 3600.0)
+    actuator = setup.actuator
+    hung = await actuator.start("default")
+    process = actuator._processes[hung]
+    with stop_process(process.pid):
+        await actuator.close()
+        assert process.returncode == -signal.SIGKILL
+    assert hung not in {r.address for r in setup.app.controller.fleet.registry.records()}
+
+
+def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
+    """The close ends before `kvplane up` kills the planner, and its drain, the answers'
+    wait and a hung controller's RemoveEngine leave the engines time between their SIGTERM
+    and the close's end."""
+    from planner.actuator import _CLOSE_DRAIN_S, _CLOSE_WITHIN_S
+
+    assert _CLOSE_WITHIN_S < STOP_TIMEOUT_S
+    assert _CLOSE_DRAIN_S + DRAIN_ANSWER_S + ADMIN_TIMEOUT_S < _CLOSE_WITHIN_S
+
+
+@pytest.mark.timeout(120)
+async def test_a_second_ctrl_c_stops_the_engines_at_once(setup: Setup, tmp_path: Path) -> None:
+    """`kvplane planner run`: the first SIGINT drains the engines (a request running on,
+    for up to 5 s); a second one cuts the drain: the engines are killed, as a second Ctrl-C
+    to `kvplane up` kills its members, and the planner exits cleanly, leaving none
+    registered. Before, the second was ignored and the drain ran to its deadline: the
+    request ended aborted, not cut."""
+    workdir = tmp_path / "work"
+    config = tmp_path / "planner.yaml"
+    live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(workdir)}
+    config.write_text(json.dumps({"pools": [{"min_engines": 1, "max_engines": 1}], "live": live}))
+    fleet = setup.app.controller.fleet
+    process = await asyncio.create_subprocess_exec(
+        *DEFAULT_SIGNALS, sys.executable, "-m", "kvplane", "planner", "run",
+        "--config", str(config), stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        async with asyncio.timeout(60):  # started: the planner's, not a start under way
+            while b"serves in pool default" not in (line := await process.stderr.readline()):
+                assert line, "the planner exited"
+        (engine,) = (record.address for record in fleet.registry.routable())
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+            request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
+            stream = pb_grpc.OpenEngineStub(channel).Generate(request)
+            await anext(aiter(stream))  # it runs on the engine
+            signal_child(process, signal.SIGINT)
+            await fleet.wait_for(
+                lambda: fleet.registry.get(engine).state is RegistryState.DRAINING, 30
+            )
+            signal_child(process, signal.SIGINT)
+            events = []
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                events = [response.WhichOneof("event") async for response in stream]
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            signal_child(process, signal.SIGKILL)
+            await process.wait()
+    log = stderr.decode()
+    assert "finished" not in events  # cut, not aborted at the drain's deadline
+    assert process.returncode == 0, log
+    assert "interrupted while closing: killing the engines now" in log
+    assert processes_running(str(workdir)) == []
+    await fleet.wait_for(lambda: not fleet.registry.records(), 30)
 
 
 async def failed_start(actuator: LocalProcesses) -> str:
