@@ -16,7 +16,8 @@
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
   not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
   refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
-  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod). A
+  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod; an
+  operator scaled back up before it acted, and it deleted none). A
   drained pod already gone, terminating or ended (Failed: evicted) hands the cost to the pod
   the ReplicaSet made for its replica (`_stand_in`).
 - **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
@@ -292,6 +293,7 @@ class KubernetesDeployments:
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 return adopted
+            await self._read_replicas_if_leaving(pool, pods)
             self._note_exits(pool, pods)
             self._routed_left_now_pods(pool, pods)
             if registered is not None:
@@ -419,12 +421,27 @@ class KubernetesDeployments:
             log.warning("pod %s (engine %s) %s", engine.pod, engine.address, why)
             self._exited[engine.address] = self._engines.pop(engine.address)
 
+    async def _read_replicas_if_leaving(self, pool: str, pods: Sequence[Pod]) -> None:
+        """Read the pool's spec.replicas (for `_check_leaving`) while a pod it scaled away is
+        still there, active: an operator's scale since (`kubectl scale`, a GitOps sync) may
+        have undone the scale-down. A read that fails leaves the count last read or set."""
+        active = {pod.uid for pod in pods if pod.active}
+        if not any(e.pool == pool and uid in active for uid, e in self._leaving.items()):
+            return
+        try:
+            await self._scale(pool)
+        except KubeApiError as exc:
+            log.warning("scale of pool %s not read: %s", pool, exc)
+
     def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod]) -> None:
         """Forget pods scaled away once they are gone (or ended: a Failed pod stays listed,
         but counts for the ReplicaSet no more than a gone one). One still there, active, while
         the Deployment has no more active pods than replicas was spared: the ReplicaSet
         deleted another (it reads the deletion cost from a cache that may lag the annotation;
-        the other is then reported as exited). Its removal is done again."""
+        the other is then reported as exited), or an operator scaled back up before it acted
+        (it saw the count unchanged and deleted none; the replicas are read at each look
+        while such a pod is there). Its removal is done again: else it would serve nothing,
+        and every start of the pool would wait for it to go."""
         active = sum(1 for pod in by_uid.values() if pod.active)
         for uid, engine in list(self._leaving.items()):
             pod = by_uid.get(uid)

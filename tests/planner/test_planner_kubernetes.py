@@ -113,7 +113,11 @@ class Cluster:
         )
 
     def actuator(
-        self, api: KubeApi | None = None, *, controller: str | None = None
+        self,
+        api: KubeApi | None = None,
+        *,
+        controller: str | None = None,
+        start_timeout_s: float = 60,
     ) -> KubernetesDeployments:
         """The actuator of the Deployment, dialling the controller at `controller` (a
         forwarder to it, say), by default the controller itself."""
@@ -122,7 +126,7 @@ class Cluster:
             api=api or self.api(),
             deployments={"default": DEPLOYMENT},
             engine_port=self.kube.engine_port,
-            start_timeout_s=60,
+            start_timeout_s=start_timeout_s,
             poll_s=0.05,
         )
 
@@ -251,14 +255,7 @@ async def test_a_pod_stuck_pending_is_waited_for_not_asked_for_again(empty: Clus
     that start takes it."""
     kube = empty.kube
     kube.unschedulable = True
-    actuator = KubernetesDeployments(
-        controller=f"127.0.0.1:{empty.app.port}",
-        api=empty.api(),
-        deployments={"default": DEPLOYMENT},
-        engine_port=kube.engine_port,
-        start_timeout_s=1,
-        poll_s=0.05,
-    )
+    actuator = empty.actuator(start_timeout_s=1)
     try:
         for _ in range(2):
             with pytest.raises(KvplaneError, match="no Ready pod after start_timeout_s"):
@@ -387,6 +384,36 @@ async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cl
         await actuator.close()
     assert kube.deleted == [other.name, drained.name]
     assert kube.deployments[DEPLOYMENT].replicas == 0  # the core starts the one it needs
+
+
+@pytest.mark.timeout(120)
+async def test_a_scale_down_an_operator_undid_before_the_replicaset_acted_holds_up_no_start(
+    two_pods: Cluster,
+) -> None:
+    """`kubectl scale` back up (an operator, a GitOps sync) lands before the ReplicaSet acted
+    on a removal's scale-down: the ReplicaSet sees the count unchanged and deletes no pod, so
+    the drained pod stays, serving nothing. It is scaled away again (one replica fewer than
+    the operator's count, the drained pod going), rather than waited for by every start of
+    the pool, each of which would time out."""
+    kube = two_pods.kube
+    actuator = two_pods.actuator(start_timeout_s=20)
+    try:
+        drained, serving = await adopt_and_drain_the_first_ready(two_pods, actuator)
+        kube.hold_replicasets = True
+        await actuator.stop(kube.address(drained))
+        assert kube.deployments[DEPLOYMENT].replicas == 1
+        two_pods.api().patch_scale(DEPLOYMENT, 2, "")  # unconditional, as `kubectl scale`
+        kube.hold_replicasets = False
+        await two_pods.wait(lambda: kube.deployments[DEPLOYMENT].status[0] == 2)
+        assert not kube.deleted  # the ReplicaSet saw 2 replicas all along
+        assert await actuator.adopt() == []  # the drained pod is not adopted: removed again
+        await two_pods.wait(lambda: drained.name not in kube.pods)
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.deleted == [drained.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert two_pods.registered() == sorted([kube.address(serving), started])
 
 
 @pytest.mark.timeout(120)
