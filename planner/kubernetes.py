@@ -10,7 +10,8 @@
   its address is podIP:`engine_port`, it is registered with the controller, and the start
   returns once the controller routes to it. A start that times out leaves the replica asked
   for: the next start waits for that pod rather than asking for one more (no runaway scale-up
-  while an image does not pull).
+  while an image does not pull); its error names the pods it waited for and why each is not
+  Ready (`_not_ready`: Unschedulable, CrashLoopBackOff, ImagePullBackOff...).
 - **Removal** (of an engine the planner drained through the controller): it leaves the
   controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
@@ -111,6 +112,8 @@ MAX_CALLS_IN_FLIGHT = 8
 # on a Redis index reads the whole index for its block counts, and such engines come from a
 # planner before this actuator (a restart, an earlier leader), so mostly at its first look.
 LEFT_REGISTERED_LOOK_S = 60.0
+# A start that times out names the pods it waited for (`_not_ready`): this many at most.
+_PODS_NAMED = 3
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -196,6 +199,7 @@ class KubernetesDeployments:
         # By uid of `_unscaled`: scale-downs that may have been made (`_scale_away`).
         self._unknown_scale_downs: dict[str, _UnknownScaleDown] = {}
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
+        self._listed: dict[str, list[Pod]] = {}  # by pool: its pods, as last listed
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
         # One pool's look (`adopt`) and removals (`stop`) one at a time, in the order asked.
         self._pool_locks = {pool: asyncio.Lock() for pool in self._deployments}
@@ -497,6 +501,8 @@ class KubernetesDeployments:
                 engine = await self._ready_pod(pool)
         except TimeoutError as exc:  # its str is empty
             why = f"no Ready pod after start_timeout_s ({self._start_timeout_s:g} s)"
+            if starting := self._not_ready(pool):
+                why += f": {starting}"
             raise KvplaneError(f"no engine of {pool} started: {why}") from exc
         except KubeApiError as exc:
             raise KvplaneError(f"no engine of {pool} started: {exc}") from exc
@@ -837,7 +843,24 @@ class KubernetesDeployments:
         return selector
 
     async def _pods(self, pool: str) -> list[Pod]:
-        return await self._call(self._api.list_pods, await self._selector(pool))
+        pods = await self._call(self._api.list_pods, await self._selector(pool))
+        self._listed[pool] = pods
+        return pods
+
+    def _not_ready(self, pool: str) -> str:
+        """The pods a start of the pool waits for, as last listed, and why each is not Ready
+        (one line: `pod NAME Pending, Unschedulable: 0/4 nodes are available: ...`): active,
+        not Ready, and neither an engine nor on its way out. "" if none."""
+        taken = self._taken()
+        pods = [
+            pod
+            for pod in self._listed.get(pool, ())
+            if pod.active and not pod.ready and pod.uid not in taken
+        ]
+        named = [f"pod {pod.name} {pod.why_not_ready}" for pod in pods[:_PODS_NAMED]]
+        if len(pods) > _PODS_NAMED:
+            named.append(f"{len(pods) - _PODS_NAMED} more not Ready")
+        return "; ".join(named)
 
     async def _call(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """An API call, once fewer than MAX_CALLS_IN_FLIGHT are under way."""

@@ -252,16 +252,21 @@ async def test_a_pod_stuck_pending_is_waited_for_not_asked_for_again(empty: Clus
     """No node has room for the new pod (Pending, unschedulable): the start gives up after
     start_timeout_s and leaves its replica, and the next start waits for that pod instead of
     asking for one more (no replica a tick while the cluster is full); once it is scheduled,
-    that start takes it."""
+    that start takes it. Each start that gives up names the pod and the scheduler's reason."""
     kube = empty.kube
     kube.unschedulable = True
     actuator = empty.actuator(start_timeout_s=1)
     try:
         for _ in range(2):
-            with pytest.raises(KvplaneError, match="no Ready pod after start_timeout_s"):
+            with pytest.raises(KvplaneError) as timed_out:
                 await actuator.start("default")
             assert kube.deployments[DEPLOYMENT].replicas == 1
-        (pending,) = kube.pods.values()
+            (pending,) = kube.pods.values()
+            assert str(timed_out.value) == (
+                "no engine of default started: no Ready pod after start_timeout_s (1 s): "
+                f"pod {pending.name} Pending, Unschedulable: 0/1 nodes are available: "
+                "1 Insufficient nvidia.com/gpu."
+            )
         kube.unschedulable = False
         await empty.wait(lambda: pending.ready)
         started = await actuator.start("default")
@@ -269,6 +274,42 @@ async def test_a_pod_stuck_pending_is_waited_for_not_asked_for_again(empty: Clus
         await actuator.close()
     assert started == kube.address(pending)
     assert kube.deployments[DEPLOYMENT].replicas == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_waits_for_a_crash_looping_pod_and_names_it_when_it_gives_up(
+    two_pods: Cluster,
+) -> None:
+    """An engine's container crashes and Kubernetes backs off restarting it: the engine
+    exits and leaves the controller, its replica stays, and the core's replacement waits for
+    that pod rather than asking for another; a start that gives up says which pod it waited
+    for and why (CrashLoopBackOff), and once the container runs again a start takes it."""
+    kube = two_pods.kube
+    actuator = two_pods.actuator(start_timeout_s=1)
+    try:
+        assert len(await actuator.adopt()) == 2
+        crashed, serving = kube.ready_pods(DEPLOYMENT)
+        kube.kill_container(crashed.name)
+        await two_pods.wait(lambda: crashed.restart_at is not None)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == [kube.address(crashed)]
+        await actuator.stop(kube.address(crashed))
+        with pytest.raises(KvplaneError) as timed_out:
+            await actuator.start("default")
+        assert kube.deployments[DEPLOYMENT].replicas == 2  # no replica asked for
+        assert str(timed_out.value) == (
+            "no engine of default started: no Ready pod after start_timeout_s (1 s): "
+            f"pod {crashed.name} CrashLoopBackOff: back-off 3600s restarting failed "
+            f"container=engine pod={crashed.name}_{kube.namespace}({crashed.uid})"
+        )
+        kube.restart_container(crashed.name)
+        await two_pods.wait(lambda: crashed.ready)
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert started == kube.address(crashed) and crashed.restarts == 1
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert two_pods.registered() == sorted([kube.address(serving), started])
 
 
 @pytest.mark.timeout(120)
