@@ -1876,6 +1876,8 @@ def test_the_shipped_manifest_fits_the_shipped_config() -> None:
     assert [p["containerPort"] for p in container["ports"]] == [config.live.kubernetes.engine_port]
     assert container["readinessProbe"]["grpc"]["port"] == config.live.kubernetes.engine_port
     assert f"0.0.0.0:{config.live.kubernetes.engine_port}" in container["command"]
+    # The planner owns the count: a manifest's `replicas` would reset it at every apply.
+    assert "replicas" not in deployment["spec"]
 
 
 async def ticks_until(live: LivePlanner, wanted: Callable[[Decision], bool]) -> list[Decision]:
