@@ -20,7 +20,8 @@
   ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod; an
   operator scaled back up before it acted, and it deleted none). A
   drained pod already gone, terminating or ended (Failed: evicted) hands the cost to the pod
-  the ReplicaSet made for its replica (`_stand_in`).
+  the ReplicaSet made for its replica (`_stand_in`); none made, and none to be (an operator
+  scaled the Deployment down, deleting it with its replica), nothing is scaled away.
 - **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
   yet are registered with the controller (one it already lists is fine) and reported, unless a
   start of that pool is waiting for a pod, or a removal of that pool is due whose pod is gone
@@ -722,15 +723,16 @@ class KubernetesDeployments:
                 return f"pod {replica.pod} not scaled away yet: {exc}"
             del self._unscaled[replica.uid]
             self._unknown_scale_downs.pop(replica.uid, None)
-            self._leaving[leaving.uid] = leaving
+            if leaving is not None:
+                self._leaving[leaving.uid] = leaving
         return None
 
-    async def _scale_away(self, replica: _Replica) -> _Replica:
+    async def _scale_away(self, replica: _Replica) -> _Replica | None:
         """The pod first to go (lowest deletion cost), then one replica fewer; the pod that
-        goes. A pod already gone, terminating or ended (deleted or evicted while draining:
-        `Pod.active`) no longer counts as a replica: the pod the ReplicaSet made for its
-        replica goes instead (`_stand_in`), else the ReplicaSet would take the most recently
-        Ready pod, which may serve.
+        goes (None: its replica went already). A pod already gone, terminating or ended
+        (deleted or evicted while draining: `Pod.active`) no longer counts as a replica: the
+        pod the ReplicaSet made for its replica goes instead (`_stand_in`), else the
+        ReplicaSet would take the most recently Ready pod, which may serve.
 
         A scale-down tried before whose outcome is unknown (a 504 Timeout: the API server
         may commit the write after answering) is not sent again if the scale shows it made:
@@ -751,7 +753,10 @@ class KubernetesDeployments:
                 return unknown.replica
         pods = await self._pods(replica.pool)
         if not any(pod.uid == replica.uid and pod.active for pod in pods):
-            replica = await self._stand_in(replica, pods)
+            stand_in = await self._stand_in(replica, pods)
+            if stand_in is None:
+                return None
+            replica = stand_in
         try:
             await self._call(
                 self._api.annotate_pod, replica.pod, {DELETION_COST: DRAINED_DELETION_COST}
@@ -770,16 +775,21 @@ class KubernetesDeployments:
         log.info("pod %s scaled away from Deployment %s", replica.pod, deployment)
         return replica
 
-    async def _stand_in(self, gone: _Replica, pods: Sequence[Pod]) -> _Replica:
+    async def _stand_in(self, gone: _Replica, pods: Sequence[Pod]) -> _Replica | None:
         """The pod to scale away in place of `gone`'s: one the ReplicaSet made for its
         replica, that is a pod no engine serves on (an exited engine's, whose replica stays,
         will do: the core replaces it, and a start takes any free pod) and not on its way out
         already; not Ready before Ready, then the newest, as the ReplicaSet would choose
-        among them. While the Deployment has fewer pods than replicas, none was made for it
-        yet (or the one made is a start's): the scale-down then deletes no pod, and `gone` is
-        returned (a pod gone, or going)."""
+        among them. While the Deployment has fewer pods staying (active, not scaled away)
+        than replicas, none was made for it yet (or the one made is a start's): the
+        scale-down then deletes no pod, and `gone` is returned (a pod gone, or going). With
+        as many pods staying as replicas and none of them free, its replica went with its
+        pod: the Deployment was scaled down meanwhile (`kubectl scale`), and one replica
+        fewer would delete a serving engine: None."""
         active = [pod for pod in pods if pod.active]
-        if len(active) < (await self._scale(gone.pool)).replicas:
+        staying = [pod for pod in active if pod.uid not in self._leaving]
+        replicas = (await self._scale(gone.pool)).replicas
+        if len(staying) < replicas:
             return gone
         taken = {e.uid for e in self._engines.values()} | set(self._leaving)
         taken |= {r.uid for r in self._removals_due()}
@@ -787,7 +797,16 @@ class KubernetesDeployments:
         newest_first = sorted(candidates, key=lambda pod: (pod.created, pod.name), reverse=True)
         stand_in = min(newest_first, key=lambda pod: pod.ready, default=None)
         if stand_in is None:
-            return gone
+            log.info(
+                "pod %s is gone, and so is its replica: Deployment %s has %d pods for its %d "
+                "replicas, all serving or on their way out (scaled down meanwhile?): nothing "
+                "scaled away for it",
+                gone.pod,
+                self._deployments[gone.pool],
+                len(staying),
+                replicas,
+            )
+            return None
         log.info("pod %s goes in place of pod %s, which is gone", stand_in.name, gone.pod)
         return _Replica(gone.pool, stand_in.name, stand_in.uid)
 

@@ -458,6 +458,35 @@ async def test_a_scale_down_an_operator_undid_before_the_replicaset_acted_holds_
 
 
 @pytest.mark.timeout(120)
+async def test_a_draining_pod_an_operator_scaled_away_takes_no_other_pod_with_it(
+    two_pods: Cluster,
+) -> None:
+    """`kubectl scale --replicas=1` while an engine drains: the ReplicaSet deletes the
+    draining pod (Ready more recently), its replica gone with it. Its exit while draining
+    scales away nothing more: no pod was made for that replica, and one replica fewer would
+    delete the last serving engine."""
+    kube = two_pods.kube
+    serving, draining = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    actuator = two_pods.actuator()
+    try:
+        assert len(await actuator.adopt()) == 2
+        await actuator.drain(kube.address(draining), 60)
+        two_pods.api().patch_scale(DEPLOYMENT, 1, "")  # unconditional, as `kubectl scale`
+        await two_pods.wait(lambda: draining.deletion_timestamp is not None)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == [kube.address(draining)]
+        await actuator.stop(kube.address(draining))  # the core's removal of the exit
+        await two_pods.wait(lambda: draining.name not in kube.pods)
+        assert await actuator.adopt() == []
+    finally:
+        await actuator.close()
+    assert kube.deleted == [draining.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert serving.deletion_timestamp is None
+    assert two_pods.registered() == [kube.address(serving)]
+
+
+@pytest.mark.timeout(120)
 async def test_an_engine_scaled_away_while_the_controller_is_unreachable_is_taken_out_later(
     two_pods: Cluster,
 ) -> None:
