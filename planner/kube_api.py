@@ -96,6 +96,8 @@ class Pod:
     created: str  # metadata.creationTimestamp (RFC 3339: sorts as time does)
     phase: str  # status.phase: Pending, Running, Succeeded, Failed (e.g. evicted), Unknown
     deletion_cost: str | None  # its DELETION_COST annotation, if it has one
+    # Why it is not Ready, in one line ("" if it is): `_why_not_ready`.
+    why_not_ready: str = ""
 
     @property
     def active(self) -> bool:
@@ -395,6 +397,7 @@ def _pod(pod: dict[str, Any]) -> Pod:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
+    phase = str(status.get("phase", ""))
     return Pod(
         name=str(metadata.get("name", "")),
         uid=str(metadata.get("uid", "")),
@@ -402,6 +405,33 @@ def _pod(pod: dict[str, Any]) -> Pod:
         ready=ready,
         deleting=metadata.get("deletionTimestamp") is not None,
         created=str(metadata.get("creationTimestamp", "")),
-        phase=str(status.get("phase", "")),
+        phase=phase,
         deletion_cost=(metadata.get("annotations") or {}).get(DELETION_COST),
+        why_not_ready="" if ready else _why_not_ready(phase, status),
     )
+
+
+def _why_not_ready(phase: str, status: dict[str, Any]) -> str:
+    """What keeps a pod from Ready, as `kubectl describe pod` would show it: the scheduler's
+    condition of a pod no node has room for (`Pending, Unschedulable: 0/4 nodes are
+    available: 4 Insufficient nvidia.com/gpu.`), else a container's waiting reason
+    (CrashLoopBackOff, ImagePullBackOff, ContainerCreating) and its message, else the phase;
+    with the containers' restarts, if any."""
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            why = f"{phase}, {condition.get('reason') or 'not scheduled'}"
+            message = " ".join(str(condition.get("message") or "").split())
+            return f"{why}: {message}" if message else why
+    containers = status.get("containerStatuses") or []
+    restarts = sum(int(c.get("restartCount") or 0) for c in containers)
+    why = f"{phase}, not Ready"
+    for container in containers:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason"):
+            why = str(waiting["reason"])
+            message = " ".join(str(waiting.get("message") or "").split())
+            why += f": {message}" if message else ""
+            break
+    if restarts:
+        why += f" ({restarts} restart{'s' if restarts > 1 else ''})"
+    return why

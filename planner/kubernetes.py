@@ -10,15 +10,18 @@
   its address is podIP:`engine_port`, it is registered with the controller, and the start
   returns once the controller routes to it. A start that times out leaves the replica asked
   for: the next start waits for that pod rather than asking for one more (no runaway scale-up
-  while an image does not pull).
+  while an image does not pull); its error names the pods it waited for and why each is not
+  Ready (`_not_ready`: Unschedulable, CrashLoopBackOff, ImagePullBackOff...).
 - **Removal** (of an engine the planner drained through the controller): it leaves the
   controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
   not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
   refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
-  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod). A
+  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod; an
+  operator scaled back up before it acted, and it deleted none). A
   drained pod already gone, terminating or ended (Failed: evicted) hands the cost to the pod
-  the ReplicaSet made for its replica (`_stand_in`).
+  the ReplicaSet made for its replica (`_stand_in`); none made, and none to be (an operator
+  scaled the Deployment down, deleting it with its replica), nothing is scaled away.
 - **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
   yet are registered with the controller (one it already lists is fine) and reported, unless a
   start of that pool is waiting for a pod, or a removal of that pool is due whose pod is gone
@@ -110,6 +113,8 @@ MAX_CALLS_IN_FLIGHT = 8
 # on a Redis index reads the whole index for its block counts, and such engines come from a
 # planner before this actuator (a restart, an earlier leader), so mostly at its first look.
 LEFT_REGISTERED_LOOK_S = 60.0
+# A start that times out names the pods it waited for (`_not_ready`): this many at most.
+_PODS_NAMED = 3
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -195,6 +200,7 @@ class KubernetesDeployments:
         # By uid of `_unscaled`: scale-downs that may have been made (`_scale_away`).
         self._unknown_scale_downs: dict[str, _UnknownScaleDown] = {}
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
+        self._listed: dict[str, list[Pod]] = {}  # by pool: its pods, as last listed
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
         # One pool's look (`adopt`) and removals (`stop`) one at a time, in the order asked.
         self._pool_locks = {pool: asyncio.Lock() for pool in self._deployments}
@@ -292,6 +298,7 @@ class KubernetesDeployments:
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 return adopted
+            await self._read_replicas_if_leaving(pool, pods)
             self._note_exits(pool, pods)
             self._routed_left_now_pods(pool, pods)
             if registered is not None:
@@ -419,12 +426,27 @@ class KubernetesDeployments:
             log.warning("pod %s (engine %s) %s", engine.pod, engine.address, why)
             self._exited[engine.address] = self._engines.pop(engine.address)
 
+    async def _read_replicas_if_leaving(self, pool: str, pods: Sequence[Pod]) -> None:
+        """Read the pool's spec.replicas (for `_check_leaving`) while a pod it scaled away is
+        still there, active: an operator's scale since (`kubectl scale`, a GitOps sync) may
+        have undone the scale-down. A read that fails leaves the count last read or set."""
+        active = {pod.uid for pod in pods if pod.active}
+        if not any(e.pool == pool and uid in active for uid, e in self._leaving.items()):
+            return
+        try:
+            await self._scale(pool)
+        except KubeApiError as exc:
+            log.warning("scale of pool %s not read: %s", pool, exc)
+
     def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod]) -> None:
         """Forget pods scaled away once they are gone (or ended: a Failed pod stays listed,
         but counts for the ReplicaSet no more than a gone one). One still there, active, while
         the Deployment has no more active pods than replicas was spared: the ReplicaSet
         deleted another (it reads the deletion cost from a cache that may lag the annotation;
-        the other is then reported as exited). Its removal is done again."""
+        the other is then reported as exited), or an operator scaled back up before it acted
+        (it saw the count unchanged and deleted none; the replicas are read at each look
+        while such a pod is there). Its removal is done again: else it would serve nothing,
+        and every start of the pool would wait for it to go."""
         active = sum(1 for pod in by_uid.values() if pod.active)
         for uid, engine in list(self._leaving.items()):
             pod = by_uid.get(uid)
@@ -480,6 +502,8 @@ class KubernetesDeployments:
                 engine = await self._ready_pod(pool)
         except TimeoutError as exc:  # its str is empty
             why = f"no Ready pod after start_timeout_s ({self._start_timeout_s:g} s)"
+            if starting := self._not_ready(pool):
+                why += f": {starting}"
             raise KvplaneError(f"no engine of {pool} started: {why}") from exc
         except KubeApiError as exc:
             raise KvplaneError(f"no engine of {pool} started: {exc}") from exc
@@ -699,15 +723,16 @@ class KubernetesDeployments:
                 return f"pod {replica.pod} not scaled away yet: {exc}"
             del self._unscaled[replica.uid]
             self._unknown_scale_downs.pop(replica.uid, None)
-            self._leaving[leaving.uid] = leaving
+            if leaving is not None:
+                self._leaving[leaving.uid] = leaving
         return None
 
-    async def _scale_away(self, replica: _Replica) -> _Replica:
+    async def _scale_away(self, replica: _Replica) -> _Replica | None:
         """The pod first to go (lowest deletion cost), then one replica fewer; the pod that
-        goes. A pod already gone, terminating or ended (deleted or evicted while draining:
-        `Pod.active`) no longer counts as a replica: the pod the ReplicaSet made for its
-        replica goes instead (`_stand_in`), else the ReplicaSet would take the most recently
-        Ready pod, which may serve.
+        goes (None: its replica went already). A pod already gone, terminating or ended
+        (deleted or evicted while draining: `Pod.active`) no longer counts as a replica: the
+        pod the ReplicaSet made for its replica goes instead (`_stand_in`), else the
+        ReplicaSet would take the most recently Ready pod, which may serve.
 
         A scale-down tried before whose outcome is unknown (a 504 Timeout: the API server
         may commit the write after answering) is not sent again if the scale shows it made:
@@ -728,7 +753,10 @@ class KubernetesDeployments:
                 return unknown.replica
         pods = await self._pods(replica.pool)
         if not any(pod.uid == replica.uid and pod.active for pod in pods):
-            replica = await self._stand_in(replica, pods)
+            stand_in = await self._stand_in(replica, pods)
+            if stand_in is None:
+                return None
+            replica = stand_in
         try:
             await self._call(
                 self._api.annotate_pod, replica.pod, {DELETION_COST: DRAINED_DELETION_COST}
@@ -747,16 +775,21 @@ class KubernetesDeployments:
         log.info("pod %s scaled away from Deployment %s", replica.pod, deployment)
         return replica
 
-    async def _stand_in(self, gone: _Replica, pods: Sequence[Pod]) -> _Replica:
+    async def _stand_in(self, gone: _Replica, pods: Sequence[Pod]) -> _Replica | None:
         """The pod to scale away in place of `gone`'s: one the ReplicaSet made for its
         replica, that is a pod no engine serves on (an exited engine's, whose replica stays,
         will do: the core replaces it, and a start takes any free pod) and not on its way out
         already; not Ready before Ready, then the newest, as the ReplicaSet would choose
-        among them. While the Deployment has fewer pods than replicas, none was made for it
-        yet (or the one made is a start's): the scale-down then deletes no pod, and `gone` is
-        returned (a pod gone, or going)."""
+        among them. While the Deployment has fewer pods staying (active, not scaled away)
+        than replicas, none was made for it yet (or the one made is a start's): the
+        scale-down then deletes no pod, and `gone` is returned (a pod gone, or going). With
+        as many pods staying as replicas and none of them free, its replica went with its
+        pod: the Deployment was scaled down meanwhile (`kubectl scale`), and one replica
+        fewer would delete a serving engine: None."""
         active = [pod for pod in pods if pod.active]
-        if len(active) < (await self._scale(gone.pool)).replicas:
+        staying = [pod for pod in active if pod.uid not in self._leaving]
+        replicas = (await self._scale(gone.pool)).replicas
+        if len(staying) < replicas:
             return gone
         taken = {e.uid for e in self._engines.values()} | set(self._leaving)
         taken |= {r.uid for r in self._removals_due()}
@@ -764,7 +797,16 @@ class KubernetesDeployments:
         newest_first = sorted(candidates, key=lambda pod: (pod.created, pod.name), reverse=True)
         stand_in = min(newest_first, key=lambda pod: pod.ready, default=None)
         if stand_in is None:
-            return gone
+            log.info(
+                "pod %s is gone, and so is its replica: Deployment %s has %d pods for its %d "
+                "replicas, all serving or on their way out (scaled down meanwhile?): nothing "
+                "scaled away for it",
+                gone.pod,
+                self._deployments[gone.pool],
+                len(staying),
+                replicas,
+            )
+            return None
         log.info("pod %s goes in place of pod %s, which is gone", stand_in.name, gone.pod)
         return _Replica(gone.pool, stand_in.name, stand_in.uid)
 
@@ -820,7 +862,24 @@ class KubernetesDeployments:
         return selector
 
     async def _pods(self, pool: str) -> list[Pod]:
-        return await self._call(self._api.list_pods, await self._selector(pool))
+        pods = await self._call(self._api.list_pods, await self._selector(pool))
+        self._listed[pool] = pods
+        return pods
+
+    def _not_ready(self, pool: str) -> str:
+        """The pods a start of the pool waits for, as last listed, and why each is not Ready
+        (one line: `pod NAME Pending, Unschedulable: 0/4 nodes are available: ...`): active,
+        not Ready, and neither an engine nor on its way out. "" if none."""
+        taken = self._taken()
+        pods = [
+            pod
+            for pod in self._listed.get(pool, ())
+            if pod.active and not pod.ready and pod.uid not in taken
+        ]
+        named = [f"pod {pod.name} {pod.why_not_ready}" for pod in pods[:_PODS_NAMED]]
+        if len(pods) > _PODS_NAMED:
+            named.append(f"{len(pods) - _PODS_NAMED} more not Ready")
+        return "; ".join(named)
 
     async def _call(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """An API call, once fewer than MAX_CALLS_IN_FLIGHT are under way."""

@@ -70,8 +70,10 @@ What it implements (namespaced, one namespace):
   engine serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a
   cluster; an IPv6 IP in brackets), and marks it Ready once the gRPC health check answers
   SERVING (a readiness probe). A container that exits leaves its pod not Ready and is
-  restarted after `restart_delay_s` (as with CrashLoopBackOff; `restart_container` ends the
-  wait); the pod stays Running at its IP meanwhile. A deleted pod gets a
+  restarted after `restart_delay_s` (as with CrashLoopBackOff, the container's waiting reason
+  meanwhile, its restartCount one more at each restart; `restart_container` ends the wait);
+  the pod stays Running at its IP meanwhile (a container not started yet is waiting
+  ContainerCreating). A deleted pod gets a
   deletionTimestamp, its process SIGTERM, and leaves the list once the process has exited
   (SIGKILL after the grace period). `evict` fails a pod as the kubelet's eviction does: its
   container killed, phase Failed (reason Evicted), still listed with its IP and without a
@@ -157,6 +159,7 @@ class Pod:
     # container waiting to be restarted (CrashLoopBackOff) included.
     sandboxed: bool = False
     restart_at: float | None = None  # a container that exited starts again then
+    restarts: int = 0  # its container's (restartCount)
     deleting_since: float | None = None  # monotonic; set: terminating
     deletion_timestamp: str | None = None
     scheduled: bool = False  # bound to a node (`unschedulable` keeps new pods from it)
@@ -687,11 +690,17 @@ class FakeKube:
             "ContainersReady": pod.ready,
             "PodScheduled": True,
         }
-        state: dict[str, Any] = {"waiting": {}}
+        state: dict[str, Any] = {"waiting": {"reason": "ContainerCreating"}}
         if started:
             state = {"running": {"startedAt": pod.created}}
         elif pod.sandboxed:
-            state = {"waiting": {"reason": "CrashLoopBackOff"}}
+            back_off = f"back-off {self._restart_delay_s:g}s restarting failed container=engine"
+            state = {
+                "waiting": {
+                    "reason": "CrashLoopBackOff",
+                    "message": f"{back_off} pod={pod.name}_{self.namespace}({pod.uid})",
+                }
+            }
         scheduled = {"nodeName": "node-1"} if pod.scheduled else {}
         pod_object = {
             "kind": "Pod",
@@ -726,7 +735,7 @@ class FakeKube:
                         "image": _IMAGE,
                         "ready": pod.ready,
                         "started": started,
-                        "restartCount": 0,
+                        "restartCount": pod.restarts,
                         "state": state,
                     }
                 ],
@@ -884,6 +893,7 @@ class FakeKube:
                     env={**os.environ, **member_environment(None)},  # dies with this thread
                     start_new_session=True,  # a container is nobody's terminal job
                 )  # fmt: skip
+            pod.restarts += pod.sandboxed  # started before: this is a restart
             pod.restart_at = None
             pod.sandboxed = True
             pod.resource_version = self._version()

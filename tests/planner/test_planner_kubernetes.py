@@ -113,7 +113,11 @@ class Cluster:
         )
 
     def actuator(
-        self, api: KubeApi | None = None, *, controller: str | None = None
+        self,
+        api: KubeApi | None = None,
+        *,
+        controller: str | None = None,
+        start_timeout_s: float = 60,
     ) -> KubernetesDeployments:
         """The actuator of the Deployment, dialling the controller at `controller` (a
         forwarder to it, say), by default the controller itself."""
@@ -122,7 +126,7 @@ class Cluster:
             api=api or self.api(),
             deployments={"default": DEPLOYMENT},
             engine_port=self.kube.engine_port,
-            start_timeout_s=60,
+            start_timeout_s=start_timeout_s,
             poll_s=0.05,
         )
 
@@ -248,23 +252,21 @@ async def test_a_pod_stuck_pending_is_waited_for_not_asked_for_again(empty: Clus
     """No node has room for the new pod (Pending, unschedulable): the start gives up after
     start_timeout_s and leaves its replica, and the next start waits for that pod instead of
     asking for one more (no replica a tick while the cluster is full); once it is scheduled,
-    that start takes it."""
+    that start takes it. Each start that gives up names the pod and the scheduler's reason."""
     kube = empty.kube
     kube.unschedulable = True
-    actuator = KubernetesDeployments(
-        controller=f"127.0.0.1:{empty.app.port}",
-        api=empty.api(),
-        deployments={"default": DEPLOYMENT},
-        engine_port=kube.engine_port,
-        start_timeout_s=1,
-        poll_s=0.05,
-    )
+    actuator = empty.actuator(start_timeout_s=1)
     try:
         for _ in range(2):
-            with pytest.raises(KvplaneError, match="no Ready pod after start_timeout_s"):
+            with pytest.raises(KvplaneError, match="no Ready pod after start_timeout_s") as failed:
                 await actuator.start("default")
             assert kube.deployments[DEPLOYMENT].replicas == 1
         (pending,) = kube.pods.values()
+        assert str(failed.value) == (  # the second start: the pod was there all along
+            "no engine of default started: no Ready pod after start_timeout_s (1 s): "
+            f"pod {pending.name} Pending, Unschedulable: 0/1 nodes are available: "
+            "1 Insufficient nvidia.com/gpu."
+        )
         kube.unschedulable = False
         await empty.wait(lambda: pending.ready)
         started = await actuator.start("default")
@@ -272,6 +274,42 @@ async def test_a_pod_stuck_pending_is_waited_for_not_asked_for_again(empty: Clus
         await actuator.close()
     assert started == kube.address(pending)
     assert kube.deployments[DEPLOYMENT].replicas == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_waits_for_a_crash_looping_pod_and_names_it_when_it_gives_up(
+    two_pods: Cluster,
+) -> None:
+    """An engine's container crashes and Kubernetes backs off restarting it: the engine
+    exits and leaves the controller, its replica stays, and the core's replacement waits for
+    that pod rather than asking for another; a start that gives up says which pod it waited
+    for and why (CrashLoopBackOff), and once the container runs again a start takes it."""
+    kube = two_pods.kube
+    actuator = two_pods.actuator(start_timeout_s=1)
+    try:
+        assert len(await actuator.adopt()) == 2
+        crashed, serving = kube.ready_pods(DEPLOYMENT)
+        kube.kill_container(crashed.name)
+        await two_pods.wait(lambda: crashed.restart_at is not None)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == [kube.address(crashed)]
+        await actuator.stop(kube.address(crashed))
+        with pytest.raises(KvplaneError) as timed_out:
+            await actuator.start("default")
+        assert kube.deployments[DEPLOYMENT].replicas == 2  # no replica asked for
+        assert str(timed_out.value) == (
+            "no engine of default started: no Ready pod after start_timeout_s (1 s): "
+            f"pod {crashed.name} CrashLoopBackOff: back-off 3600s restarting failed "
+            f"container=engine pod={crashed.name}_{kube.namespace}({crashed.uid})"
+        )
+        kube.restart_container(crashed.name)
+        await two_pods.wait(lambda: crashed.ready)
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert started == kube.address(crashed) and crashed.restarts == 1
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert two_pods.registered() == sorted([kube.address(serving), started])
 
 
 @pytest.mark.timeout(120)
@@ -387,6 +425,65 @@ async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cl
         await actuator.close()
     assert kube.deleted == [other.name, drained.name]
     assert kube.deployments[DEPLOYMENT].replicas == 0  # the core starts the one it needs
+
+
+@pytest.mark.timeout(120)
+async def test_a_scale_down_an_operator_undid_before_the_replicaset_acted_holds_up_no_start(
+    two_pods: Cluster,
+) -> None:
+    """`kubectl scale` back up (an operator, a GitOps sync) lands before the ReplicaSet acted
+    on a removal's scale-down: the ReplicaSet sees the count unchanged and deletes no pod, so
+    the drained pod stays, serving nothing. It is scaled away again (one replica fewer than
+    the operator's count, the drained pod going), rather than waited for by every start of
+    the pool, each of which would time out."""
+    kube = two_pods.kube
+    actuator = two_pods.actuator(start_timeout_s=20)
+    try:
+        drained, serving = await adopt_and_drain_the_first_ready(two_pods, actuator)
+        kube.hold_replicasets = True
+        await actuator.stop(kube.address(drained))
+        assert kube.deployments[DEPLOYMENT].replicas == 1
+        two_pods.api().patch_scale(DEPLOYMENT, 2, "")  # unconditional, as `kubectl scale`
+        kube.hold_replicasets = False
+        await two_pods.wait(lambda: kube.deployments[DEPLOYMENT].status[0] == 2)
+        assert not kube.deleted  # the ReplicaSet saw 2 replicas all along
+        assert await actuator.adopt() == []  # the drained pod is not adopted: removed again
+        await two_pods.wait(lambda: drained.name not in kube.pods)
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.deleted == [drained.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert two_pods.registered() == sorted([kube.address(serving), started])
+
+
+@pytest.mark.timeout(120)
+async def test_a_draining_pod_an_operator_scaled_away_takes_no_other_pod_with_it(
+    two_pods: Cluster,
+) -> None:
+    """`kubectl scale --replicas=1` while an engine drains: the ReplicaSet deletes the
+    draining pod (Ready more recently), its replica gone with it. Its exit while draining
+    scales away nothing more: no pod was made for that replica, and one replica fewer would
+    delete the last serving engine."""
+    kube = two_pods.kube
+    serving, draining = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    actuator = two_pods.actuator()
+    try:
+        assert len(await actuator.adopt()) == 2
+        await actuator.drain(kube.address(draining), 60)
+        two_pods.api().patch_scale(DEPLOYMENT, 1, "")  # unconditional, as `kubectl scale`
+        await two_pods.wait(lambda: draining.deletion_timestamp is not None)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == [kube.address(draining)]
+        await actuator.stop(kube.address(draining))  # the core's removal of the exit
+        await two_pods.wait(lambda: draining.name not in kube.pods)
+        assert await actuator.adopt() == []
+    finally:
+        await actuator.close()
+    assert kube.deleted == [draining.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert serving.deletion_timestamp is None
+    assert two_pods.registered() == [kube.address(serving)]
 
 
 @pytest.mark.timeout(120)
@@ -1808,6 +1905,8 @@ def test_the_shipped_manifest_fits_the_shipped_config() -> None:
     assert [p["containerPort"] for p in container["ports"]] == [config.live.kubernetes.engine_port]
     assert container["readinessProbe"]["grpc"]["port"] == config.live.kubernetes.engine_port
     assert f"0.0.0.0:{config.live.kubernetes.engine_port}" in container["command"]
+    # The planner owns the count: a manifest's `replicas` would reset it at every apply.
+    assert "replicas" not in deployment["spec"]
 
 
 async def ticks_until(live: LivePlanner, wanted: Callable[[Decision], bool]) -> list[Decision]:
