@@ -316,6 +316,10 @@ class _Engine:
         # When the followed process's last KV-event batch was indexed here (unix time; None:
         # none yet, a new process having sent none).
         self.last_event_unix_s: float | None = None
+        # The counters of the followed process's KV-event sources, kept from one source to
+        # the next while the process is the same (a writer lease taken again starts a fresh
+        # source: after Redis lost the index, say, whose resync would otherwise never show).
+        self.source_counters: SourceCounters | None = None
         # Its current source delivered a batch whose stamp is implausible (warned once).
         self.implausible_stamp_warned = False
         # The process whose KV events this replica follows into the index (None: none yet,
@@ -1606,8 +1610,10 @@ class Fleet:
                 # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the
                 # poll would go on and follow the events again, out of anyone's reach.
                 await asyncio.wait([task])
-            # The old process's last batch is not the new one's (`admin workers`' "last").
+            # The old process's last batch is not the new one's (`admin workers`' "last"),
+            # nor are its sources' counters.
             engine.last_event_unix_s = None
+            engine.source_counters = None
         if self._on_engine_gone is not None and not first_contact:
             self._on_engine_gone(engine.address)
         self._tell_predicted(engine.address)
@@ -1632,14 +1638,19 @@ class Fleet:
     async def _lease_taken(self, engine: _Engine) -> None:
         """This replica took the engine's writer lease over: follow the engine's events from
         a fresh subscription, whose snapshot clears and rebuilds its worker (what another
-        replica wrote, or nobody while the lease was free, is replaced)."""
+        replica wrote, or nobody while the lease was free, is replaced). Replacing a
+        subscription of this replica's (its lease found taken anew after Redis lost it, or a
+        resync handed over) is a resync of the engine's entries, counted as one."""
         async with engine.events_lock:
+            resubscribed = engine.events_task is not None
             if engine.events_task is not None:
                 task = engine.events_task
                 engine.stop_events()
                 await asyncio.wait([task])
             if engine.followed is not None:
                 await self._start_events(engine, engine.followed)
+                if resubscribed and engine.source_counters is not None:
+                    engine.source_counters.num_resyncs += 1
 
     async def _start_events(self, engine: _Engine, identity: EngineIdentity) -> None:
         """Start the task following the engine process's KV events (a fresh source: its first
@@ -1681,6 +1692,10 @@ class Fleet:
             )
         if source is None:
             return
+        if engine.source_counters is None:
+            engine.source_counters = source.counters
+        else:
+            source.counters = engine.source_counters
         engine.no_source_reason = None
         engine.source = source
         engine.implausible_stamp_warned = False

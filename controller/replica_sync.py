@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -84,6 +85,10 @@ class ReplicaSync:
         self._owns_client = owns_client
         self.protocol = ReplicaProtocol(router, instance_id, resend_after_s=heartbeat_s)
         self._wake = asyncio.Event()
+        # Held from numbering messages to their publish: they reach Redis in the order of
+        # their numbers (the client's pool would send concurrent ones on connections of their
+        # own, a slow one overtaken, and peers take a number out of order for a gap).
+        self._sending = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self.subscribed = False  # on the channel now (its hello published)
 
@@ -114,7 +119,7 @@ class ReplicaSync:
         self._tasks = []
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(_CLOSE_S):
-                await self._publish(self.protocol.message("bye"))
+                await self._send(lambda: [self.protocol.message("bye")])
         self.protocol.forget_all()
         if self._owns_client:
             with contextlib.suppress(RedisError, OSError, TimeoutError):
@@ -128,6 +133,16 @@ class ReplicaSync:
     async def _publish(self, message: bytes) -> None:
         await self.client.publish(self.channel, message)
 
+    def _receive(self, data: bytes) -> list[bytes]:
+        """Apply a peer's message; what to publish in answer."""
+        return self.protocol.receive(data, self.clock())
+
+    async def _send(self, messages: Callable[[], list[bytes]]) -> None:
+        """Number `messages()` and publish them, one sender at a time (`_sending`)."""
+        async with self._sending:
+            for message in messages():
+                await self._publish(message)
+
     async def _publish_loop(self) -> None:
         """Sends the router's events as they come, and a beat when there were none for
         `heartbeat_s`. A message Redis did not take is lost (its seq with it): peers find the
@@ -139,7 +154,7 @@ class ReplicaSync:
                     await self._wake.wait()
             self._wake.clear()
             try:
-                await self._publish(self.protocol.turn())
+                await self._send(lambda: [self.protocol.turn()])
             except (RedisError, OSError) as exc:
                 log.debug("replica sync: publish failed: %s", exc)
             self._forget_silent_peers()
@@ -154,7 +169,7 @@ class ReplicaSync:
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
-                await self._publish(self.protocol.message("hello"))
+                await self._send(lambda: [self.protocol.message("hello")])
                 self.subscribed = True
                 wait_s = _RETRY_S[0]
                 if lost:
@@ -166,8 +181,8 @@ class ReplicaSync:
                         ignore_subscribe_messages=True, timeout=_POLL_S
                     )
                     if message is not None:
-                        for reply in self.protocol.receive(message["data"], self.clock()):
-                            await self._publish(reply)
+                        answer = functools.partial(self._receive, message["data"])
+                        await self._send(answer)
             except (RedisError, OSError) as exc:
                 self.subscribed = False
                 if not lost:

@@ -301,6 +301,9 @@ class RedisBackend:
         self._applying: dict[int, str] = {}
         self._superseded: set[int] = set()
         self._grouper: asyncio.Task[None] | None = None
+        # Buffered batches the recovery found fenced (the lease's new holder rebuilt their
+        # worker), by worker: how many and the refusal, logged once per worker as it ends.
+        self._fenced: dict[str, tuple[int, str]] = {}
         # The pause after Redis let a call time out (0: it answers), when one call may ask it
         # again, whether one is asking, and how many calls it let time out (a caller that
         # waited for the readying lock while one did fails at once too).
@@ -1077,6 +1080,9 @@ class RedisBackend:
         self._outage = False
         self._recovery_error = None
         self._recovery = None
+        refused, self._fenced = self._fenced, {}
+        for worker_id, (count, status) in sorted(refused.items()):
+            log.info("buffered batch of %s not applied: %s (%d batches)", worker_id, status, count)
         log.info("Redis at %s is back; buffered batches applied", self._where)
         self._announce_resyncs()
 
@@ -1085,7 +1091,8 @@ class RedisBackend:
         if status is None:
             self._known_workers.add(batch.worker_id)
         elif status.startswith(_FENCED):  # the lease's new holder rebuilt it
-            log.info("buffered batch of %s not applied: %s", batch.worker_id, status)
+            count, _ = self._fenced.get(batch.worker_id, (0, status))
+            self._fenced[batch.worker_id] = (count + 1, status)
         else:
             log.error("buffered batch of %s refused: %s", batch.worker_id, status)
             self._request_resync({batch.worker_id})

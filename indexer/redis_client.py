@@ -15,6 +15,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from indexer.backends import check_redis_options
 from kvplane.config import read_token_file
@@ -154,8 +155,10 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
         "username": options.username,
         "socket_timeout": options.timeout_s,
         "socket_connect_timeout": options.connect_timeout_s,
-        # One quick retry heals a pooled connection that a Redis restart broke.
-        "retry": Retry(NoBackoff(), 1),
+        # One quick retry heals a pooled connection that a Redis restart broke; not a call
+        # Redis let time out (redis-py retries those too by default): sent again, it would
+        # wait a second `timeout_s`, and a write would reach Redis twice.
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     }
     tls: dict[str, Any] = options.tls_files()
     if url.startswith("redis+cluster://"):

@@ -131,6 +131,27 @@ async def test_an_engine_removed_through_one_replica_stays_indexed_for_the_other
         await close_fleet(a)
 
 
+async def test_a_redis_that_lost_the_index_is_rebuilt_for_both_replicas(
+    redis: RedisServer,
+) -> None:
+    """redis-server restarted empty under two replicas, no request since: the leases, lost
+    with the data, are taken again (by either replica) and the index holds exactly each
+    engine's blocks again, read through either replica."""
+    a = await make_fleet(engines=await small_engines(2), index=shared_index(redis))
+    b = await make_fleet(engines=a.engines, index=shared_index(redis))
+    try:
+        for n in range(4):
+            await serve((a, b)[n % 2], n)
+        await index_exact(b, a.engines)
+        await asyncio.to_thread(redis.kill)
+        await asyncio.to_thread(redis.start)
+        await index_exact(b, a.engines)
+        await index_exact(a, a.engines)
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+
+
 def start_replica_process(
     tmp_path: Path,
     redis: RedisServer,

@@ -717,7 +717,9 @@ async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
     """redis-server restarted without its data and no request since: the controller's
     subscriptions resubscribe with a snapshot (the backend asks them to, and the engines'
     writer leases, lost with the data, are taken again), and the index holds each engine's
-    blocks again, exactly, without any engine restarting or storing anything."""
+    blocks again, exactly, without any engine restarting or storing anything. /metrics says
+    so: each engine's `kvplane_controller_engine_kv_event_resyncs_total` counts the rebuild
+    (before, 0: the lease taken again started a source with counters of its own)."""
     fleet = await make_fleet(2, index={"backend": redis.url})
     try:
         await finished(fleet, generate_request("a", [*PREFIX, 1]))
@@ -736,6 +738,11 @@ async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
 
             await eventually(rebuilt, 20, f"{address}'s blocks indexed again")
             await index_follows(fleet, address, engine)
+            sample = "kvplane_controller_engine_kv_event_resyncs_total"
+            resyncs = fleet.app.controller.metrics.registry.get_sample_value(
+                sample, {"engine": address}
+            )
+            assert resyncs is not None and resyncs >= 1, (address, resyncs)
     finally:
         await close_fleet(fleet)
 

@@ -807,6 +807,28 @@ async def test_a_redis_that_stops_answering_is_not_waited_for_by_every_query(
         server.stop()
 
 
+async def test_a_call_redis_lets_time_out_is_sent_once(redis_server: RedisServer) -> None:
+    """A call Redis does not answer within `timeout_s` (a wedged Redis, a host gone without a
+    reset) fails after that one timeout, as `redis.timeout_s` says: it is not sent again on a
+    new connection, which made every such call wait twice the timeout (a controller's request
+    4 s with the default 2 s) and sent a write to Redis twice."""
+    redis_server.flushall()
+    forwarder = await TcpForwarder.start(f"127.0.0.1:{redis_server.port}")
+    url = forwarder.endpoint.replace("tcp://", "redis://")
+    backend = await open_redis_backend(url, buckets=8, timeout_s=0.2, maintenance_interval_s=60)
+    try:
+        await backend.match_prefix([1], 0)
+        forwarder.silence(new_ones=True)
+        opened = forwarder.tunnels
+        with pytest.raises(IndexUnavailableError, match="did not answer"):
+            await backend.match_prefix([1], 0)
+        assert forwarder.tunnels == opened  # sent once, on the connection it had
+    finally:
+        await backend.close()
+        await forwarder.cut()
+        redis_server.flushall()  # (its 8 buckets are not the next test's)
+
+
 @pytest.mark.timeout(60)
 async def test_close_ends_maintenance_cancelled_inside_a_redis_call(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
@@ -1011,6 +1033,29 @@ async def test_batches_refused_in_a_call_whose_reply_was_lost_are_handled_as_ref
         assert asked == ["w2"]
         assert "buffered batch of w1 not applied: KVP_FENCED" in caplog.text
         assert "buffered batch of w2 refused: KVP_WORKERS" in caplog.text
+
+
+@pytest.mark.timeout(60)
+async def test_buffered_batches_fenced_at_their_replay_are_logged_once_per_worker(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica's buffered batches of an engine whose writer lease another replica took
+    meanwhile are dropped at their replay, with one log line for the engine that counts them
+    (before, one line per batch: a controller replica whose Redis paused for a lease's term
+    logged hundreds, one per KV-event batch its engines sent meanwhile)."""
+    caplog.set_level(logging.INFO, logger="indexer.redis_backend")
+    async with _behind_forwarder(redis_server) as (forwarder, backend):
+        backend.fence_writes("a/1", str)
+        assert await backend.hold_lease("w1", "b/1", 30) is LeaseState.TAKEN  # another's
+        lost = forwarder.lose_next_request(KVP_APPLY_CALL, times=2)
+        await asyncio.gather(*(backend.apply(_leased_batch("w1", k)) for k in (1, 2, 3)))
+        assert lost.is_set()  # buffered: the call never reached Redis
+        await eventually(lambda: backend.healthy, 30, "the backend to recover")
+        assert [await _holders(backend, k) for k in (1, 2, 3)] == [[], [], []]
+        fenced = [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()]
+        assert len(fenced) == 1, fenced
+        assert fenced[0].startswith("buffered batch of w1 not applied: KVP_FENCED"), fenced
+        assert fenced[0].endswith("(3 batches)"), fenced
 
 
 @pytest.mark.timeout(60)
