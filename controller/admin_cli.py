@@ -590,6 +590,7 @@ def route(
                 "load with 0 cached tokens on every engine"
             )
         head += _predicted_note(d["costs"])
+        head += _unweighed_note(d["costs"])
         sharers = d.get("hot_prefix_sharers", 0)
         if sharers:
             # Why an engine without the prefix shows a small PREFILL (the rule divided it).
@@ -649,6 +650,19 @@ def _predicted_note(rows: list[dict[str, Any]]) -> str:
     return (
         "\n(predicted): an engine without KV events (kv_events approximate): what it holds is "
         "predicted from the prompts this controller routed there (router.approximate_ttl_s)"
+    )
+
+
+def _unweighed_note(rows: list[dict[str, Any]]) -> str:
+    """The line saying what the cost columns hold when no engine was weighed (no row has a
+    total: a cache-blind policy, or a decision its reason made, `only`, `session`,
+    `all_busy`, a decode engine chosen by load): the engines' own figures, not the policy's
+    weighted costs; else empty."""
+    if not rows or any("total" in r for r in rows):
+        return ""
+    return (
+        "\nnot weighed (no TOTAL): PREFILL is each engine's uncached prompt tokens, QUEUE its "
+        "queued prefill tokens, DECODE its running requests"
     )
 
 

@@ -4,8 +4,9 @@ without writing a gRPC client.
 
 One OpenEngine Generate per prompt (`--prompt`, `--tokens-file` for the token ids of one, else
 each line of stdin in turn). Text output streams the generated text to stdout as it arrives
-(an engine without a tokenizer, such as a sim engine, sends no text: then the token ids),
-then one summary line on stderr: the engine that served it (a controller's `kvplane-route`
+(a model the target has no tokenizer for, as its GetModelInfo says, such as a sim engine's,
+has no text: then the token ids; a text prompt for it is refused before it is sent), then
+one summary line on stderr: the engine that served it (a controller's `kvplane-route`
 trailing metadata, controller/route_report.py; a single engine sends none), the prompt
 tokens, those served from cache against the router's prediction, the time to the first
 token, the tokens and time in all, and why it finished. `--output json`: one JSON object per
@@ -26,7 +27,7 @@ from typing import Annotated, Any
 import typer
 
 from controller.admin_cli import DEFAULT_TARGET, TARGET_KIND, TokensFileOpt
-from controller.model_info import generates
+from controller.model_info import generates, reported
 from controller.route_report import read_route
 from indexer.admin_cli import read_token_ids
 from indexer.validation import MAX_UINT32
@@ -55,6 +56,15 @@ DEFAULT_SESSION_METADATA_KEY = "session_id"
 class CompletionOutput(enum.StrEnum):
     text = "text"
     json = "json"
+
+
+class _Echo(enum.Enum):
+    """What a run writes to stdout as a Generate streams."""
+
+    NOTHING = "nothing"  # --output json: one object once it ends
+    TEXT = "text"  # the text as it comes: a token whose text is held back (part of a
+    # character, what may begin a stop string) writes nothing until the text comes
+    IDS = "ids"  # the token ids, space-separated: the target has no text for the model
 
 
 @dataclass(slots=True)
@@ -133,24 +143,45 @@ def _route_text(route: dict[str, Any]) -> str:
     return ", ".join(words)
 
 
-def _served_model(stub: pb_grpc.OpenEngineStub) -> str:
-    """The model to ask for without --model: the first the target serves that generates, as
-    its GetEngineInfo and GetModelInfo say (a controller fronting pooling-only engines beside
+@dataclass(frozen=True, slots=True)
+class _AskedModel:
+    """The model a run asks for, and whether the target has text for it: False where its
+    GetModelInfo says it takes no text (`supports_text_input` false: no engine serving it
+    has a tokenizer, such as a sim engine), which then sends token ids only."""
+
+    name: str
+    has_text: bool
+
+
+def _asked_model(stub: pb_grpc.OpenEngineStub, model: str | None) -> _AskedModel:
+    """`--model`, else the first model the target serves that generates, as its
+    GetEngineInfo and GetModelInfo say (a controller fronting pooling-only engines beside
     generating ones lists both). None listed (a controller before its engines answer): "",
     the default model, which the target then accepts or refuses itself."""
-    models = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=RPC_TIMEOUT_S).supported_models
-    for model in models:
-        info = stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=RPC_TIMEOUT_S)
-        if generates(info):
-            return model
-    return models[0] if models else ""
+    if model is not None:
+        info: pb.ModelInfo | None = _model_info(stub, model)
+    else:
+        models = stub.GetEngineInfo(
+            pb.GetEngineInfoRequest(), timeout=RPC_TIMEOUT_S
+        ).supported_models
+        infos = ((name, _model_info(stub, name)) for name in models)
+        first = (models[0], None) if models else ("", None)
+        model, info = next(((name, i) for name, i in infos if generates(i)), first)
+    has_text = info is None or reported(info, "supports_text_input") is not False
+    return _AskedModel(model, has_text)
 
 
-def _complete(
-    stub: pb_grpc.OpenEngineStub, request: pb.GenerateRequest, echo_text: bool
-) -> Completion:
-    """Run one Generate; with `echo_text`, write its text to stdout as it arrives. An in-band
-    EngineError raises RpcCallError (the stream's text so far is written)."""
+def _model_text(model: str) -> str:
+    return f"model {model!r}" if model else "the default model"
+
+
+def _model_info(stub: pb_grpc.OpenEngineStub, model: str) -> pb.ModelInfo:
+    return stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=RPC_TIMEOUT_S)
+
+
+def _complete(stub: pb_grpc.OpenEngineStub, request: pb.GenerateRequest, echo: _Echo) -> Completion:
+    """Run one Generate, writing its text or token ids to stdout as they arrive (`echo`). An
+    in-band EngineError raises RpcCallError (the stream's output so far is written)."""
     done = Completion(request.request_id)
     started = time.perf_counter()
     call = stub.Generate(request)
@@ -161,11 +192,11 @@ def _complete(
                 done.first_token_ms = (time.perf_counter() - started) * 1000
             token = response.token
             ids = [t.token_id for t in token.tokens]
-            if echo_text:
-                if token.text:
-                    sys.stdout.write(token.text)
-                elif ids:  # no text (an engine without a tokenizer): the ids, space-separated
-                    sys.stdout.write((" " if done.token_ids else "") + " ".join(map(str, ids)))
+            if echo is _Echo.TEXT and token.text:
+                sys.stdout.write(token.text)
+                sys.stdout.flush()
+            elif echo is _Echo.IDS and ids:
+                sys.stdout.write((" " if done.token_ids else "") + " ".join(map(str, ids)))
                 sys.stdout.flush()
             done.text += token.text
             done.token_ids.extend(ids)
@@ -282,11 +313,20 @@ def complete(
     server = ClientTarget.given(target or DEFAULT_TARGET, channels, token_file)
     with server.channel(TARGET_KIND) as channel:
         stub = pb_grpc.OpenEngineStub(channel)
-        served = _served_model(stub) if model is None else model
+        asked = _asked_model(stub, model)
+        if output is CompletionOutput.json:
+            echo = _Echo.NOTHING
+        else:
+            echo = _Echo.TEXT if asked.has_text else _Echo.IDS
         for each in _prompts(given):
+            if isinstance(each, str) and not asked.has_text:
+                raise RpcCallError(
+                    f"{server.address}: {_model_text(asked.name)} takes no text prompt (it has "
+                    "no tokenizer): give the prompt's token ids, --tokens-file F"
+                )
             request = pb.GenerateRequest(
                 request_id=f"complete-{uuid.uuid4().hex}",
-                model=served,
+                model=asked.name,
                 sampling=pb.SamplingParams(temperature=temperature),
                 stopping=pb.StoppingOptions(max_tokens=max_tokens),
             )
@@ -296,7 +336,7 @@ def complete(
                 request.token_ids.ids.extend(each)
             if session_key is not None:
                 request.metadata[session_metadata_key] = session_key
-            done = _complete(stub, request, echo_text=output is CompletionOutput.text)
+            done = _complete(stub, request, echo)
             if output is CompletionOutput.json:
                 typer.echo(json.dumps(done.as_json(), sort_keys=True))
             else:

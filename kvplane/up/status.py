@@ -209,7 +209,8 @@ def _text(value: object) -> str:
 
 
 def render_status(status: FleetStatus) -> Any:
-    """The live view: members, engines, routing (a rich renderable)."""
+    """The live view: members, engines, routing (a rich renderable; a fleet without a
+    controller has no routing to show)."""
     from rich import box
     from rich.console import Group
     from rich.table import Table
@@ -245,6 +246,14 @@ def render_status(status: FleetStatus) -> Any:
     engines.caption = caption + "blocks in its prefix cache; indexed: in the controller's index"
     engines.caption_justify = "left"
 
+    if not any(kind == "controller" for _, kind, *_ in status.members):
+        # Nothing routes: no policy, index, hit ratio or decisions to show ("decisions none
+        # yet" promised some).
+        return Group(
+            members,
+            engines,
+            "routing: none, the fleet has no controller (send requests to an engine's own address)",
+        )
     ratio = status.hit_ratio
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())) or "none yet"
     routing = Table.grid(padding=(0, 2))

@@ -280,7 +280,8 @@ async def test_route_explains_a_request_that_bypasses_the_prefix_cache(
 
 async def test_route_explains_a_request_of_a_bound_session(tmp_path: Path) -> None:
     """`route --session-key K` explains a request carrying session K: it goes to the engine
-    the session is bound to, reason `session`, even for a prompt no engine holds."""
+    the session is bound to, reason `session`, even for a prompt no engine holds; its table
+    says that no engine was weighed, so its columns are the engines' own figures."""
     fleet = await make_fleet(router={"session_metadata_key": "session"})
     try:
         t = ["--target", fleet.target]
@@ -301,6 +302,14 @@ async def test_route_explains_a_request_of_a_bound_session(tmp_path: Path) -> No
         table = await cli("route", "--tokens-file", str(fresh), "--session-key", "alice", *t)
         assert table.exit_code == 0, table.output
         assert f"-> {engine} " in table.output and "reason session" in table.output
+        # The session, not the policy, chose: no engine was weighed, and the table says what
+        # its columns hold then (the engines' own figures), not only TOTAL `-`.
+        assert all("total" not in row for row in alice["costs"])
+        assert "not weighed (no TOTAL): PREFILL is each engine's uncached prompt tokens" in (
+            table.output
+        )
+        weighed = await cli("route", "--tokens-file", str(fresh), *t)
+        assert "not weighed" not in weighed.output
     finally:
         await close_fleet(fleet)
 

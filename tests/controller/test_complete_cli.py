@@ -125,6 +125,22 @@ async def test_complete_json_and_prompts_from_stdin(fleet: Fleet) -> None:
     assert result.stderr == ""
 
 
+async def test_the_text_streamed_is_the_text_generated(fleet: Fleet) -> None:
+    """Text output writes what the engine generates and nothing else: a token whose text the
+    engine holds back (a byte of a character not complete yet, as the builtin model's answer
+    to this prompt begins with; with a real model, an emoji or a CJK character split over
+    tokens) writes nothing until its text comes. It used to write the token's id there, as
+    for an engine without a tokenizer, so the stream differed from `--output json`'s text."""
+    args = ["--target", fleet.target, "--prompt", "hello there", "--max-tokens", "16"]
+    as_json = await complete(*args, "--output", "json")
+    assert as_json.exit_code == 0, as_json.output
+    answer = json.loads(as_json.stdout)
+    assert answer["text"] and len(answer["token_ids"]) == 16
+    as_text = await complete(*args)
+    assert as_text.exit_code == 0, as_text.output
+    assert as_text.stdout == answer["text"] + "\n"
+
+
 async def test_complete_against_a_single_engine(fleet: Fleet) -> None:
     """An engine sends no route: the summary has no engine part, the JSON a null route."""
     engine = fleet.address(fleet.engines[0])
@@ -139,8 +155,10 @@ async def test_complete_against_a_single_engine(fleet: Fleet) -> None:
 
 async def test_complete_sends_token_ids_to_engines_without_a_tokenizer(tmp_path: Path) -> None:
     """Sim engines have no tokenizer (`kvplane up configs/local-planner.yaml`'s): a text prompt
-    is refused there, `--tokens-file` sends token ids, and the output, which has no text, is
-    shown as the generated token ids; a repeat is served from the cache, as predicted."""
+    is refused before it is sent, with the option to use instead (the gateway's own refusal
+    said "send token_ids", which names no option of the CLI); `--tokens-file` sends token
+    ids, and the output, which has no text, is shown as the generated token ids; a repeat is
+    served from the cache, as predicted."""
     fleet = await make_fleet(num_engines=2)
     try:
         ids = list(range(1, 41))  # two full blocks of 16, and a partial one
@@ -148,7 +166,10 @@ async def test_complete_sends_token_ids_to_engines_without_a_tokenizer(tmp_path:
         tokens.write_text(json.dumps(ids))
         refused = await complete("--target", fleet.target, "--prompt", "hi", "--max-tokens", "4")
         assert refused.exit_code == 1  # (kvplane's main prints it: one line, exit 1)
-        assert "INVALID_ARGUMENT: this engine has no tokenizer" in str(refused.exception)
+        assert str(refused.exception) == (
+            f"{fleet.target}: model 'sim' takes no text prompt (it has no tokenizer): give the "
+            "prompt's token ids, --tokens-file F"
+        )
         first = await complete(
             "-t", fleet.target, "--tokens-file", str(tokens), "--max-tokens", "4"
         )

@@ -405,6 +405,21 @@ def test_status_names_each_engines_model_when_the_fleet_serves_several() -> None
     assert "models" not in console.export_text()
 
 
+def test_status_of_a_fleet_without_a_controller_shows_no_routing() -> None:
+    """A fleet of engines alone routes nothing: the live view says so, where it showed a
+    routing section of dashes and "decisions none yet", as if decisions were to come."""
+    engines = [EngineStatus("engine-0", "127.0.0.1:1", "serving", 0, 0, 3, 256)]
+    members: list[tuple[str, str, str, int | None, str]] = [
+        ("engine-0", "engine", "127.0.0.1:1", 1, "serving")
+    ]
+    console = Console(record=True, width=80)  # a plain terminal's width
+    console.print(render_status(FleetStatus(members, engines)))
+    text = " ".join(console.export_text().split())
+    assert "routing: none, the fleet has no controller" in text
+    assert "decisions" not in text and "hit ratio" not in text
+    assert "engine-0 serving 0 0 1%" in text  # the engines as before
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("fleet_name", "exit_code"), [("default", 0), ("round_robin", 1)])
 def test_up_check_passes_only_when_prefixes_reach_their_holders(
