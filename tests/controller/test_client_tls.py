@@ -30,6 +30,7 @@ from kvplane.errors import ConfigError, KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
     EngineFleet,
     close_fleet,
@@ -411,7 +412,7 @@ async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
 ) -> None:
     """An openengine source (the indexer's, the controller's per engine) whose engine serves
     a certificate that does not verify: its warning gives OpenSSL's reason, not gRPC's trail
-    of addresses and library error numbers."""
+    of addresses and library error numbers, and (the indexer's) what to do."""
     engine = await start_sim_engine(
         "e0", tls=TlsConfig(cert_file=pki / "expired.pem", key_file=pki / "expired.key")
     )
@@ -422,7 +423,8 @@ async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
     source = build_source(config.sources[0], await open_backend("memory"), 16)
     warning = (
         f"openengine source {target}: UNAVAILABLE: TLS handshake failed: "
-        "CERTIFICATE_VERIFY_FAILED: certificate has expired"
+        "CERTIFICATE_VERIFY_FAILED: certificate has expired (the server's certificate has "
+        "expired: renew it)"
     )
     task = asyncio.ensure_future(source.run())
     try:
@@ -431,3 +433,65 @@ async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await engine.close()
+
+
+async def test_an_indexer_source_presents_its_token_file_to_an_engine_protecting_reads(
+    pki: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine run with mutual TLS and `auth.protect_reads` asks for its token on
+    SubscribeKvEvents too: an indexer's openengine source with `tls` and `token_file` follows
+    it (the prompt a client sent is indexed), one with another token is refused and says
+    which setting to check, the token itself in no log line."""
+    token, wrong = tmp_path / "token", tmp_path / "wrong"
+    token.write_text("the-engine-token\n")
+    wrong.write_text("another-token\n")
+    engine = await start_sim_engine(
+        "e0",
+        tls=server_tls(pki, mutual=True),
+        auth={"token_file": token, "protect_reads": True},
+    )
+    target = f"127.0.0.1:{engine.port}"
+
+    def source_of(token_file: Path) -> Any:
+        config = IndexerConfig.model_validate(
+            {
+                "sources": [
+                    {
+                        "kind": "openengine",
+                        "target": target,
+                        "hash": "canonical",
+                        "tls": client_tls(pki),
+                        "token_file": token_file,
+                    }
+                ]
+            }
+        )
+        return config.sources[0]
+
+    backend = await open_backend("memory")
+    following = build_source(source_of(token), backend, 16)
+    refused = build_source(source_of(wrong), await open_backend("memory"), 16)
+    tasks = [asyncio.ensure_future(s.run()) for s in (following, refused)]
+    client = ClientChannels.load(ClientTlsConfig(**client_tls(pki))).with_token_file(token, "token")
+    warning = (
+        f"openengine source {target}: UNAUTHENTICATED: missing or invalid bearer token "
+        "(metadata 'authorization: Bearer <token>') (not the server's token? check the "
+        "source's token_file)"
+    )
+    try:
+        async with client.aio_channel(f"localhost:{engine.port}") as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            async for _ in stub.Generate(generate_request("a", [*PREFIX, 1])):
+                pass
+
+        async def indexed() -> bool:
+            return (await backend.stats()).num_blocks >= 4
+
+        await eventually(indexed)
+        await eventually(lambda: warning in [r.getMessage() for r in caplog.records])
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await engine.close()
+    assert not [r for r in caplog.records if "the-engine-token" in r.getMessage()]
