@@ -17,7 +17,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from indexer.backends import check_redis_options
-from kvplane.config import read_token_file
+from kvplane.config import read_secret_file
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.tls_files import (
     CERTIFICATE,
@@ -98,7 +98,7 @@ class RedisOptions:
     def read_password(self) -> str | None:
         if self.password_file is None:
             return self.password
-        return read_token_file(self.password_file, "redis.password_file")
+        return read_secret_file(self.password_file, "redis.password_file")
 
     def tls_files(self) -> dict[str, str | None]:
         """redis-py's options of the TLS files (none: no `redis.tls` files), each file read and

@@ -28,11 +28,12 @@ from kvplane.client_tls import TlsFileError, TlsFileField
 from kvplane.config import (
     ClientTlsConfig,
     ConfigT,
+    bearer_token_problem,
     load_config,
     parse_dial_target,
     read_token_file,
 )
-from kvplane.errors import CommandLineError, KvplaneError
+from kvplane.errors import CommandLineError, ConfigError, KvplaneError
 from kvplane.server import bearer_token_metadata
 
 
@@ -278,7 +279,11 @@ def default_token_metadata(group_token: Metadata | None) -> Metadata:
     reads too)."""
     if group_token is not None:
         return group_token
-    return bearer_token_metadata(os.environ.get("KVPLANE_TOKEN"))
+    token = os.environ.get("KVPLANE_TOKEN")
+    problem = None if token is None else bearer_token_problem(token)
+    if problem is not None:
+        raise ConfigError(f"$KVPLANE_TOKEN {problem}")
+    return bearer_token_metadata(token)
 
 
 # The flag that gives each file of a ClientTlsConfig.

@@ -155,6 +155,23 @@ async def test_unreadable_tls_or_token_file_is_a_config_error(tmp_path: Path) ->
         )
 
 
+async def test_a_token_no_client_can_send_is_a_config_error(tmp_path: Path) -> None:
+    """A token file holding a line break inside, a control or a non-ASCII character: no
+    client can present it (gRPC metadata is printable ASCII), so the server refuses to start,
+    naming the file, not the token."""
+    for content in ("two\nlines", "caf\u00e9", "tab\tin"):
+        token_file = tmp_path / "token"
+        token_file.write_text(content)
+        with pytest.raises(ConfigError) as err:
+            await create_server(
+                ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file)), []
+            )
+        assert str(err.value).startswith(
+            f"auth.token_file {token_file} holds a character a bearer token cannot carry"
+        )
+        assert content not in str(err.value)
+
+
 async def test_a_key_that_is_not_the_certificates_is_a_config_error(pki: Path) -> None:
     """Checked at start, as it is at each rotation (kvplane.server_tls), rather than found
     by every client's failed handshake."""
