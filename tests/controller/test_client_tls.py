@@ -385,25 +385,45 @@ async def test_a_server_certificate_that_does_not_verify_is_said_so_in_one_line(
 
 async def test_a_refused_token_names_the_clis_token_options(pki: Path, tmp_path: Path) -> None:
     """A server with `auth` refusing a mutating call says which option gives the token: none
-    given, or not the server's. Read-only calls still answer without one."""
+    given, or not the server's, whether the group's --token-file gave it or the command's
+    own (which was told to give one). Read-only calls still answer without one."""
     token, wrong = tmp_path / "token", tmp_path / "wrong"
     token.write_text("right\n")
     wrong.write_text("wrong\n")
+    services, _, _ = index_services(
+        await open_backend("memory"), default_block_size=16, max_concurrent_prefix_queries=8
+    )
+    indexer, indexer_port = await create_server(
+        ServerConfig.model_validate({"listen": "127.0.0.1:0", "auth": {"token_file": token}}),
+        services,
+    )
     engine = await start_sim_engine("e0", auth={"token_file": token})
-    target = f"127.0.0.1:{engine.port}"
+    target, index_target = f"127.0.0.1:{engine.port}", f"127.0.0.1:{indexer_port}"
     try:
         anonymous = one_line_error(await cli("-t", target, "drain", "--self"))
-        refused = one_line_error(await cli("--token-file", wrong, "-t", target, "drain", "--self"))
+        refused = [
+            one_line_error(await cli("--token-file", wrong, "-t", target, "drain", "--self")),
+            one_line_error(await cli("-t", target, "drain", "--self", "--token-file", wrong)),
+            one_line_error(await cli("-t", target, "abort", "--all", "--token-file", wrong)),
+            one_line_error(
+                await cli("index", "-t", index_target, "resync", "e0", "--token-file", wrong)
+            ),
+        ]
         read = await cli("-t", target, "health")
     finally:
         await engine.close()
+        await indexer.stop(None)
     unauthenticated = (
-        f"{target}: UNAUTHENTICATED: missing or invalid bearer token (metadata 'authorization: "
+        "UNAUTHENTICATED: missing or invalid bearer token (metadata 'authorization: "
         "Bearer <token>')"
     )
     options = "--token-file or $KVPLANE_TOKEN"
-    assert anonymous == f"{unauthenticated} (a server requiring a token? give {options})"
-    assert refused == f"{unauthenticated} (not the server's token? check {options})"
+    assert anonymous == f"{target}: {unauthenticated} (a server requiring a token? give {options})"
+    not_its_token = f"{unauthenticated} (not the server's token? check {options})"
+    assert refused == [
+        *[f"{target}: {not_its_token}"] * 3,
+        f"{index_target}: {not_its_token}",
+    ]
     assert read.exit_code == 0 and "HEALTH_STATE_READY" in read.output, read.output
 
 
