@@ -42,7 +42,6 @@ from kvplane.cli_common import (
     RpcCallError,
     TokenFileOption,
     a_name,
-    bearer_metadata,
     emit,
     finite_number,
     is_kind,
@@ -120,8 +119,8 @@ TokensFileOpt = Annotated[
 ]
 
 
-def _server(ctx: typer.Context, target: str | None) -> ClientTarget:
-    return ClientTarget.of(ctx, target, DEFAULT_TARGET)
+def _server(ctx: typer.Context, target: str | None, token_file: Path | None = None) -> ClientTarget:
+    return ClientTarget.of(ctx, target, DEFAULT_TARGET, token_file)
 
 
 def _dict(message: Message) -> dict[str, Any]:
@@ -740,8 +739,7 @@ def drain(
             if drain_self
             else "give the ENGINE to drain, or --self to drain the target itself"
         )
-    server = _server(ctx, target)
-    metadata = bearer_metadata(token_file)
+    server = _server(ctx, target, token_file)
     events: list[dict[str, Any]] = []
 
     def follow(stream: Iterable[pb.DrainResponse]) -> None:
@@ -774,7 +772,6 @@ def drain(
                 engine,
                 deadline_ms=deadline_ms,
                 abort_after_deadline=abort_after_deadline,
-                metadata=metadata,
                 follow=follow,
             )
     except RpcCallError as exc:
@@ -797,7 +794,6 @@ def _follow_drain(
     *,
     deadline_ms: int | None,
     abort_after_deadline: bool,
-    metadata: tuple[tuple[str, str], ...],
     follow: Callable[[Iterable[pb.DrainResponse]], None],
 ) -> None:
     """Start the drain of `engine` (DrainEngine; None: the target's own Drain) and `follow`
@@ -806,16 +802,14 @@ def _follow_drain(
         req = apb.DrainEngineRequest(engine=engine, abort_after_deadline=abort_after_deadline)
         if deadline_ms is not None:
             req.deadline_ms = deadline_ms
-        _admin_call(
-            "drain ENGINE", server, lambda stub: follow(stub.DrainEngine(req, metadata=metadata))
-        )
+        _admin_call("drain ENGINE", server, lambda stub: follow(stub.DrainEngine(req)))
     else:
         dreq = pb.DrainRequest(
             stop_accepting_new_requests=True, abort_after_deadline=abort_after_deadline
         )
         if deadline_ms is not None:
             dreq.deadline_ms = deadline_ms
-        _call(server, lambda ch: follow(pb_grpc.OpenEngineStub(ch).Drain(dreq, metadata=metadata)))
+        _call(server, lambda ch: follow(pb_grpc.OpenEngineStub(ch).Drain(dreq)))
 
 
 @contextmanager
@@ -875,13 +869,12 @@ def _engine_command(
         token_file: TokenFileOption = None,
         output: OutputOption = OutputFormat.table,
     ) -> None:
-        metadata = bearer_metadata(token_file)
         ref = apb.EngineRef(engine=engine)
 
         def rpc(stub: apb_grpc.AdminStub) -> apb.WorkerInfo:
-            return call(stub)(ref, metadata=metadata, timeout=RPC_TIMEOUT_S)
+            return call(stub)(ref, timeout=RPC_TIMEOUT_S)
 
-        data = _dict(_admin_call(name, _server(ctx, target), rpc))
+        data = _dict(_admin_call(name, _server(ctx, target, token_file), rpc))
         emit(data, output, render)
 
     command.__doc__ = doc
@@ -938,13 +931,12 @@ def register_engine(
     It stays until `remove`; a controller restart keeps only its config's engines."""
     with usage_error_for("ADDRESS"):
         parse_dial_target(address)
-    server = _server(ctx, target)
-    metadata = bearer_metadata(token_file)
+    server = _server(ctx, target, token_file)
     req = apb.RegisterEngineRequest(address=address, kv_events=kv_events.value, owner=owner)
     reply = _admin_call(
         "register",
         server,
-        lambda stub: stub.RegisterEngine(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
+        lambda stub: stub.RegisterEngine(req, timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
     if wait_s > 0:
@@ -1013,12 +1005,8 @@ def abort(
         if request_id is None
         else pb.AbortRequest(request_id=request_id)
     )
-    metadata = bearer_metadata(token_file)
-    server = _server(ctx, target)
-    data = _fanout_call(
-        server,
-        lambda stub: stub.Abort.with_call(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
-    )
+    server = _server(ctx, target, token_file)
+    data = _fanout_call(server, lambda stub: stub.Abort.with_call(req, timeout=RPC_TIMEOUT_S))
 
     def render(d: dict[str, Any]) -> str:
         if "error" in d:
@@ -1145,10 +1133,9 @@ def lora_load(
 
     Through a controller, --engine and --model together load it on that engine for that base
     model. Behind a controller, each engine's outcome is shown."""
-    server = _server(ctx, target)
-    metadata = bearer_metadata(token_file)
+    server = _server(ctx, target, token_file)
     command = "lora load --engine" if model is None else "lora load --model"
-    metadata += _engine_metadata(command, server, engine, model)
+    metadata = _engine_metadata(command, server, engine, model)
     req = pb.LoadLoraRequest(
         adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
     )
@@ -1174,9 +1161,8 @@ def lora_unload(
     """Unload an adapter everywhere, or through the controller from one engine.
 
     Behind a controller, each engine's outcome is shown."""
-    server = _server(ctx, target)
-    metadata = bearer_metadata(token_file)
-    metadata += _engine_metadata("lora unload --engine", server, engine)
+    server = _server(ctx, target, token_file)
+    metadata = _engine_metadata("lora unload --engine", server, engine)
     req = pb.UnloadLoraRequest(lora_name=name)
     data = _fanout_call(
         server,

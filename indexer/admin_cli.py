@@ -36,7 +36,6 @@ from kvplane.cli_common import (
     TlsServerNameOption,
     TokenFileOption,
     a_name,
-    bearer_metadata,
     client_channels,
     emit,
     not_blank,
@@ -74,14 +73,22 @@ def _group(
     remember_group_client(ctx, target, channels, token_file)
 
 
-def _channel(ctx: typer.Context, target: str | None) -> AbstractContextManager[grpc.Channel]:
+def _channel(
+    ctx: typer.Context, target: str | None, token_file: Path | None
+) -> AbstractContextManager[grpc.Channel]:
     """A channel to the command's --target, else the groups', else DEFAULT_TARGET, with the
-    groups' --tls-* options."""
-    return ClientTarget.of(ctx, target, DEFAULT_TARGET).channel(TARGET_KIND)
+    groups' --tls-* options, every call carrying the command's --token-file's token, else
+    the groups' (`ClientTarget.of`)."""
+    return ClientTarget.of(ctx, target, DEFAULT_TARGET, token_file).channel(TARGET_KIND)
 
 
-def _call(ctx: typer.Context, target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
-    with _channel(ctx, target) as channel:
+def _call(
+    ctx: typer.Context,
+    target: str | None,
+    token_file: Path | None,
+    rpc: Callable[[grpc.Channel], T],
+) -> T:
+    with _channel(ctx, target, token_file) as channel:
         return rpc(channel)
 
 
@@ -119,12 +126,12 @@ def stats(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Blocks, placements and workers in the index."""
-    metadata = bearer_metadata(token_file)
     response = _call(
         ctx,
         target,
+        token_file,
         lambda ch: api_grpc.KvIndexStub(ch).GetIndexStats(
-            api.GetIndexStatsRequest(), timeout=RPC_TIMEOUT_S, metadata=metadata
+            api.GetIndexStatsRequest(), timeout=RPC_TIMEOUT_S
         ),
     )
 
@@ -167,12 +174,12 @@ def resync(
     resubscribe from a snapshot (what a controller does when it sees the engine restart).
     An indexer replica that does not hold the engine's writer lease hands it to the one that
     does (named in the answer), which does it at its next lease renewal."""
-    metadata = bearer_metadata(token_file)
     response = _call(
         ctx,
         target,
+        token_file,
         lambda ch: api_grpc.KvIndexStub(ch).ResyncEngine(
-            api.ResyncEngineRequest(engine=engine), timeout=RPC_TIMEOUT_S, metadata=metadata
+            api.ResyncEngineRequest(engine=engine), timeout=RPC_TIMEOUT_S
         ),
     )
 
@@ -207,12 +214,11 @@ def dump(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """The index as parent-first ApplyExternalKvBatch requests (replayable)."""
-    metadata = bearer_metadata(token_file)
-    with _channel(ctx, target) as channel:
+    with _channel(ctx, target, token_file) as channel:
         # Printed batch by batch as they arrive, with no deadline: a large index takes as long
         # as it takes, and is never held in memory whole.
         stream = api_grpc.KvIndexStub(channel).DumpIndex(
-            api.DumpIndexRequest(worker_id=worker_id or ""), metadata=metadata
+            api.DumpIndexRequest(worker_id=worker_id or "")
         )
         batches = (_as_dict(batch) for batch in stream)
         if output is OutputFormat.json:
@@ -380,7 +386,6 @@ def match(
     By tokens (MatchTokens) or by block hashes (MatchExternalKvPrefix)."""
     if (tokens_file is None) == (not hashes):
         raise typer.BadParameter("give exactly one of --tokens-file or --hashes")
-    metadata = bearer_metadata(token_file)
     if tokens_file is not None:
         request = api.MatchTokensRequest(
             token_ids=read_token_ids(tokens_file),
@@ -394,9 +399,8 @@ def match(
         response: Any = _call(
             ctx,
             target,
-            lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(
-                request, timeout=RPC_TIMEOUT_S, metadata=metadata
-            ),
+            token_file,
+            lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(request, timeout=RPC_TIMEOUT_S),
         )
 
         def render_tokens(data: dict[str, Any]) -> str:
@@ -421,8 +425,9 @@ def match(
     response = _call(
         ctx,
         target,
+        token_file,
         lambda ch: kv_grpc.KVIndexerStub(ch).MatchExternalKvPrefix(
-            prefix_request, timeout=RPC_TIMEOUT_S, metadata=metadata
+            prefix_request, timeout=RPC_TIMEOUT_S
         ),
     )
 

@@ -5,6 +5,7 @@ opens."""
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -15,6 +16,19 @@ from kvplane.errors import ConfigError
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "unix://")
 
 
+def shown_url(url: str) -> str:
+    """`url` as an error or a log line shows it: the password a Redis URL may carry
+    (`redis://user:PASSWORD@host`, `unix:///path?password=PASSWORD`) replaced by `***`, as
+    redis.password_file's is never shown (docs/redis.md)."""
+    url = _URL_PASSWORD.sub(r"\1:***@", url)
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+# The password of a URL's user information, and of its query.
+_URL_PASSWORD = re.compile(r"^([^:/?#]+://[^/?#@:]*):[^/?#]*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
+
+
 def check_backend_url(url: str) -> None:
     """Raises ValueError for a URL that names no backend: an unknown scheme, or a DB that is
     not a number (redis-py would silently use DB 0 for `redis://h:p/abc`) or, on a cluster,
@@ -23,7 +37,7 @@ def check_backend_url(url: str) -> None:
         return
     if not url.startswith(REDIS_SCHEMES):
         raise ValueError(
-            f"unknown index backend {url!r}: use 'memory', 'redis://HOST:PORT[/DB]' or "
+            f"unknown index backend {shown_url(url)!r}: use 'memory', 'redis://HOST:PORT[/DB]' or "
             "'redis+cluster://HOST:PORT'"
         )
     parts = urlsplit(url)
@@ -33,9 +47,9 @@ def check_backend_url(url: str) -> None:
         dbs.append(parts.path.strip("/"))
     for db in dbs:
         if not (db.isascii() and db.isdigit()):
-            raise ValueError(f"backend {url!r}: the DB must be a number, got {db!r}")
+            raise ValueError(f"backend {shown_url(url)!r}: the DB must be a number, got {db!r}")
         if parts.scheme == "redis+cluster" and int(db) != 0:
-            raise ValueError(f"backend {url!r}: a Redis Cluster has DB 0 only")
+            raise ValueError(f"backend {shown_url(url)!r}: a Redis Cluster has DB 0 only")
 
 
 def check_redis_options(backend: str, given: bool, tls: bool = False) -> None:
@@ -44,13 +58,14 @@ def check_redis_options(backend: str, given: bool, tls: bool = False) -> None:
     tls-port, never on a unix socket."""
     if given and not backend.startswith(REDIS_SCHEMES):
         raise ValueError(
-            f"redis: options are for a Redis backend, but backend is {backend}: "
+            f"redis: options are for a Redis backend, but backend is {shown_url(backend)}: "
             "remove the redis: block or set backend to redis://HOST:PORT/DB"
         )
     if tls and backend.startswith("unix://"):
         raise ValueError(
             f"redis.tls: a unix:// socket carries no TLS (Redis serves TLS on a TCP port), "
-            f"but backend is {backend}: remove redis.tls or set backend to rediss://HOST:PORT/DB"
+            f"but backend is {shown_url(backend)}: remove redis.tls or set backend to "
+            "rediss://HOST:PORT/DB"
         )
 
 

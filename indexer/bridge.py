@@ -2,7 +2,8 @@
 `kv_indexer.v1.KVIndexer` (kvplane's or SGLang's), like SGLang's own bridge.
 
 It is a `ZmqSource` (seq tracking, replay, rebuild on restart) whose sink is a KVIndexer
-client (an insecure channel, or TLS per `channels`). Translation (`indexer.translate`)
+client (an insecure channel, or TLS per `channels`, with the bearer token they carry: a
+`--token-file` followed as it changes). Translation (`indexer.translate`)
 coalesces adjacent REPORTs / REVOKEs to one tier, splits at 256 actions / 16,384 hashes with
 the same seq, turns AllBlocksCleared into one CLEAR per configured tier in place, and by
 default skips nil and EXTERNAL media (configurable). Positional events' fields from index 7 on
@@ -47,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import zmq.asyncio
@@ -70,7 +71,6 @@ from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import INSECURE, ClientChannels, Redialling
 from kvplane.errors import ConfigError, KvplaneError
-from kvplane.server import bearer_token_metadata
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,6 @@ class KvIndexerSink:
         target: str,
         worker_id: str,
         *,
-        token: str | None = None,
         channels: ClientChannels = INSECURE,
         timeout_s: float = 5.0,
         backoff_initial_s: float = 0.1,
@@ -121,7 +120,6 @@ class KvIndexerSink:
         self._dialled: Redialling[kv_grpc.KVIndexerAsyncStub] = Redialling(
             channels, target, kv_grpc.KVIndexerStub
         )
-        self._metadata = bearer_token_metadata(token)
         self._timeout_s = timeout_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
@@ -153,9 +151,7 @@ class KvIndexerSink:
         unreachable = False
         while True:
             try:
-                await self._dialled.stub.ApplyExternalKvBatch(
-                    request, timeout=self._timeout_s, metadata=self._metadata
-                )
+                await self._dialled.stub.ApplyExternalKvBatch(request, timeout=self._timeout_s)
             except grpc.aio.AioRpcError as exc:
                 await self._dialled.after_failure()
                 unreachable |= exc.code() == grpc.StatusCode.UNAVAILABLE
@@ -227,9 +223,7 @@ class KvIndexerSink:
         hashes = list(dict.fromkeys(key for _tier, key in asked))
         request = kv.MatchExternalKvRequest(hashes=hashes, count_as_hit=False)
         try:
-            response = await self._dialled.stub.MatchExternalKv(
-                request, timeout=self._timeout_s, metadata=self._metadata
-            )
+            response = await self._dialled.stub.MatchExternalKv(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             await self._dialled.after_failure()
             if exc.code() != self._probe_failure:
@@ -271,7 +265,8 @@ class BridgeSettings:
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     block_size: int | None = None
     cache_spec: CacheSpec | None = None
-    token: str | None = field(default=None, repr=False)
+    # TLS, and the bearer token every call carries (`with_token_file`: followed as its file
+    # changes).
     channels: ClientChannels = INSECURE
     # How often the delivered blocks are probed; 0 = never.
     probe_interval_s: float = 2.0
@@ -281,9 +276,7 @@ class BridgeSettings:
 def build_bridge(
     settings: BridgeSettings, *, context: zmq.asyncio.Context | None = None
 ) -> tuple[ZmqSource, KvIndexerSink]:
-    sink = KvIndexerSink(
-        settings.target, settings.worker_id, token=settings.token, channels=settings.channels
-    )
+    sink = KvIndexerSink(settings.target, settings.worker_id, channels=settings.channels)
     translator = WorkerTranslator(
         TranslateOptions(
             worker_id=settings.worker_id,

@@ -25,7 +25,6 @@ from kvplane.cli_common import (
     client_channels,
     load_command_config,
     target_option,
-    token_of,
     usage_error_for,
 )
 from kvplane.config import check_zmq_endpoint
@@ -195,8 +194,9 @@ def bridge(
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     if clear_tier:
         clear_tiers = tuple(_medium("--clear-tier", t, skip=False) for t in clear_tier)
-    token = token_of(token_file)
     channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name) or INSECURE
+    with usage_error_for("--token-file"):  # followed as it changes, as every token file
+        channels = channels.with_token_file(token_file, "token file")
     settings = BridgeSettings(
         endpoint=endpoint,
         target=target,
@@ -213,7 +213,6 @@ def bridge(
         ),
         clear_tiers=clear_tiers,
         block_size=block_size,
-        token=token,
         channels=channels,
         probe_interval_s=probe_interval_s,
         heartbeat=heartbeat,

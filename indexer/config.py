@@ -43,6 +43,7 @@ from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
 from indexer.vllm_hash import VllmHashAlgo, unseeded_problem
 from indexer.zmq_decode import ArrayTail
+from kvplane.channels import ClientChannels
 from kvplane.config import (
     ClientTlsConfig,
     ClientTlsFilesConfig,
@@ -245,6 +246,17 @@ class OpenEngineSourceConfig(_SourceCommon):
     array_tail: ArrayTail = "ignore"
     # Dial the engine with TLS ({ca_file, cert_file, key_file, server_name}); None: insecure.
     tls: ClientTlsConfig | None = None
+    # A file holding the bearer token of an engine run with `auth` and `protect_reads`, sent
+    # on every call (followed as it changes); None: no token.
+    token_file: Path | None = None
+
+    def channels(self) -> ClientChannels:
+        """How the engine is dialled: `tls`, every call carrying `token_file`'s token. A file
+        that cannot be used now is a ConfigError naming the source and the setting."""
+        where = f"source {self.target}"
+        return ClientChannels.load(self.tls, f"{where}: tls").with_token_file(
+            self.token_file, f"{where}: token_file"
+        )
 
     def worker(self) -> tuple[str, str]:
         """The worker it feeds: its id and router-facing address (both default to the

@@ -17,8 +17,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from indexer.backends import check_redis_options
-from kvplane.config import read_token_file
+from indexer.backends import check_redis_options, shown_url
+from kvplane.config import read_secret_file
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.tls_files import (
     CERTIFICATE,
@@ -99,7 +99,7 @@ class RedisOptions:
     def read_password(self) -> str | None:
         if self.password_file is None:
             return self.password
-        return read_token_file(self.password_file, "redis.password_file")
+        return read_secret_file(self.password_file, "redis.password_file")
 
     def tls_files(self) -> dict[str, str | None]:
         """redis-py's options of the TLS files (none: no `redis.tls` files), each file read and
@@ -167,10 +167,12 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
         for part in rest.split(","):
             host, _, port = part.strip().rpartition(":")
             if not host or not port.isdigit():
-                raise ConfigError(f"backend {url!r}: expected redis+cluster://HOST:PORT[,...]")
+                raise ConfigError(
+                    f"backend {shown_url(url)!r}: expected redis+cluster://HOST:PORT[,...]"
+                )
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
         cluster = _FcallCluster(startup_nodes=nodes, **common, **tls, ssl=bool(tls))
-        return cluster, rest
+        return cluster, _address(url)
     try:
         check_redis_options(url, True, tls=bool(tls))
     except ValueError as exc:
@@ -180,9 +182,14 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
     try:
         client = aioredis.Redis.from_url(url, **common, **tls)
     except ValueError as exc:
-        raise ConfigError(f"backend {url!r}: {exc}") from exc
-    where = urlsplit(url).netloc.rpartition("@")[2] or url
-    return client, where
+        raise ConfigError(f"backend {shown_url(url)!r}: {exc}") from exc
+    return client, _address(url)
+
+
+def _address(url: str) -> str:
+    """What errors name of the Redis at `url`: its HOST:PORT (a cluster's, each node's), or
+    the URL, never a password in it."""
+    return urlsplit(url).netloc.rpartition("@")[2] or shown_url(url)
 
 
 def stop_if_cancelled() -> None:

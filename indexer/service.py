@@ -49,7 +49,7 @@ from indexer.sources.zmq import (
 )
 from indexer.translate import TRANSLATE_COUNTER_HELP, TranslateOptions, WorkerTranslator
 from indexer.writer_lease import LeasingIndex, lease_holder
-from kvplane.channels import ClientChannels
+from kvplane.channels import ClientSettings
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server, publish_port, serve_until_signal
@@ -58,6 +58,15 @@ log = logging.getLogger(__name__)
 
 # A configured source as the service sees it: run as it is, or under a writer lease.
 ServedSource = Source | LeasedSource
+
+# How an openengine source's warnings name the settings a failed subscription most likely
+# lacks (its engine's TLS, client certificate or token).
+OPENENGINE_SOURCE_SETTINGS = ClientSettings(
+    tls="the source's tls",
+    client_certificate="the source's tls.cert_file and key_file",
+    token="the source's token_file",
+    server_name="the source's tls.server_name",
+)
 
 
 def build_source(
@@ -96,10 +105,11 @@ def build_source(
             discover_zmq=config.discover_zmq,
             array_tail=config.array_tail,
             heartbeat=config.heartbeat(),
+            client_settings=OPENENGINE_SOURCE_SETTINGS,
         ),
         translator,
         backend,
-        channels=ClientChannels.load(config.tls, f"source {config.target}: tls"),
+        channels=config.channels(),
     )
 
 

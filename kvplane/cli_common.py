@@ -28,11 +28,12 @@ from kvplane.client_tls import TlsFileError, TlsFileField
 from kvplane.config import (
     ClientTlsConfig,
     ConfigT,
+    bearer_token_problem,
     load_config,
     parse_dial_target,
     read_token_file,
 )
-from kvplane.errors import CommandLineError, KvplaneError
+from kvplane.errors import CommandLineError, ConfigError, KvplaneError
 from kvplane.server import bearer_token_metadata
 
 
@@ -265,20 +266,21 @@ def token_of(token_file: Path | None) -> str | None:
 
 
 def bearer_metadata(token_file: Path | None) -> Metadata:
-    """gRPC metadata carrying the bearer token of a command's own `--token-file`; empty
-    without one, and then every call on a `ClientTarget`'s channel carries the default token
-    (the group's `--token-file`, else $KVPLANE_TOKEN)."""
+    """gRPC metadata carrying the bearer token of a `--token-file`; empty without one."""
     return bearer_token_metadata(token_of(token_file))
 
 
-def default_token_metadata(group_token: Metadata | None) -> Metadata:
-    """The token every call of a client command carries unless the command names its own:
-    the group's --token-file (`group_token`, read by `remember_group_client`), else
-    $KVPLANE_TOKEN (a server without auth ignores it; one with `protect_reads` needs it on
-    reads too)."""
-    if group_token is not None:
-        return group_token
-    return bearer_token_metadata(os.environ.get("KVPLANE_TOKEN"))
+def default_token_metadata(given: Metadata | None) -> Metadata:
+    """The token every call of a client command carries: the one `given` (its own
+    --token-file's, else its group's, read by `remember_group_client`), else $KVPLANE_TOKEN
+    (a server without auth ignores it; one with `protect_reads` needs it on reads too)."""
+    if given is not None:
+        return given
+    token = os.environ.get("KVPLANE_TOKEN")
+    problem = None if token is None else bearer_token_problem(token)
+    if problem is not None:
+        raise ConfigError(f"$KVPLANE_TOKEN {problem}")
+    return bearer_token_metadata(token)
 
 
 # The flag that gives each file of a ClientTlsConfig.
@@ -341,7 +343,8 @@ class ClientTarget:
 
     address: str
     channels: ClientChannels
-    group_token: Metadata | None = None  # the groups' --token-file's; None: not given
+    # The command's --token-file's token, else its groups'; None: neither given.
+    token: Metadata | None = None
 
     @classmethod
     def given(
@@ -349,20 +352,25 @@ class ClientTarget:
     ) -> ClientTarget:
         """A command of no group (`kvplane complete`) with its own --target, --tls-*
         (`client_channels`: None, plaintext) and --token-file (None: $KVPLANE_TOKEN)."""
-        token = bearer_metadata(token_file) if token_file is not None else None
-        return cls(address, channels or INSECURE, token)
+        return cls(address, channels or INSECURE, bearer_metadata(token_file) or None)
 
     @classmethod
-    def of(cls, ctx: typer.Context, target: str | None, default: str) -> ClientTarget:
-        """The command's --target, else its groups', else `default`."""
+    def of(
+        cls, ctx: typer.Context, target: str | None, default: str, token_file: Path | None = None
+    ) -> ClientTarget:
+        """The command's --target, else its groups', else `default`; every call carrying the
+        token of the command's own --token-file (`token_file`), else the groups'. (Carried by
+        the channel, not given call by call, so that a refused token's hint knows one was
+        sent: "not the server's token?", not "give --token-file".)"""
         address = target or ctx.meta.get(_GROUP_TARGET) or default
-        return cls(address, ctx.meta.get(_GROUP_CHANNELS, INSECURE), ctx.meta.get(_GROUP_TOKEN))
+        token = bearer_metadata(token_file) or ctx.meta.get(_GROUP_TOKEN)
+        return cls(address, ctx.meta.get(_GROUP_CHANNELS, INSECURE), token)
 
     def channel(self, expects: str | None = None) -> AbstractContextManager[grpc.Channel]:
         """`rpc_channel` to this server, every call carrying the default token and taking
         replies of any size: a command prints what it asked for, and some answers grow with
         the request (a long prompt's block keys passed gRPC's 4 MiB default)."""
-        metadata = default_token_metadata(self.group_token)
+        metadata = default_token_metadata(self.token)
         channels = self.channels.receiving_any_size().with_metadata(metadata)
         return rpc_channel(self.address, expects, channels)
 

@@ -196,7 +196,32 @@ class AuthConfig(StrictModel):
 
 def read_token_file(path: Path, setting: str) -> str:
     """The bearer token a file holds (surrounding whitespace ignored); a ConfigError naming
-    `setting` when it cannot be read or is empty."""
+    `setting` when it cannot be read, is empty, or holds what a token cannot carry
+    (`bearer_token_problem`)."""
+    token = read_secret_file(path, setting)
+    problem = bearer_token_problem(token)
+    if problem is not None:
+        raise ConfigError(f"{setting} {path} {problem}")
+    return token
+
+
+def bearer_token_problem(token: str) -> str | None:
+    """Why `token` cannot be sent as `authorization: Bearer <token>`, or None: gRPC metadata
+    (and an HTTP header) carries printable ASCII only, and a client given another character
+    fails every call with INTERNAL "Invalid metadata" after a line of gRPC's C core (a
+    server would wait for a token no client can send). The token itself is not quoted."""
+    for position, character in enumerate(token, start=1):
+        if not " " <= character <= "~":
+            return (
+                f"holds a character a bearer token cannot carry (character {position}: a "
+                "line break, a control or a non-ASCII character; a token is printable ASCII)"
+            )
+    return None
+
+
+def read_secret_file(path: Path, setting: str) -> str:
+    """The secret a file holds (surrounding whitespace ignored): a token, a password; a
+    ConfigError naming `setting` when it cannot be read or is empty."""
     try:
         token = path.read_text().strip()
     except OSError as exc:

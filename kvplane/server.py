@@ -115,7 +115,9 @@ class ServiceHealth:
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED. The
-    token is the one its file holds at each call: rotated on disk, it takes effect at once."""
+    token is the one its file holds at each call: rotated on disk, it takes effect at once.
+    The scheme's case does not matter (`bearer` too: RFC 7235 and 6750, as clients and
+    proxies send it); the token's does, compared in constant time."""
 
     def __init__(self, token: TokenFile, protected: Callable[[str], bool]) -> None:
         self._token = token
@@ -135,8 +137,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY:
                 presented = value.encode() if isinstance(value, str) else value
-        expected = f"Bearer {self._token.current()}".encode()
-        if hmac.compare_digest(presented, expected):
+        scheme, _, token = presented.partition(b" ")
+        expected = self._token.current().encode()
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token, expected):
             return await continuation(handler_call_details)
         return _unauthenticated_handler(await continuation(handler_call_details))
 

@@ -76,7 +76,13 @@ from indexer.sources.zmq import (
 )
 from indexer.translate import WorkerTranslator
 from indexer.zmq_decode import ArrayTail
-from kvplane.channels import INSECURE, ClientChannels, plain_details
+from kvplane.channels import (
+    INSECURE,
+    ClientChannels,
+    ClientSettings,
+    failure_details,
+    plain_details,
+)
 from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port
 from kvplane.enum_names import enum_name
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
@@ -170,6 +176,10 @@ class OpenEngineSourceSettings:
     heartbeat: Heartbeat = DEFAULT_HEARTBEAT
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
+    # How the source's user names its TLS and token settings: a failed subscription's
+    # warning says which one it most likely lacks (`kvplane.channels.setting_hint`); None:
+    # no hint.
+    client_settings: ClientSettings | None = None
 
 
 class OpenEngineSource:
@@ -260,7 +270,7 @@ class OpenEngineSource:
                     exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.settings.discover_zmq
                 )
                 if not follow_zmq:  # (a TLS handshake's trail cut to OpenSSL's reason)
-                    reason = f"{exc.code().name}: {plain_details(exc.details() or '')}"
+                    reason = f"{exc.code().name}: {self._failure_details(exc)}"
                     self._link.went_down(reason)
                     log.warning("openengine source %s: %s", self.settings.target, reason)
             except Exception as exc:
@@ -294,6 +304,15 @@ class OpenEngineSource:
                 async with asyncio.timeout(backoff):
                     await self._wake.wait()
             backoff = min(backoff * 2, self.settings.backoff_max_s)
+
+    def _failure_details(self, exc: grpc.aio.AioRpcError) -> str:
+        """A failed call's details as an operator reads them, with the setting it most likely
+        lacks when the source's user named them (`client_settings`)."""
+        details = exc.details() or ""
+        settings = self.settings.client_settings
+        if settings is None:
+            return plain_details(details)
+        return failure_details(self._channels, exc.code(), details, settings)
 
     def _log_discovery_failure(self, exc: grpc.aio.AioRpcError, backoff_s: float) -> None:
         """GetKvEventSources failed too. A target without either RPC is no OpenEngine server

@@ -74,7 +74,7 @@ def _read_files(config: ServerConfig | PlannerConfig) -> None:
     elif isinstance(config, IndexerConfig):
         for source in config.sources:  # indexer.service's
             if isinstance(source, OpenEngineSourceConfig):
-                ClientChannels.load(source.tls, f"source {source.target}: tls")
+                source.channels()
         _redis_files(config.backend, config.redis)
 
 

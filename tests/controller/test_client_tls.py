@@ -30,6 +30,7 @@ from kvplane.errors import ConfigError, KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
     EngineFleet,
     close_fleet,
@@ -384,25 +385,45 @@ async def test_a_server_certificate_that_does_not_verify_is_said_so_in_one_line(
 
 async def test_a_refused_token_names_the_clis_token_options(pki: Path, tmp_path: Path) -> None:
     """A server with `auth` refusing a mutating call says which option gives the token: none
-    given, or not the server's. Read-only calls still answer without one."""
+    given, or not the server's, whether the group's --token-file gave it or the command's
+    own (which was told to give one). Read-only calls still answer without one."""
     token, wrong = tmp_path / "token", tmp_path / "wrong"
     token.write_text("right\n")
     wrong.write_text("wrong\n")
+    services, _, _ = index_services(
+        await open_backend("memory"), default_block_size=16, max_concurrent_prefix_queries=8
+    )
+    indexer, indexer_port = await create_server(
+        ServerConfig.model_validate({"listen": "127.0.0.1:0", "auth": {"token_file": token}}),
+        services,
+    )
     engine = await start_sim_engine("e0", auth={"token_file": token})
-    target = f"127.0.0.1:{engine.port}"
+    target, index_target = f"127.0.0.1:{engine.port}", f"127.0.0.1:{indexer_port}"
     try:
         anonymous = one_line_error(await cli("-t", target, "drain", "--self"))
-        refused = one_line_error(await cli("--token-file", wrong, "-t", target, "drain", "--self"))
+        refused = [
+            one_line_error(await cli("--token-file", wrong, "-t", target, "drain", "--self")),
+            one_line_error(await cli("-t", target, "drain", "--self", "--token-file", wrong)),
+            one_line_error(await cli("-t", target, "abort", "--all", "--token-file", wrong)),
+            one_line_error(
+                await cli("index", "-t", index_target, "resync", "e0", "--token-file", wrong)
+            ),
+        ]
         read = await cli("-t", target, "health")
     finally:
         await engine.close()
+        await indexer.stop(None)
     unauthenticated = (
-        f"{target}: UNAUTHENTICATED: missing or invalid bearer token (metadata 'authorization: "
+        "UNAUTHENTICATED: missing or invalid bearer token (metadata 'authorization: "
         "Bearer <token>')"
     )
     options = "--token-file or $KVPLANE_TOKEN"
-    assert anonymous == f"{unauthenticated} (a server requiring a token? give {options})"
-    assert refused == f"{unauthenticated} (not the server's token? check {options})"
+    assert anonymous == f"{target}: {unauthenticated} (a server requiring a token? give {options})"
+    not_its_token = f"{unauthenticated} (not the server's token? check {options})"
+    assert refused == [
+        *[f"{target}: {not_its_token}"] * 3,
+        f"{index_target}: {not_its_token}",
+    ]
     assert read.exit_code == 0 and "HEALTH_STATE_READY" in read.output, read.output
 
 
@@ -411,7 +432,7 @@ async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
 ) -> None:
     """An openengine source (the indexer's, the controller's per engine) whose engine serves
     a certificate that does not verify: its warning gives OpenSSL's reason, not gRPC's trail
-    of addresses and library error numbers."""
+    of addresses and library error numbers, and (the indexer's) what to do."""
     engine = await start_sim_engine(
         "e0", tls=TlsConfig(cert_file=pki / "expired.pem", key_file=pki / "expired.key")
     )
@@ -422,7 +443,8 @@ async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
     source = build_source(config.sources[0], await open_backend("memory"), 16)
     warning = (
         f"openengine source {target}: UNAVAILABLE: TLS handshake failed: "
-        "CERTIFICATE_VERIFY_FAILED: certificate has expired"
+        "CERTIFICATE_VERIFY_FAILED: certificate has expired (the server's certificate has "
+        "expired: renew it)"
     )
     task = asyncio.ensure_future(source.run())
     try:
@@ -431,3 +453,65 @@ async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await engine.close()
+
+
+async def test_an_indexer_source_presents_its_token_file_to_an_engine_protecting_reads(
+    pki: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine run with mutual TLS and `auth.protect_reads` asks for its token on
+    SubscribeKvEvents too: an indexer's openengine source with `tls` and `token_file` follows
+    it (the prompt a client sent is indexed), one with another token is refused and says
+    which setting to check, the token itself in no log line."""
+    token, wrong = tmp_path / "token", tmp_path / "wrong"
+    token.write_text("the-engine-token\n")
+    wrong.write_text("another-token\n")
+    engine = await start_sim_engine(
+        "e0",
+        tls=server_tls(pki, mutual=True),
+        auth={"token_file": token, "protect_reads": True},
+    )
+    target = f"127.0.0.1:{engine.port}"
+
+    def source_of(token_file: Path) -> Any:
+        config = IndexerConfig.model_validate(
+            {
+                "sources": [
+                    {
+                        "kind": "openengine",
+                        "target": target,
+                        "hash": "canonical",
+                        "tls": client_tls(pki),
+                        "token_file": token_file,
+                    }
+                ]
+            }
+        )
+        return config.sources[0]
+
+    backend = await open_backend("memory")
+    following = build_source(source_of(token), backend, 16)
+    refused = build_source(source_of(wrong), await open_backend("memory"), 16)
+    tasks = [asyncio.ensure_future(s.run()) for s in (following, refused)]
+    client = ClientChannels.load(ClientTlsConfig(**client_tls(pki))).with_token_file(token, "token")
+    warning = (
+        f"openengine source {target}: UNAUTHENTICATED: missing or invalid bearer token "
+        "(metadata 'authorization: Bearer <token>') (not the server's token? check the "
+        "source's token_file)"
+    )
+    try:
+        async with client.aio_channel(f"localhost:{engine.port}") as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            async for _ in stub.Generate(generate_request("a", [*PREFIX, 1])):
+                pass
+
+        async def indexed() -> bool:
+            return (await backend.stats()).num_blocks >= 4
+
+        await eventually(indexed)
+        await eventually(lambda: warning in [r.getMessage() for r in caplog.records])
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await engine.close()
+    assert not [r for r in caplog.records if "the-engine-token" in r.getMessage()]

@@ -402,6 +402,13 @@ def test_log_level_and_format_ignore_case() -> None:
         (None, "cannot read token file {path}: No such file or directory"),
         (b"\x85\xff token", "token file {path} is not UTF-8 text (byte 0)"),
         (b" \n", "token file {path} is empty"),
+        # gRPC metadata carries printable ASCII only: every call would fail INTERNAL "Invalid
+        # metadata", after a line of gRPC's C core on stderr.
+        (
+            b"two\nlines\n",
+            "token file {path} holds a character a bearer token cannot carry (character 4: a "
+            "line break, a control or a non-ASCII character; a token is printable ASCII)",
+        ),
     ],
 )
 @pytest.mark.parametrize(
@@ -430,6 +437,21 @@ def test_a_token_file_that_cannot_be_used_is_a_usage_error(
     result = kvplane(*args, "--target", "127.0.0.1:9", env={"KVPLANE_TOKEN": "s3cret"})
     line = _usage_error_line(result)
     assert line == f"Error: Invalid value for --token-file: {why.format(path=token)}"
+
+
+def test_a_kvplane_token_that_cannot_be_sent_is_one_line(kvplane: Kvplane) -> None:
+    """$KVPLANE_TOKEN holding a line break (a file's two lines pasted in): one line naming
+    it, not gRPC's C-core lines and INTERNAL "Invalid metadata" for every call, nor the token
+    itself."""
+    result = kvplane(
+        "admin", "--target", "127.0.0.1:9", "health", env={"KVPLANE_TOKEN": "s3cret\nline"}
+    )
+    assert result.returncode == 1, result
+    assert result.stderr == (
+        "kvplane: error: $KVPLANE_TOKEN holds a character a bearer token cannot carry "
+        "(character 7: a line break, a control or a non-ASCII character; a token is "
+        "printable ASCII)\n"
+    )
 
 
 def test_unknown_config_key_is_rejected(tmp_path: Path, kvplane: Kvplane) -> None:

@@ -93,6 +93,29 @@ async def test_bearer_token_guards_mutating_rpcs_only(tmp_path: Path) -> None:
         await server.stop(None)
 
 
+async def test_the_bearer_schemes_case_does_not_matter_the_tokens_does(tmp_path: Path) -> None:
+    """`authorization: bearer <token>` (RFC 7235: the scheme is case-insensitive; some
+    clients and proxies send it so) is taken; a token in another case, or without its
+    scheme, is not."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    config = ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file))
+    server, port = await create_server(config, [ECHO_SERVICE])
+    write = f"/{ECHO}/Write"
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            unary = channel.unary_unary(write, _identity, _identity)
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                metadata = (("authorization", f"{scheme} s3cret"),)
+                assert await unary(b"hi", metadata=metadata) == b"hi"
+            for value in ("Bearer S3CRET", "s3cret", "Basic s3cret", "Bearer  s3cret", "Bearer"):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await unary(b"hi", metadata=(("authorization", value),))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
+    finally:
+        await server.stop(None)
+
+
 async def test_protect_reads_guards_every_rpc(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret")
@@ -153,6 +176,23 @@ async def test_unreadable_tls_or_token_file_is_a_config_error(tmp_path: Path) ->
         await create_server(
             ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=missing)), []
         )
+
+
+async def test_a_token_no_client_can_send_is_a_config_error(tmp_path: Path) -> None:
+    """A token file holding a line break inside, a control or a non-ASCII character: no
+    client can present it (gRPC metadata is printable ASCII), so the server refuses to start,
+    naming the file, not the token."""
+    for content in ("two\nlines", "caf\u00e9", "tab\tin"):
+        token_file = tmp_path / "token"
+        token_file.write_text(content)
+        with pytest.raises(ConfigError) as err:
+            await create_server(
+                ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file)), []
+            )
+        assert str(err.value).startswith(
+            f"auth.token_file {token_file} holds a character a bearer token cannot carry"
+        )
+        assert content not in str(err.value)
 
 
 async def test_a_key_that_is_not_the_certificates_is_a_config_error(pki: Path) -> None:

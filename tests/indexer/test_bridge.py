@@ -27,7 +27,7 @@ from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
-from kvplane.server import Service, create_server
+from kvplane.server import Service, bearer_token_metadata, create_server
 from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
 from tests.indexer.hybrid_events import EventForm, hybrid_payload
 from tests.indexer.test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
@@ -288,7 +288,8 @@ async def test_a_bridge_whose_token_the_indexer_refuses_stops(
     token_file.write_text("s3cret")
     rig, server = await _rig(auth=AuthConfig(token_file=token_file))
     publisher = FakeKvPublisher(context)
-    source, sink = await _bridge_run(context, rig, publisher, token="wrong")
+    wrong = ClientChannels().with_metadata(bearer_token_metadata("wrong"))
+    source, sink = await _bridge_run(context, rig, publisher, channels=wrong)
     try:
         run = asyncio.ensure_future(source.run())
         await publisher.wait_subscribed()

@@ -44,6 +44,7 @@ from tests.indexer.hybrid_events import hybrid_payload
 from tests.indexer.vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
+from tests.rotation import replace_file
 
 pytestmark = pytest.mark.timeout(120)
 KVPLANE = [str(Path(sys.executable).parent / "kvplane")]
@@ -289,6 +290,68 @@ sources:
         if publisher is not None:
             await publisher.close()
     assert log.read_text().count(unreachable) == 1
+
+
+async def test_a_bridge_follows_its_token_file_rotated_with_the_indexers(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    """`kvplane indexer bridge --token-file F` and an indexer whose `auth.token_file` is F (one
+    Secret mounted by both): a token rotated on disk is sent from the next batch, as every
+    token file is followed (docs/architecture.md, "Rotation"). The bridge read it once, so the
+    indexer, following its file, refused the next batch and the bridge stopped (exit 1)."""
+    token = tmp_path / "token"
+    token.write_text("first-token\n")
+    config = tmp_path / "indexer.yaml"
+    config.write_text(f"listen: 127.0.0.1:0\nauth: {{token_file: {token}}}\n")
+    publisher = FakeKvPublisher(context)
+    port_file = tmp_path / "port"
+    serve = _spawn(
+        ["indexer", "serve", "--config", str(config), "--port-file", str(port_file)],
+        tmp_path / "serve.log",
+    )
+    bridge = None
+    try:
+        await eventually(lambda: port_file.exists() or serve.poll() is not None, WAIT_S)
+        target = f"127.0.0.1:{int(port_file.read_text())}"
+        bridge = running = _spawn(
+            [
+                *("indexer", "bridge", "--endpoint", publisher.endpoint, "--target", target),
+                *("--worker-id", "sgl-0", "--worker-address", "10.0.0.9:30000"),
+                *("--nil-medium", "HBM", "--token-file", str(token)),
+            ],
+            tmp_path / "bridge.log",
+        )
+        await publisher.wait_subscribed()
+        async with grpc.aio.insecure_channel(target) as channel:
+            indexer = kv_grpc.KVIndexerStub(channel)
+
+            def stored(seq: int, block: int) -> list[bytes]:
+                batch = [0.0, [["BlockStored", [block], None, None, 4, None, None]], None]
+                return [b"", seq.to_bytes(8, "big"), msgpack.packb(batch)]
+
+            async def held(block: int) -> bool:
+                request = kv.MatchExternalKvPrefixRequest(hashes=[block])
+                return (await indexer.MatchExternalKvPrefix(request)).best_prefix_blocks == 1
+
+            await publisher.send(stored(0, 11))
+            await eventually(lambda: held(11), WAIT_S)
+            replace_file(token, b"second-token\n")
+            await publisher.send(stored(1, 21))
+
+            async def delivered_after_the_rotation() -> bool:
+                assert running.poll() is None, "the bridge exited"
+                return await held(21)
+
+            await eventually(delivered_after_the_rotation, WAIT_S)
+        assert _stop(bridge) == 0
+        assert _stop(serve) == 0
+    finally:
+        for process in (bridge, serve):
+            if process is not None and process.poll() is None:
+                process.kill()
+        await publisher.close()
+    assert "first-token" not in (tmp_path / "serve.log").read_text()
+    assert "second-token" not in (tmp_path / "bridge.log").read_text()
 
 
 async def test_bridge_subprocess_feeds_a_serve_subprocess(

@@ -327,3 +327,36 @@ def test_a_hybrid_models_kv_cache_groups_configure_its_sources_spec() -> None:
         _zmq(kv_cache_groups=window_on_full)
     )
     assert "kv_cache_groups.0.kind" in _error(_openengine(kv_cache_groups=[{"kind": ""}]))
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (
+            {"backend": "redis://app:hunter2@h:1/zero"},
+            "backend: backend 'redis://app:***@h:1/zero': the DB must be a number, got 'zero'",
+        ),
+        (
+            {"backend": "redis+cluster://:hunter2@h:1/3"},
+            "backend: backend 'redis+cluster://:***@h:1/3': a Redis Cluster has DB 0 only",
+        ),
+        (
+            {
+                "backend": "unix:///run/redis.sock?password=hunter2&db=1",
+                "redis": {"tls": {"ca_file": "ca.pem"}},
+            },
+            "redis.tls: a unix:// socket carries no TLS (Redis serves TLS on a TCP port), but"
+            " backend is unix:///run/redis.sock?password=***&db=1: remove redis.tls or set"
+            " backend to rediss://HOST:PORT/DB",
+        ),
+    ],
+)
+def test_a_password_in_the_backend_url_is_not_shown_in_its_error(
+    data: dict[str, object], problem: str
+) -> None:
+    """A Redis URL may carry its password (redis-py takes one there, beside
+    redis.password_file): an error about the URL names it with the password as `***`, as it
+    would end up in a log or a terminal."""
+    message = _error(data)
+    assert "hunter2" not in message
+    assert message == f"invalid config in indexer.yaml: {problem}"
