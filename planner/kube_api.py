@@ -12,7 +12,9 @@ place. Every failure, an HTTP error (the API's Status object gives its reason an
 a server that cannot be reached, is one `KubeApiError` whose message is one line.
 
 A call ends within `timeout_s`, retries included, however slowly the server answers (a server
-that trickles its answer would otherwise hold it forever: the socket's timeout is per read).
+that trickles its answer would otherwise hold it forever: the socket's timeout is per read);
+one of a client `within` a bound ends by then too, and is not sent past it (a leader's
+calls, at its renew deadline: planner/leader_election.py).
 As client-go does, an answer that carries `Retry-After` is tried again after that long: a 429
 (API Priority and Fairness refused the request unprocessed) for every verb, a 5xx for reads
 only. A write that got a 5xx may have been made (a 504 Timeout: storage may commit it after
@@ -32,7 +34,7 @@ import json
 import ssl
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,9 +183,15 @@ def in_cluster(
 class KubeApi:
     """Blocking calls to the API server of `connection`, in its namespace."""
 
-    def __init__(self, connection: KubeConnection, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        connection: KubeConnection,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        left_s: Callable[[], float] | None = None,
+    ) -> None:
         self.connection = connection
         self.timeout_s = timeout_s
+        self._left_s = left_s  # `within`'s bound
         url = urllib.parse.urlsplit(connection.server)
         if url.scheme not in {"http", "https"} or not url.hostname:
             raise ConfigError(f"live.kubernetes.api_server {connection.server!r}: not a URL")
@@ -198,6 +206,12 @@ class KubeApi:
                 )
             except (OSError, ssl.SSLError) as exc:
                 raise ConfigError(f"live.kubernetes.ca_file {ca_file}: {exc}") from exc
+
+    def within(self, left_s: Callable[[], float]) -> KubeApi:
+        """This client, its calls also ending within `left_s()` (seconds, read as each call
+        begins), none sent or retried past that: a leader's, which must not act once its
+        term may have ended (`left_s`: the time to its renew deadline)."""
+        return KubeApi(self.connection, self.timeout_s, left_s)
 
     def get_scale(self, deployment: str) -> Scale:
         return _scale(self._call("GET", self._scale_path(deployment)))
@@ -274,7 +288,8 @@ class KubeApi:
         """`method` on `path`, with `sent` as its JSON body (a merge patch for PATCH, the whole
         object for POST and PUT); the answer's JSON object."""
         what = f"{method} {self.connection.server}{path.split('?', maxsplit=1)[0]}"
-        deadline = time.monotonic() + self.timeout_s
+        limit_s = self.timeout_s if self._left_s is None else min(self.timeout_s, self._left_s())
+        deadline = time.monotonic() + limit_s
         body = None if sent is None else json.dumps(sent).encode()
         for attempt in range(_ATTEMPTS):
             status, retry_after_s, data = self._exchange(what, method, path, body, deadline)
@@ -311,6 +326,8 @@ class KubeApi:
                 message = f"{what}: token_file {token_file}: {exc.strerror}"
                 raise KubeApiError(message, sent=False) from exc
         remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:  # a socket timeout must be positive
+            raise KubeApiError(f"{what}: not sent: past its deadline", sent=False)
         connection: http.client.HTTPConnection
         if self._https:
             connection = http.client.HTTPSConnection(

@@ -199,7 +199,6 @@ class KubernetesDeployments:
         self._routed_left: dict[str, tuple[str, float]] = {}
         # By uid of `_unscaled`: scale-downs that may have been made (`_scale_away`).
         self._unknown_scale_downs: dict[str, _UnknownScaleDown] = {}
-        self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
         self._listed: dict[str, list[Pod]] = {}  # by pool: its pods, as last listed
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
         # One pool's look (`adopt`) and removals (`stop`) one at a time, in the order asked.
@@ -293,13 +292,13 @@ class KubernetesDeployments:
             if looked is None or time.monotonic() - looked >= LEFT_REGISTERED_LOOK_S:
                 # Before the pods: an engine registered after this has its pod listed.
                 registered = await self._admin.registered_by(self._owner(pool))
+            replicas = await self._replicas_while_leaving(pool)
             try:
                 pods = await self._pods(pool)
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 return adopted
-            await self._read_replicas_if_leaving(pool, pods)
-            self._note_exits(pool, pods)
+            self._note_exits(pool, pods, replicas)
             self._routed_left_now_pods(pool, pods)
             if registered is not None:
                 self._left_registered_looked[pool] = time.monotonic()
@@ -410,9 +409,9 @@ class KubernetesDeployments:
             if pod.ready and pod.active and pod.ip
         }
 
-    def _note_exits(self, pool: str, pods: Sequence[Pod]) -> None:
+    def _note_exits(self, pool: str, pods: Sequence[Pod], replicas: int | None) -> None:
         by_uid = {pod.uid: pod for pod in pods}
-        self._check_leaving(pool, by_uid)
+        self._check_leaving(pool, by_uid, replicas)
         for engine in [e for e in self._engines.values() if e.pool == pool]:
             pod = by_uid.get(engine.uid)
             if pod is None or pod.deleting:
@@ -426,27 +425,33 @@ class KubernetesDeployments:
             log.warning("pod %s (engine %s) %s", engine.pod, engine.address, why)
             self._exited[engine.address] = self._engines.pop(engine.address)
 
-    async def _read_replicas_if_leaving(self, pool: str, pods: Sequence[Pod]) -> None:
-        """Read the pool's spec.replicas (for `_check_leaving`) while a pod it scaled away is
-        still there, active: an operator's scale since (`kubectl scale`, a GitOps sync) may
-        have undone the scale-down. A read that fails leaves the count last read or set."""
-        active = {pod.uid for pod in pods if pod.active}
-        if not any(e.pool == pool and uid in active for uid, e in self._leaving.items()):
-            return
+    async def _replicas_while_leaving(self, pool: str) -> int | None:
+        """The pool's spec.replicas (for `_check_leaving`) while a pod it scaled away may be
+        there still, active (not listed terminating or ended yet): an operator's scale since
+        (`kubectl scale`, a GitOps sync) may have undone the scale-down. Read before the pods
+        are listed: read after, it could count a scale-up made once that pod had left the
+        listing's state (this planner's start, which waits for it to go; an operator's), as
+        if it had spared the pod, and undo it. None: no such pod, or the read failed (the
+        next look reads again)."""
+        gone = {pod.uid for pod in self._listed.get(pool, ()) if not pod.active}
+        if not any(e.pool == pool and uid not in gone for uid, e in self._leaving.items()):
+            return None
         try:
-            await self._scale(pool)
+            return (await self._scale(pool)).replicas
         except KubeApiError as exc:
             log.warning("scale of pool %s not read: %s", pool, exc)
+            return None
 
-    def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod]) -> None:
+    def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod], replicas: int | None) -> None:
         """Forget pods scaled away once they are gone (or ended: a Failed pod stays listed,
         but counts for the ReplicaSet no more than a gone one). One still there, active, while
         the Deployment has no more active pods than replicas was spared: the ReplicaSet
         deleted another (it reads the deletion cost from a cache that may lag the annotation;
         the other is then reported as exited), or an operator scaled back up before it acted
-        (it saw the count unchanged and deleted none; the replicas are read at each look
-        while such a pod is there). Its removal is done again: else it would serve nothing,
-        and every start of the pool would wait for it to go."""
+        (it saw the count unchanged and deleted none): `replicas`, read before the pods were
+        listed (`_replicas_while_leaving`; None: not read, nothing is done again). Its
+        removal is done again: else it would serve nothing, and every start of the pool would
+        wait for it to go."""
         active = sum(1 for pod in by_uid.values() if pod.active)
         for uid, engine in list(self._leaving.items()):
             pod = by_uid.get(uid)
@@ -454,7 +459,7 @@ class KubernetesDeployments:
                 continue  # another pool's, or terminating: gone soon
             if pod is None or not pod.active:
                 del self._leaving[uid]
-            elif active <= self._replicas.get(pool, active):
+            elif replicas is not None and active <= replicas:
                 log.warning("pod %s was spared by the scale-down: removing it again", pod.name)
                 self._unscaled[uid] = self._leaving.pop(uid)
 
@@ -823,7 +828,6 @@ class KubernetesDeployments:
     async def _scale(self, pool: str) -> Scale:
         scale = await self._call(self._api.get_scale, self._deployments[pool])
         self._selectors[pool] = scale.selector
-        self._replicas[pool] = scale.replicas
         return scale
 
     async def _rescale(self, pool: str, replicas: Callable[[Scale], int | None]) -> None:
@@ -849,7 +853,6 @@ class KubernetesDeployments:
                         raise
                     await asyncio.sleep(_CONFLICT_BACKOFF_S * (attempt + 1))
                     continue
-                self._replicas[pool] = wanted
                 log.info("Deployment %s scaled from %d to %d", deployment, scale.replicas, wanted)
                 return
 

@@ -18,7 +18,9 @@ acts, the others observe it and stand by:
 - **Leading** lasts `renew_deadline_s` from the start of the last renewal that succeeded: a
   leader that cannot renew by then (an API server down, refusing, hung) stops acting, before
   another candidate could take over (`lease_duration_s` after it last saw the Lease change,
-  later than the renewal's start), the margin covering calls sent just before the deadline.
+  later than the renewal's start), the margin covering calls sent just before the deadline:
+  the leader's calls end by it (`left_s`; `KubeApi.within`), none sent or retried later,
+  where `api_timeout_s` (10 s) alone would let one sent then run on past the margin.
 - **Release**: a leader that stops (SIGTERM) frees the Lease (holderIdentity empty,
   leaseDurationSeconds 1), as client-go's ReleaseOnCancel, so a standby takes over at its
   next try instead of after the lease expires. A leader killed, or partitioned, releases
@@ -151,9 +153,9 @@ class LeaderElector:
         within `renew_deadline_s`: `leading` is then False, and the caller must stop acting).
         A renewal that hangs is given up at the deadline."""
         while True:
-            await asyncio.sleep(min(self._config.retry_period_s, self._left_s()))
+            await asyncio.sleep(min(self._config.retry_period_s, self.left_s()))
             try:  # a failed try is tried again after retry_period_s, while time is left
-                async with asyncio.timeout(self._left_s()):
+                async with asyncio.timeout(self.left_s()):
                     await self.try_acquire_or_renew()
             except TimeoutError:
                 pass
@@ -253,7 +255,10 @@ class LeaderElector:
     def _spec_of_lease(self) -> dict[str, Any]:
         return dict((self._lease or {}).get("spec") or {})
 
-    def _left_s(self) -> float:
+    def left_s(self) -> float:
+        """The time left to act (0: not leading): until the renew deadline. The leader's API
+        calls end by then (`KubeApi.within`), so none outlives its term by more than the
+        margin before a standby may take over."""
         return max(0.0, self._leading_until - self._clock())
 
 

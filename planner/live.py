@@ -961,11 +961,14 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 # actuator of its own, as a restarted planner would: it adopts the fleet as
                 # the last leader left it, with what the standby learnt.
                 assert kubernetes is not None and isinstance(actuator, KubernetesDeployments)
+                # Its calls end by the renew deadline: none outlives the term past the margin
+                # before a standby may take over.
+                leader_api = api.within(elector.left_s)
                 await lead(
                     elector,
                     stop,
                     lambda: planner.lead(
-                        deployments_actuator(live, kubernetes, api, controller_channels),
+                        deployments_actuator(live, kubernetes, leader_api, controller_channels),
                         stop,
                         tick_s,
                     ),

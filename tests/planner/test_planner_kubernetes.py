@@ -13,6 +13,7 @@ deleting the drained pod."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import itertools
@@ -450,6 +451,51 @@ async def test_a_scale_down_an_operator_undid_before_the_replicaset_acted_holds_
         assert await actuator.adopt() == []  # the drained pod is not adopted: removed again
         await two_pods.wait(lambda: drained.name not in kube.pods)
         started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.deleted == [drained.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert two_pods.registered() == sorted([kube.address(serving), started])
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_that_follows_a_scale_down_is_not_undone_by_a_look_listed_before_it(
+    two_pods: Cluster,
+) -> None:
+    """A look lists the pods while the drained pod is still there (the ReplicaSet has not
+    acted on the scale-down yet); before its answer is in, the ReplicaSet deletes that pod
+    and a start, which waited for it to go, scales up. The look does not take the start's
+    replica for an operator's scale-up that spared the drained pod: it scales nothing away,
+    and the start gets its engine."""
+    kube = two_pods.kube
+    loop = asyncio.get_running_loop()
+    starting: list[concurrent.futures.Future[str]] = []
+
+    class ListingAnsweredLate(KubeApi):
+        """Its next listing after `armed` is answered once the start it begins has scaled
+        up, the ReplicaSet let act meanwhile."""
+
+        armed = False
+
+        def list_pods(self, selector: str) -> list[Pod]:
+            pods = super().list_pods(selector)
+            if self.armed:
+                self.armed = False
+                starting.append(asyncio.run_coroutine_threadsafe(actuator.start("default"), loop))
+                kube.hold_replicasets = False
+                kube.wait_for(lambda: kube.deployments[DEPLOYMENT].replicas == 2)
+            return pods
+
+    api = ListingAnsweredLate(two_pods.api().connection)
+    actuator = two_pods.actuator(api, start_timeout_s=20)
+    try:
+        drained, serving = await adopt_and_drain_the_first_ready(two_pods, actuator)
+        kube.hold_replicasets = True
+        await actuator.stop(kube.address(drained))
+        assert kube.deployments[DEPLOYMENT].replicas == 1 and drained.active
+        api.armed = True
+        assert await actuator.adopt() == []
+        started = await asyncio.wrap_future(starting[0])
     finally:
         await actuator.close()
     assert kube.deleted == [drained.name]

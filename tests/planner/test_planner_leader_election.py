@@ -33,7 +33,8 @@ from planner.config import (
 from planner.core.decisions import Decision, Reason, ScalePool
 from planner.core.observations import EngineState, Observations
 from planner.core.planner import Planner
-from planner.kube_api import KubeApi, KubeConnection
+from planner.kube_api import KubeApi, KubeApiError, KubeConnection, Scale
+from planner.kubernetes import in_daemon_thread
 from planner.leader_election import LeaderElector
 from planner.live import LivePlanner
 from planner.metrics import PlannerMetrics
@@ -206,6 +207,40 @@ async def test_of_two_candidates_that_found_no_lease_the_second_to_create_it_sta
     b = candidate(cluster, "b", Clock(), ReadsThen(raw.connection, creation_by_a))
     assert not await b.try_acquire_or_renew() and not b.leading  # 409 AlreadyExists
     assert lease_spec(cluster.kube)["holderIdentity"] == "a"
+
+
+@pytest.mark.timeout(60)
+async def test_a_leaders_api_calls_end_at_its_renew_deadline_none_sent_after(
+    cluster: Cluster,
+) -> None:
+    """A leader's client (as `kvplane planner run` gives each term's actuator) ends each call
+    by the renew deadline: a scale PATCH answered 429 with a Retry-After past it is not sent
+    again (a client bound only by api_timeout_s, 10 s, sends it then: past the 5 s margin
+    before a standby may take over, two leaders would write), and past the deadline none is
+    sent at all."""
+    clock = Clock()
+    a = candidate(cluster, "a", clock)
+    assert await a.try_acquire_or_renew()  # leading until 10 s on its clock
+    leader_api = cluster.api().within(a.left_s)
+
+    def scale_patches() -> int:
+        return sum(1 for _, method, path in cluster.kube.writes if path.endswith("/scale"))
+
+    async def throttled_scale_to(replicas: int, api: KubeApi) -> Scale:
+        cluster.kube.faults.append(Fault("PATCH", "deployments/scale", 429, retry_after_s=3))
+        return await in_daemon_thread(api.patch_scale, DEPLOYMENT, replicas, "")
+
+    clock.now = 8.0  # 2 s left: the Retry-After would send it again past the deadline
+    with pytest.raises(KubeApiError, match="429 TooManyRequests"):
+        await throttled_scale_to(1, leader_api)
+    assert scale_patches() == 1 and cluster.kube.deployments[DEPLOYMENT].replicas == 0
+    await throttled_scale_to(1, cluster.api())  # unbound: sent again after 3 s, and made
+    assert scale_patches() == 3 and cluster.kube.deployments[DEPLOYMENT].replicas == 1
+    clock.now = 10.5  # not renewed: its term is over
+    assert not a.leading
+    with pytest.raises(KubeApiError, match="not sent: past its deadline"):
+        await in_daemon_thread(leader_api.patch_scale, DEPLOYMENT, 0, "")
+    assert scale_patches() == 3 and cluster.kube.deployments[DEPLOYMENT].replicas == 1
 
 
 # ------------------------------------------------------------------ a warm standby
