@@ -16,6 +16,7 @@ from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from indexer.backends import check_redis_options, shown_url
 from kvplane.config import read_secret_file
@@ -134,7 +135,16 @@ def _pair_problem(cert: Path, key: Path | None) -> str:
 
 class _FcallCluster(RedisCluster):
     """RedisCluster that routes FCALL/FCALL_RO by their first key without asking the server
-    (redis-py otherwise sends COMMAND GETKEYS, a second round trip, before every call)."""
+    (redis-py otherwise sends COMMAND GETKEYS, a second round trip, before every call), and
+    that sends a call a node let time out once, as `connect` has a single Redis's client do:
+    redis-py's cluster client sends it again after reading the slot table anew, not by
+    `retry`'s errors (a second `timeout_s`, and a write run twice on another pooled
+    connection once the node answers)."""
+
+    # (redis-py types it as its own four errors, exactly.)
+    ERRORS_ALLOW_RETRY = tuple(  # type: ignore[assignment]
+        error for error in RedisCluster.ERRORS_ALLOW_RETRY if error is not RedisTimeoutError
+    )
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         if command.upper() in ("FCALL", "FCALL_RO") and len(args) >= 3 and int(args[1]) > 0:

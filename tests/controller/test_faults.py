@@ -711,6 +711,14 @@ async def index_follows(fleet: EngineFleet[Any], address: str, engine: EngineApp
     assert await indexed_keys(fleet, address) == cached_keys(engine)
 
 
+def _resyncs(fleet: EngineFleet[Any], address: str) -> float:
+    """The engine's `kvplane_controller_engine_kv_event_resyncs_total`, as /metrics has it."""
+    sample = "kvplane_controller_engine_kv_event_resyncs_total"
+    value = fleet.app.controller.metrics.registry.get_sample_value(sample, {"engine": address})
+    assert value is not None, f"no {sample} for {address}"
+    return value
+
+
 async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
     redis: RedisServer,
 ) -> None:
@@ -719,7 +727,8 @@ async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
     writer leases, lost with the data, are taken again), and the index holds each engine's
     blocks again, exactly, without any engine restarting or storing anything. /metrics says
     so: each engine's `kvplane_controller_engine_kv_event_resyncs_total` counts the rebuild
-    (before, 0: the lease taken again started a source with counters of its own)."""
+    (before, 0: the lease taken again started a source with counters of its own), and starts
+    again at 0 for an engine process that replaces it (its counters are the process's)."""
     fleet = await make_fleet(2, index={"backend": redis.url})
     try:
         await finished(fleet, generate_request("a", [*PREFIX, 1]))
@@ -738,11 +747,11 @@ async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
 
             await eventually(rebuilt, 20, f"{address}'s blocks indexed again")
             await index_follows(fleet, address, engine)
-            sample = "kvplane_controller_engine_kv_event_resyncs_total"
-            resyncs = fleet.app.controller.metrics.registry.get_sample_value(
-                sample, {"engine": address}
-            )
-            assert resyncs is not None and resyncs >= 1, (address, resyncs)
+            assert _resyncs(fleet, address) >= 1, address
+        address = fleet.address(fleet.engines[0])
+        fresh = await fleet.restart_engine(address, "e-new")
+        await index_follows(fleet, address, fresh)
+        assert _resyncs(fleet, address) == 0
     finally:
         await close_fleet(fleet)
 

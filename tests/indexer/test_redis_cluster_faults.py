@@ -7,17 +7,20 @@ answers for the same batches (or, after a data loss, with the lost workers asked
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import zmq.asyncio
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from indexer.backend import WorkerPlacements
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import IndexUnavailableError, RedisBackend, open_redis_backend
+from indexer.redis_client import RedisOptions, connect
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.indexer.test_redis_resync import Run
 from tests.polling import eventually
@@ -93,6 +96,33 @@ async def _resynced(backend: RedisBackend, live: dict[str, tuple[int, ...]]) -> 
         clear = Action(ActionType.CLEAR_ALL_AT_TIER, Tier.HBM)
         await backend.apply(Batch(worker, (clear,), "10.0.0.1:8000"))
         await backend.apply(_report(worker, *keys))
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_a_silent_node_lets_time_out_is_sent_once(cluster: RedisClusterNodes) -> None:
+    """Over `redis+cluster://` as on a single Redis (tests/indexer/test_redis_backend.py), a
+    call the node of its slot lets time out (a stopped node, a host gone without a reset) fails
+    after one `timeout_s` and reaches the node once. Before, the cluster client sent it again
+    after reading the slot table anew (the node still owning the slot), on another of the
+    node's pooled connections: the call waited twice the timeout, and a write ran twice once
+    the node answered again."""
+    client, _ = connect(cluster.url, RedisOptions(timeout_s=0.3))
+    key = "kvplane-test:count"
+    try:
+        await client.set(key, 0)
+        # Concurrent calls leave the node several pooled connections, as a busy one has.
+        await asyncio.gather(*(client.get(key) for _ in range(4)))
+        node = cluster.node_of(key)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(RedisTimeoutError):
+                await client.incr(key)
+        finally:
+            node.proc.send_signal(signal.SIGCONT)
+        assert node.command("GET", key) == b"1"  # (what it was sent ran before this GET)
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.timeout(120)
