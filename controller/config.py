@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from controller.router import APPROXIMATE_TTL_S, POLICY_NAMES, BusyThresholds, KvplaneWeights
-from indexer.backends import REDIS_SCHEMES, check_backend_url, check_redis_options
+from indexer.backends import REDIS_SCHEMES, check_backend_url, check_redis_options, shown_url
 from indexer.config import (
     DEFAULT_WRITER_LEASE_S,
     LEASE_KEYS,
@@ -138,7 +138,8 @@ class IndexConfig(StrictModel):
     def _one_index(self) -> IndexConfig:
         if self.remote is not None and "backend" in self.model_fields_set:
             raise ValueError(
-                f"set either remote (a kvplane indexer) or backend {self.backend!r}, not both"
+                "set either remote (a kvplane indexer) or backend "
+                f"{shown_url(self.backend)!r}, not both"
             )
         check_redis_options(
             self.backend, "redis" in self.model_fields_set, tls=self.redis.tls is not None

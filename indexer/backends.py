@@ -88,6 +88,8 @@ async def open_backend(url: str, **options: Any) -> IndexBackend:
     except ModuleNotFoundError as exc:
         if exc.name != "indexer.redis_backend":
             raise
-        raise ConfigError(f"backend {url!r}: the Redis backend is not available") from None
+        raise ConfigError(
+            f"backend {shown_url(url)!r}: the Redis backend is not available"
+        ) from None
     backend: IndexBackend = await module.open_redis_backend(url, **options)
     return backend

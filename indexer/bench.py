@@ -36,7 +36,7 @@ import uvloop
 import xxhash
 
 from indexer.backend import IndexBackend
-from indexer.backends import REDIS_SCHEMES, open_backend
+from indexer.backends import REDIS_SCHEMES, open_backend, shown_url
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
 from indexer.index import PrefixIndex
 from indexer.kv_wire import batch_from_proto
@@ -420,7 +420,7 @@ async def open_bench_backend(url: str) -> IndexBackend:
         # benchmark would time that buffer, then fail deleting its partition (a traceback).
         if isinstance(backend, RedisBackend) and not backend.healthy:
             await backend.close()
-            raise KvplaneError(f"cannot benchmark {url}: Redis does not answer there")
+            raise KvplaneError(f"cannot benchmark {shown_url(url)}: Redis does not answer there")
         return backend
     return await open_backend(url)
 
@@ -629,7 +629,7 @@ async def run_index_bench(
         "memory": memory,
         "redis": redis,
         "dynamo": "ai-dynamo-runtime 1.6.1" if with_dynamo else "absent",
-        "backend": backend_url,
+        "backend": shown_url(backend_url),
         "quick": quick,
     }
 

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -172,7 +172,15 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
     }
     tls: dict[str, Any] = options.tls_files()
     if url.startswith("redis+cluster://"):
-        rest = url.removeprefix("redis+cluster://").split("/", 1)[0]
+        # Its credentials, as redis-py takes a redis:// URL's (they win over the options):
+        # not part of the first node's host (never sent, and named in every connection error).
+        netloc = url.removeprefix("redis+cluster://").split("/", 1)[0]
+        credentials, _, rest = netloc.rpartition("@")
+        username, _, password = credentials.partition(":")
+        if username:
+            common["username"] = unquote(username)
+        if password:
+            common["password"] = unquote(password)
         nodes = []
         for part in rest.split(","):
             host, _, port = part.strip().rpartition(":")

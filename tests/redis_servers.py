@@ -94,11 +94,17 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def password(self) -> str | None:
+        """The password it asks for (`--requirepass`), or None."""
+        if "--requirepass" not in self.extra_args:
+            return None
+        return self.extra_args[self.extra_args.index("--requirepass") + 1]
+
     def client(self) -> redis.Redis:
-        password = None
-        if "--requirepass" in self.extra_args:
-            password = self.extra_args[self.extra_args.index("--requirepass") + 1]
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=password)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=5, password=self.password
+        )
 
     def command(self, *args: str | int | bytes) -> Any:
         """A raw command on a new client: redis-py leaves the sync client's execute_command
@@ -194,8 +200,10 @@ class RedisClusterNodes:
     def start(self) -> None:
         for node in self.nodes:
             node.start()
+        password = self.nodes[0].password
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create"]
+            [REDIS_CLI, *(("--no-auth-warning", "-a", password) if password else ())]
+            + ["--cluster", "create"]
             + [f"127.0.0.1:{n.port}" for n in self.nodes]
             + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True,

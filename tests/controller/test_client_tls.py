@@ -6,6 +6,7 @@ openssl-made certificates (the `pki` fixture)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typer.testing import CliRunner, Result
 from controller.app import start_controller
 from controller.config import ControllerConfig
 from controller.remote_index import RemoteIndex
+from engine.config import LoraConfig
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig
 from indexer.service import build_source
@@ -35,8 +37,11 @@ from tests.controller.conftest import (
     EngineFleet,
     close_fleet,
     generate_request,
+    make_fleet,
     start_sim_engine,
 )
+from tests.controller.test_lora_engines import outcome_lines
+from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -425,6 +430,38 @@ async def test_a_refused_token_names_the_clis_token_options(pki: Path, tmp_path:
         f"{index_target}: {not_its_token}",
     ]
     assert read.exit_code == 0 and "HEALTH_STATE_READY" in read.output, read.output
+
+
+async def test_a_commands_token_file_is_sent_on_every_call_the_command_makes(
+    tmp_path: Path,
+) -> None:
+    """A controller with `auth.protect_reads` asks for its token on ListWorkers too, which
+    `register --wait` polls and `lora load/unload --engine` call to check the fleet before the
+    load: the command's own --token-file is sent on those calls as on the one that changes
+    the fleet (they carried no token, and the command failed UNAUTHENTICATED after the engine
+    was registered, or before the adapter was loaded)."""
+    token = tmp_path / "token"
+    token.write_text("the-controller-token\n")
+    fleet = await make_fleet(
+        engines=[await start_sim_engine("e0", lora=LoraConfig(enabled=True))],
+        auth={"token_file": token, "protect_reads": True},
+    )
+    extra = await start_sim_engine("e1")
+    t: list[str | Path] = ["--target", fleet.target, "--token-file", token]
+    try:
+        registered = await cli("register", fleet.address(extra), "--wait-s", "30", *t, "-o", "json")
+        adapter = write_adapter_config(tmp_path / "x")
+        loaded = await cli("lora", "load", "x", adapter, "--id", "1", "--engine", "e0", *t)
+        unloaded = await cli("lora", "unload", "x", "--engine", "e0", *t)
+    finally:
+        await close_fleet(fleet)
+        await extra.close()
+    assert registered.exit_code == 0, registered.output
+    assert json.loads(registered.stdout)["instance_id"] == "e1"
+    assert loaded.exit_code == 0, loaded.output
+    assert outcome_lines(loaded.stdout) == {"e0": "ok"}
+    assert unloaded.exit_code == 0, unloaded.output
+    assert outcome_lines(unloaded.stdout) == {"e0": "ok"}
 
 
 async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(

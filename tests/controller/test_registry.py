@@ -367,6 +367,20 @@ def test_config_names_from_the_issue(tmp_path: Path) -> None:
         load_config(ControllerConfig, path)
 
 
+def test_a_password_in_the_index_backend_url_is_not_shown_in_its_error(tmp_path: Path) -> None:
+    """`index.backend` set beside `index.remote`: the error named the Redis URL password and
+    all; it shows the password as `***`, as the indexer's errors about a URL do
+    (docs/redis.md)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("index: {backend: 'redis://app:hunter2@h:6379/0', remote: 'h:1'}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(ControllerConfig, path)
+    assert str(err.value) == (
+        f"invalid config in {path}: index: set either remote (a kvplane indexer) or backend "
+        "'redis://app:***@h:6379/0', not both"
+    )
+
+
 def test_a_drain_the_controller_started_sticks_until_the_engine_restarts() -> None:
     registry = Registry()
     registry.add("h:1")

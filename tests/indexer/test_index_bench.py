@@ -3,6 +3,9 @@ figures docs/benchmarks cite, with and without Dynamo's RadixTree installed."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -90,6 +93,31 @@ def test_bench_index_on_a_redis_that_does_not_answer_is_one_line() -> None:
     assert result.exit_code == 1
     assert isinstance(result.exception, KvplaneError)
     assert str(result.exception) == f"cannot benchmark {url}: Redis does not answer there"
+
+
+async def test_bench_index_reports_a_redis_url_without_its_password(tmp_path: Path) -> None:
+    """A password in the --backend URL is `***` in the report (its table and its JSON, which
+    a run's results keep): it was printed as given."""
+    guarded = RedisServer(tmp_path / "redis", extra_args=("--requirepass", "hunter2"))
+    guarded.start()
+    try:
+        url = f"redis://:hunter2@127.0.0.1:{guarded.port}/0"
+        result = await run_index_bench(url, quick=True, scale=TINY)
+    finally:
+        guarded.stop()
+    assert result["workloads"]["mooncake_store"]["kvplane_ops_s"] > 0
+    assert result["backend"] == f"redis://:***@127.0.0.1:{guarded.port}/0"
+    assert bench.render_table(result).startswith(f"backend: {result['backend']} ")
+    assert "hunter2" not in json.dumps(result)
+
+
+def test_bench_index_names_a_redis_that_does_not_answer_without_its_password() -> None:
+    url = f"redis://app:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = CliRunner().invoke(app, ["bench", "index", "--quick", "--backend", url])
+    assert result.exit_code == 1
+    assert str(result.exception) == (
+        f"cannot benchmark {url.replace('hunter2', '***')}: Redis does not answer there"
+    )
 
 
 @pytest.mark.parametrize(

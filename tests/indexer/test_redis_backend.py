@@ -41,7 +41,7 @@ from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.errors import ConfigError
 from tests.indexer.backend_views import observe
 from tests.polling import eventually
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisClusterNodes, RedisServer
 from tests.tcp_forwarder import TcpForwarder
 
 WORKERS = ("w0", "w1", "w2")
@@ -436,6 +436,33 @@ async def test_password_file(tmp_path: Path) -> None:
     finally:
         await good.close()
         server.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_cluster_urls_credentials_are_sent_and_never_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`redis+cluster://:PASSWORD@HOST:PORT,...` (credentials in the URL, as redis-py takes a
+    redis:// URL's): they were read as part of the first node's host, so never sent (the
+    cluster refused the backend), and named, password and all, in every connection error the
+    indexer logs."""
+    cluster = RedisClusterNodes(tmp_path / "cluster", extra_args=("--requirepass", "hunter2"))
+    cluster.start()
+    url = cluster.url.replace("redis+cluster://", "redis+cluster://:hunter2@")
+    try:
+        backend = await open_redis_backend(url, buckets=16)
+        try:
+            await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (1, 2)),), "a0"))
+            assert (await backend.match_prefix([1, 2], 0)).best_prefix_blocks == 2
+        finally:
+            await backend.close()
+    finally:
+        cluster.stop()
+    caplog.clear()  # the cluster gone, the backend opens waiting for it, with a warning
+    unanswered = await open_redis_backend(url, buckets=16)
+    await unanswered.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and not [w for w in warnings if "hunter2" in w], warnings
 
 
 @pytest.mark.timeout(60)
