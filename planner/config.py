@@ -191,7 +191,7 @@ class KubernetesConfig(StrictModel):
     # `kubectl proxy`.
     api_server: str | None = Field(default=None, pattern=r"^https?://[^/\s]+/?$")
     namespace: str | None = Field(default=None, pattern=_DNS_LABEL)
-    # The bearer token (read at every call: it is rotated) and the API server's CA; null:
+    # The bearer token (followed as it changes: it is rotated) and the API server's CA; null:
     # no token (a `kubectl proxy` adds its own) / the system's trusted roots.
     token_file: Path | None = Path(f"{_SERVICE_ACCOUNT}/token")
     ca_file: Path | None = Path(f"{_SERVICE_ACCOUNT}/ca.crt")

@@ -6,10 +6,12 @@ leader Lease (GET, POST, PUT: planner/leader_election.py).
 
 Calls are blocking (`http.client`); the actuator runs each in a daemon thread of its own, which
 a planner that stops does not wait for (planner/kubernetes.py, `in_daemon_thread`). Each opens
-its own connection, so calls from several threads share nothing. The bearer token
-is read from its file at every call: the kubelet rotates projected service-account tokens in
-place. Every failure, an HTTP error (the API's Status object gives its reason and message) or
-a server that cannot be reached, is one `KubeApiError` whose message is one line.
+its own connection, so calls from several threads share nothing but the bearer token, whose
+file is followed as every token file is (`kvplane.token_file`: a `stat` at each call, read
+again when it changed): the kubelet rotates projected service-account tokens in place, and a
+file caught half-written, or holding what a token cannot carry, keeps the token read before
+(one warning). Every failure, an HTTP error (the API's Status object gives its reason and
+message) or a server that cannot be reached, is one `KubeApiError` whose message is one line.
 
 A call ends within `timeout_s`, retries included, however slowly the server answers (a server
 that trickles its answer would otherwise hold it forever: the socket's timeout is per read);
@@ -39,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvplane.config import join_host_port, read_token_file
+from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
+from kvplane.token_file import TokenFile
 from planner.config import API_TIMEOUT_S
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -139,7 +142,7 @@ class KubeConnection:
 
     server: str  # https://HOST:PORT, or http:// (e.g. `kubectl proxy`, which authenticates)
     namespace: str
-    token_file: Path | None  # None: no Authorization header
+    token_file: TokenFile | None  # None: no Authorization header
     ca_file: Path | None  # None: the system's trusted roots
 
 
@@ -173,11 +176,11 @@ def in_cluster(
             ) from exc
     if not server.startswith("https://"):
         ca_file = None  # plain HTTP (a `kubectl proxy`): no certificate to verify
-    if token_file is not None:  # read at every call; here once, to fail at start
-        read_token_file(token_file, "live.kubernetes.token_file")
+    # Read now, to fail at start (missing, empty, not a token); followed from then on.
+    token = None if token_file is None else TokenFile(token_file, "live.kubernetes.token_file")
     if ca_file is not None and not ca_file.is_file():
         raise ConfigError(f"live.kubernetes.ca_file {ca_file} is not a file")
-    return KubeConnection(server.rstrip("/"), namespace, token_file, ca_file)
+    return KubeConnection(server.rstrip("/"), namespace, token, ca_file)
 
 
 class KubeApi:
@@ -320,11 +323,7 @@ class KubeApi:
             headers["Content-Type"] = MERGE_PATCH if method == "PATCH" else JSON
         token_file = self.connection.token_file
         if token_file is not None:
-            try:
-                headers["Authorization"] = f"Bearer {token_file.read_text().strip()}"
-            except OSError as exc:
-                message = f"{what}: token_file {token_file}: {exc.strerror}"
-                raise KubeApiError(message, sent=False) from exc
+            headers["Authorization"] = f"Bearer {token_file.current()}"
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:  # a socket timeout must be positive
             raise KubeApiError(f"{what}: not sent: past its deadline", sent=False)
@@ -361,7 +360,10 @@ class KubeApi:
             token_file = self.connection.token_file
             if token_file is None:
                 return " (no token sent: give live.kubernetes.token_file)"
-            return f" (the token in {token_file} was refused, read again at every call)"
+            return (
+                f" (the token in {token_file.path} was refused; one written there is used from "
+                "the next call)"
+            )
         if status == 403:
             return f" ({ROLE_HINT})"
         return ""

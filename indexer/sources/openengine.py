@@ -269,8 +269,8 @@ class OpenEngineSource:
                 follow_zmq = (
                     exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.settings.discover_zmq
                 )
-                if not follow_zmq:  # (a TLS handshake's trail cut to OpenSSL's reason)
-                    reason = f"{exc.code().name}: {self._failure_details(exc)}"
+                if not follow_zmq:
+                    reason = self._failure_reason(exc)
                     self._link.went_down(reason)
                     log.warning("openengine source %s: %s", self.settings.target, reason)
             except Exception as exc:
@@ -305,14 +305,17 @@ class OpenEngineSource:
                     await self._wake.wait()
             backoff = min(backoff * 2, self.settings.backoff_max_s)
 
-    def _failure_details(self, exc: grpc.aio.AioRpcError) -> str:
-        """A failed call's details as an operator reads them, with the setting it most likely
-        lacks when the source's user named them (`client_settings`)."""
+    def _failure_reason(self, exc: grpc.aio.AioRpcError) -> str:
+        """A failed call (SubscribeKvEvents, GetKvEventSources) as an operator reads it: its
+        code and details (a TLS handshake's trail cut to OpenSSL's reason), with the setting
+        it most likely lacks when the source's user named them (`client_settings`)."""
         details = exc.details() or ""
         settings = self.settings.client_settings
-        if settings is None:
-            return plain_details(details)
-        return failure_details(self._channels, exc.code(), details, settings)
+        if settings is not None:
+            details = failure_details(self._channels, exc.code(), details, settings)
+        else:
+            details = plain_details(details)
+        return f"{exc.code().name}: {details}"
 
     def _log_discovery_failure(self, exc: grpc.aio.AioRpcError, backoff_s: float) -> None:
         """GetKvEventSources failed too. A target without either RPC is no OpenEngine server
@@ -327,10 +330,9 @@ class OpenEngineSource:
             )
         else:
             log.warning(
-                "openengine source %s: GetKvEventSources: %s: %s; retrying in %.1fs",
+                "openengine source %s: GetKvEventSources: %s; retrying in %.1fs",
                 target,
-                exc.code().name,
-                exc.details(),
+                self._failure_reason(exc),
                 backoff_s,
             )
 

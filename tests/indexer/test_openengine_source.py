@@ -328,6 +328,56 @@ async def test_a_target_that_is_no_openengine_server_is_one_line_per_retry(
     assert sum(r.getMessage().startswith(neither) for r in records) >= 3
 
 
+class TokenGuardedZmqOnlyEngine(PartialOpenEngine):
+    """An engine without SubscribeKvEvents whose GetKvEventSources asks for a bearer token
+    (as an engine run with `auth.protect_reads` does)."""
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: Any
+    ) -> pb.GetKvEventSourcesResponse:
+        if dict(context.invocation_metadata()).get("authorization") != "Bearer engine-token":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        return pb.GetKvEventSourcesResponse()
+
+
+async def test_a_refused_discovery_names_the_token_setting_as_a_refused_subscription_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GetKvEventSources refused for its token (SubscribeKvEvents unimplemented): the retry's
+    warning says which setting of the source to give or check, in the words of a refused
+    subscription's warning, the token itself in no line."""
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-engine-token\n")
+    server, target = await _serve(TokenGuardedZmqOnlyEngine())
+    without, with_wrong = (
+        build_source(
+            OpenEngineSourceConfig(kind="openengine", target=target, token_file=token_file),
+            MemoryBackend(PrefixIndex()),
+            16,
+        )
+        for token_file in (None, wrong)
+    )
+    refused = (
+        f"openengine source {target}: GetKvEventSources: UNAUTHENTICATED: missing or invalid "
+        "bearer token"
+    )
+    expected = [
+        f"{refused} (a server requiring a token? give the source's token_file); retrying in",
+        f"{refused} (not the server's token? check the source's token_file); retrying in",
+    ]
+
+    def warned() -> bool:
+        lines = [r.getMessage() for r in caplog.records]
+        return all(any(line.startswith(start) for line in lines) for start in expected)
+
+    try:
+        async with running(without.run()), running(with_wrong.run()):
+            await eventually(warned)
+    finally:
+        await server.stop(None)
+    assert not [r for r in caplog.records if "not-the-engine-token" in r.getMessage()]
+
+
 def _zmq_batch(seq: int, *stored: int) -> list[bytes]:
     events = [["BlockStored", [key], None, None, None, None, "GPU"] for key in stored]
     return [b"kv@x", seq.to_bytes(8, "big"), msgpack.packb([float(seq), events, None])]

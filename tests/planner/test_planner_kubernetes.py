@@ -45,6 +45,7 @@ from kvplane.cli import app as kvplane_app
 from kvplane.config import load_config
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.request_decoding import TolerantRegistration
+from kvplane.token_file import TokenFile
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -107,11 +108,8 @@ class Cluster:
     token_file: Path
 
     def api(self, token_file: Path | None = None) -> KubeApi:
-        return KubeApi(
-            KubeConnection(
-                self.kube.url, self.kube.namespace, token_file or self.token_file, self.ca_file
-            )
-        )
+        token = followed(token_file or self.token_file)
+        return KubeApi(KubeConnection(self.kube.url, self.kube.namespace, token, self.ca_file))
 
     def actuator(
         self,
@@ -143,6 +141,11 @@ class Cluster:
     async def wait_routable(self, count: int) -> None:
         fleet = self.app.controller.fleet
         await fleet.wait_for(lambda: len(self.routable()) == count, 60)
+
+
+def followed(token_file: Path) -> TokenFile:
+    """`token_file` as `in_cluster` follows it."""
+    return TokenFile(token_file, "live.kubernetes.token_file")
 
 
 @contextlib.contextmanager
@@ -1236,7 +1239,7 @@ async def test_api_errors_at_start_are_one_line(empty: Cluster, tmp_path: Path) 
             KubeConnection(f"https://127.0.0.1:{unused.getsockname()[1]}", "serving", None, None)
         )
         untrusted = KubeApi(  # the system's roots do not hold the fake's certificate
-            KubeConnection(empty.kube.url, "serving", empty.token_file, None)
+            KubeConnection(empty.kube.url, "serving", followed(empty.token_file), None)
         )
         cases: list[tuple[KubeApi, str]] = [
             (empty.api(wrong_token), "401 Unauthorized: Unauthorized"),
@@ -1257,6 +1260,33 @@ async def test_api_errors_at_start_are_one_line(empty: Cluster, tmp_path: Path) 
         assert expected in message and "\n" not in message
     assert messages[-1].endswith(f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found (is '
                                  f"Deployment {DEPLOYMENT} in namespace serving?)")  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_a_token_file_caught_mid_rotation_keeps_the_token_read_before(
+    empty: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A token file rewritten in place (not the kubelet's atomic swap: a hand-made Secret, an
+    operator's edit) is seen empty halfway, or holding what no token carries: the calls go
+    on with the token read before (one warning each), instead of sending `Bearer ` (401) or
+    failing in http.client on a line break; the next whole token is used from the next call."""
+    api = empty.api()
+    assert api.get_scale(DEPLOYMENT).replicas == 0
+    setting = f"live.kubernetes.token_file {empty.token_file}"
+    with caplog.at_level(logging.WARNING, logger="kvplane.token_file"):
+        empty.token_file.write_text("")
+        assert api.get_scale(DEPLOYMENT).replicas == 0
+        empty.token_file.write_text("half\nwritten")
+        assert api.get_scale(DEPLOYMENT).replicas == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{setting} is empty; keeping the token read before",
+        f"{setting} holds a character a bearer token cannot carry (character 5: a line break, "
+        "a control or a non-ASCII character; a token is printable ASCII); keeping the token "
+        "read before",
+    ]
+    empty.kube.token = "rotated-token"  # the old one is refused from now on
+    empty.token_file.write_text("rotated-token\n")  # hand-made: a trailing line break
+    assert api.get_scale(DEPLOYMENT).replicas == 0
 
 
 # The Role of configs/k8s/planner-rbac.yaml without its writes: what a read-only Role grants.
@@ -1332,7 +1362,9 @@ def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
     tmp_path: Path,
 ) -> None:
     token = tmp_path / "token"
-    token.write_text("t")
+    token.write_text("t\n")  # a hand-made file's trailing line break is not the token's
+    split_token = tmp_path / "split-token"
+    split_token.write_text("to\nken\n")
     environ = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
 
     def connect(
@@ -1342,7 +1374,9 @@ def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
             env, server=None, namespace=namespace, token_file=token_file, ca_file=None
         )
 
-    assert connect(environ).server == "https://10.96.0.1:6443"
+    connection = connect(environ)
+    assert connection.server == "https://10.96.0.1:6443"
+    assert connection.token_file is not None and connection.token_file.current() == "t"
     assert connect({"KUBERNETES_SERVICE_HOST": "fd00::1"}).server == "https://[fd00::1]:443"
     # `kubectl proxy`: plain HTTP, no token; the default CA file (absent here) is not needed.
     proxy = in_cluster(
@@ -1358,6 +1392,8 @@ def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
         "cannot read live.kubernetes.token_file /nonexistent": lambda: connect(
             environ, token_file=Path("/nonexistent")
         ),
+        "live.kubernetes.token_file .*/split-token holds a character a bearer token cannot "
+        "carry": lambda: connect(environ, token_file=split_token),
     }
     if not SERVICE_ACCOUNT_DIR.exists():  # outside a pod: no namespace file to default to
         refusals["namespace is not set"] = lambda: connect(environ, namespace=None)
