@@ -77,16 +77,17 @@ def _documented() -> tuple[dict[str, set[frozenset[str] | None]], set[str]]:
     return documented, renamed
 
 
-def _served(url: str) -> dict[str, tuple[str, frozenset[str] | None]]:
-    """Name (a counter's with `_total`, as queried) -> (type, labels; None without series) of
-    every family at `url`, as Prometheus parses the text format."""
+def _served(url: str) -> dict[str, tuple[str, frozenset[str] | None, str]]:
+    """Name (a counter's with `_total`, as queried) -> (type, labels (None without series),
+    HELP) of every family at `url`, as Prometheus parses the text format."""
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    served: dict[str, tuple[str, frozenset[str] | None]] = {}
+    served: dict[str, tuple[str, frozenset[str] | None, str]] = {}
     for family in text_string_to_metric_families(text):
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = {key for sample in family.samples for key in sample.labels} - {"le"}
-        served[name] = (family.type, frozenset(labels) if family.samples else None)
+        labelled = frozenset(labels) if family.samples else None
+        served[name] = (family.type, labelled, family.documentation)
     return served
 
 
@@ -118,7 +119,7 @@ def _fleet(redis_url: str) -> str:
 @pytest.fixture(scope="module")
 def served(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
-) -> dict[str, dict[str, tuple[str, frozenset[str] | None]]]:
+) -> dict[str, dict[str, tuple[str, frozenset[str] | None, str]]]:
     """Member name -> its /metrics' families, scraped from a running fleet."""
     tmp_path = tmp_path_factory.mktemp("fleet")
     fleet = tmp_path / "fleet.yaml"
@@ -146,14 +147,14 @@ def _component(name: str) -> str:
 
 @pytest.mark.timeout(180)
 def test_every_served_metric_is_documented_with_its_type_and_labels(
-    served: dict[str, dict[str, tuple[str, frozenset[str] | None]]],
+    served: dict[str, dict[str, tuple[str, frozenset[str] | None, str]]],
 ) -> None:
     documented, _ = _documented()
     problems = []
     for member, families in served.items():
         if "process_start_time_seconds" not in families:  # the standard process_* metrics
             problems.append(f"{member}: no process_start_time_seconds")
-        for name, (kind, labels) in sorted(families.items()):
+        for name, (kind, labels, _) in sorted(families.items()):
             if name.startswith("process_"):
                 continue
             if name not in documented:
@@ -173,7 +174,7 @@ def test_every_served_metric_is_documented_with_its_type_and_labels(
 
 @pytest.mark.timeout(180)
 def test_every_documented_metric_is_served_and_renamed_ones_are_not(
-    served: dict[str, dict[str, tuple[str, frozenset[str] | None]]],
+    served: dict[str, dict[str, tuple[str, frozenset[str] | None, str]]],
 ) -> None:
     documented, renamed = _documented()
     every = {name for families in served.values() for name in families}
@@ -181,3 +182,16 @@ def test_every_documented_metric_is_served_and_renamed_ones_are_not(
     missing = sorted(set(documented) - every)
     assert not missing, "\n".join(missing)
     assert sorted(renamed & every) == []
+
+
+@pytest.mark.timeout(180)
+def test_the_gateways_request_counters_say_they_count_generations_only(
+    served: dict[str, dict[str, tuple[str, frozenset[str] | None, str]]],
+) -> None:
+    """`requests_total` and `route_decisions_total` count generations; an SRE reading their
+    HELP ("Gateway requests") took Embed, Classify and Score to be among them."""
+    controller = served["controller"]
+    for name in ("kvplane_controller_requests_total", "kvplane_controller_route_decisions_total"):
+        help_text = controller[name][2]
+        assert "Generations" in help_text or "generations" in help_text, help_text
+        assert "pooling tasks" in help_text, help_text
