@@ -316,9 +316,10 @@ class _Engine:
         # When the followed process's last KV-event batch was indexed here (unix time; None:
         # none yet, a new process having sent none).
         self.last_event_unix_s: float | None = None
-        # The counters of the followed process's KV-event sources, kept from one source to
-        # the next while the process is the same (a writer lease taken again starts a fresh
-        # source: after Redis lost the index, say, whose resync would otherwise never show).
+        # The counters of the engine's KV-event sources, kept from one source to the next
+        # while the engine is in the fleet, its new processes at the address too (a writer
+        # lease taken again starts a fresh source: after Redis lost the index, say, whose
+        # resync would otherwise never show): exported under its address, they never go back.
         self.source_counters: SourceCounters | None = None
         # Its current source delivered a batch whose stamp is implausible (warned once).
         self.implausible_stamp_warned = False
@@ -1610,10 +1611,9 @@ class Fleet:
                 # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the
                 # poll would go on and follow the events again, out of anyone's reach.
                 await asyncio.wait([task])
-            # The old process's last batch is not the new one's (`admin workers`' "last"),
-            # nor are its sources' counters.
+            # The old process's last batch is not the new one's (`admin workers`' "last");
+            # its sources' counters go on (Prometheus counters never go back).
             engine.last_event_unix_s = None
-            engine.source_counters = None
         if self._on_engine_gone is not None and not first_contact:
             self._on_engine_gone(engine.address)
         self._tell_predicted(engine.address)

@@ -231,7 +231,8 @@ class ControllerMetrics:
         r = self.registry
         self.decisions = Counter(
             "kvplane_controller_route_decisions",
-            "Routing decisions, by the hop of its request each placed",
+            "Engines chosen for generations (each hop, retry and re-route too), by policy, "
+            "reason and hop; pooling tasks (Embed, Classify, Score) are not routed by a policy",
             ["policy", "reason", "hop"],
             registry=r,
         )
@@ -266,7 +267,11 @@ class ControllerMetrics:
             "kvplane_controller_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
         self.requests = Counter(
-            "kvplane_controller_requests", "Gateway requests by outcome", ["outcome"], registry=r
+            "kvplane_controller_requests",
+            "Generations (Generate, vllm.Generate) ended, by outcome, each once; pooling tasks "
+            "(Embed, Classify, Score) are not counted",
+            ["outcome"],
+            registry=r,
         )
         # Labelled children looked up once: `labels()` takes a lock and builds its key on every
         # call, a few times the cost of the increment itself, on every routed request.

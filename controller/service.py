@@ -203,8 +203,12 @@ class Controller:
             await self.index.close()
 
     def _engine_gone(self, address: str) -> None:
+        """The engine left the fleet, or a new process of it came: the router forgets it;
+        its metrics' series, by its address, go only with the engine (a counter of
+        Prometheus' never goes back: a new process's batches are counted on)."""
         self.router.forget_engine(address)
-        self.metrics.forget_engine(address)
+        if all(record.address != address for record in self.fleet.registry.records()):
+            self.metrics.forget_engine(address)
 
     def _event_lag(self, address: str, lag_s: float) -> None:
         self.metrics.observe_event_lag(address, lag_s)

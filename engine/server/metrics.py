@@ -21,6 +21,10 @@ PullOutcome = Literal["ok", "not_found", "refused", "failed", "cancelled"]
 # import raised: the request computes its prompt).
 ImportOutcome = KvImportOutcome | Literal["superseded", "aborted", "refused", "failed"]
 
+# A decode step takes milliseconds on a GPU; a prefill step of a full token budget takes
+# seconds, and on a CPU engine (docs/benchmarks/e2e.md: about 800 tokens/s) tens of seconds.
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5, 10, 30, 60)
+
 
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
@@ -140,7 +144,7 @@ class EngineMetrics:
             "kvplane_engine_step_seconds",
             "Duration of one engine step.",
             labels,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            buckets=_STEP_BUCKETS,
             registry=registry,
         )
 

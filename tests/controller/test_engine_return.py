@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from controller.registry import EngineState
+from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
     EngineFleet,
@@ -139,4 +140,54 @@ async def test_polls_answered_unavailable_on_a_live_connection_leave_no_watch_be
         assert registry.get(address).state is EngineState.UNREACHABLE
         assert _cancelled_futures() < 20
     finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engines_kv_event_counters_never_go_back_across_its_restarts(
+    tmp_path: Path,
+) -> None:
+    """The engine's KV-event counters and event-lag histogram on the controller's /metrics,
+    series labelled by its address, go on across a new process there, as Prometheus counters
+    must (they used to start again at 0: the lag histogram's series were dropped and the
+    source counters replaced); they go only when the engine leaves the fleet."""
+    engine = await EngineProcess.start(tmp_path, "e0")
+    fleet = await make_fleet(
+        engines=[engine], health={"backoff_initial_s": BACKOFF_S, "backoff_max_s": BACKOFF_S}
+    )
+    metrics = fleet.app.controller.metrics.registry
+    address = f"127.0.0.1:{engine.port}"
+
+    def value(name: str) -> float | None:
+        return metrics.get_sample_value(name, {"engine": address})
+
+    async def lag_counted_beyond(count: float) -> None:
+        await eventually(
+            lambda: (value("kvplane_controller_event_lag_seconds_count") or 0) > count,
+            30.0,
+            f"more than {count} KV-event batches in the lag histogram",
+        )
+
+    try:
+        reply = [r async for r in fleet.gateway.Generate(generate_request("a", list(range(40))))]
+        assert reply[-1].WhichOneof("event") == "finished"
+        await lag_counted_beyond(0)
+        engine = await _kill_and_restart(fleet, engine, tmp_path)
+        restarts = value("kvplane_controller_engine_kv_event_restarts_total")
+        batches = value("kvplane_controller_event_lag_seconds_count")
+        assert restarts is not None and restarts >= 1  # the old process's stream broke
+        assert batches is not None
+        await fleet.wait_routable(1, timeout_s=BACK_WITHIN_S)  # the new process followed
+        assert (value("kvplane_controller_event_lag_seconds_count") or 0) >= batches
+        assert (value("kvplane_controller_engine_kv_event_restarts_total") or 0) >= restarts
+        reply = [r async for r in fleet.gateway.Generate(generate_request("b", list(range(40))))]
+        assert reply[-1].WhichOneof("event") == "finished"
+        await lag_counted_beyond(batches)  # the new process's batches counted on
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await eventually(
+            lambda: value("kvplane_controller_event_lag_seconds_count") is None,
+            30.0,
+            "the lag histogram's series gone with the engine",
+        )
+    finally:
+        await engine.close()
         await close_fleet(fleet)

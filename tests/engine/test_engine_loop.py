@@ -335,3 +335,29 @@ def test_a_failed_engine_thread_releases_what_its_requests_held() -> None:
     core.armed = False
     assert core.held_import_bytes == 0
     assert core.block_manager.num_used_blocks == 0 and not core.has_work()
+
+
+@pytest.mark.timeout(30)
+async def test_a_long_prefill_step_lands_in_a_bucket_of_the_step_histogram() -> None:
+    """A CPU engine's prefill step of a full token budget (docs/benchmarks/e2e.md's torch
+    model prefills about 800 tokens/s: 8,192 tokens take about 10 s) is counted in a finite
+    bucket of `kvplane_engine_step_seconds`: its buckets ended at 2.5 s, so every such step
+    fell in +Inf and no quantile above 2.5 s could be read."""
+    reports: list[StepReport] = []
+    engine = make_loop(reports=reports)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    done: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("a", tuple(range(5, 30)), SamplingParams(max_tokens=1)),
+        asyncio_sink(loop, done),
+    )
+    await collect(done)
+    engine.stop(timeout_s=10)
+    ran = next(r for r in reports if r.result.stats is not None)
+    assert ran.result.stats is not None
+    long = replace(ran, result=replace(ran.result, stats=replace(ran.result.stats, duration_s=9.5)))
+    registry = CollectorRegistry()
+    EngineMetrics(registry, "m").on_report(long)
+    assert _counted(registry, "kvplane_engine_step_seconds_bucket", le="10.0") == 1
+    assert _counted(registry, "kvplane_engine_step_seconds_bucket", le="2.5") == 0
