@@ -1597,6 +1597,13 @@ class ControllerRoutingNothing(ControllerHungInDrains):
     def __init__(self) -> None:
         super().__init__()
         self.asked: list[tuple[str, str]] = []
+        self.listed = False  # listed with an engine registered: its start waits for a route
+
+    async def ListWorkers(
+        self, request: apb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.ListWorkersResponse:
+        self.listed = bool(self.registered)
+        return await super().ListWorkers(request, context)
 
     async def RemoveEngine(
         self, request: apb.EngineRef, context: grpc.aio.ServicerContext[Any, Any]
@@ -1626,7 +1633,8 @@ async def test_an_engine_registered_but_not_routed_yet_at_close_is_drained_first
         actuator = local_processes(port, tmp_path)
         start = asyncio.create_task(actuator.start("default"))
         try:
-            await eventually(lambda: controller.registered, 60, "the engine registered")
+            # Registered (the answer came), the start waits for the controller to route.
+            await eventually(lambda: controller.listed, 60, "the start waiting to be routed")
             (engine,) = controller.registered
             start.cancel()  # as the planner's close cancels the starts under way
             await asyncio.wait([start])
