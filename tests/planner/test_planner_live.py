@@ -73,12 +73,15 @@ class Setup:
     actuator: LocalProcesses
 
 
-def local_processes(controller_port: int, workdir: Path) -> LocalProcesses:
+def local_processes(
+    controller_port: int, workdir: Path, stop_within_s: float = STOP_TIMEOUT_S
+) -> LocalProcesses:
     return LocalProcesses(
         controller=f"127.0.0.1:{controller_port}",
         engine_args=("--model", "sim"),
         workdir=workdir,
         start_timeout_s=120,
+        stop_within_s=stop_within_s,
     )
 
 
@@ -1587,28 +1590,22 @@ async def test_a_hung_engine_at_close_is_killed_at_the_close_s_end(
     assert hung not in {r.address for r in setup.app.controller.fleet.registry.records()}
 
 
-class ControllerRoutingNothing(ControllerHungInDrains):
-    """A controller that registers engines but routes to none (its first health poll not
-    answered yet), ends each drain at once, and records the drains and removals asked of it,
-    in order."""
+class ControllerRecording(ControllerHungInDrains):
+    """A controller that registers engines and routes to them at once, ends each drain at
+    once, answers each RemoveEngine `remove_s` late, and records the drains and removals
+    asked of it, in order."""
 
-    routes = False
+    remove_s = 0.0
 
     def __init__(self) -> None:
         super().__init__()
         self.asked: list[tuple[str, str]] = []
-        self.listed = False  # listed with an engine registered: its start waits for a route
-
-    async def ListWorkers(
-        self, request: apb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> apb.ListWorkersResponse:
-        self.listed = bool(self.registered)
-        return await super().ListWorkers(request, context)
 
     async def RemoveEngine(
         self, request: apb.EngineRef, context: grpc.aio.ServicerContext[Any, Any]
     ) -> apb.WorkerInfo:
         self.asked.append(("remove", request.engine))
+        await asyncio.sleep(self.remove_s)
         return await super().RemoveEngine(request, context)
 
     async def DrainEngine(
@@ -1617,6 +1614,23 @@ class ControllerRoutingNothing(ControllerHungInDrains):
         self.asked.append(("drain", request.engine))
         yield pb.DrainResponse(state=pb.DRAIN_STATE_STARTED)
         yield pb.DrainResponse(state=pb.DRAIN_STATE_COMPLETE)
+
+
+class ControllerRoutingNothing(ControllerRecording):
+    """As `ControllerRecording`, but it routes to no engine (its first health poll not
+    answered yet)."""
+
+    routes = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed = False  # listed with an engine registered: its start waits for a route
+
+    async def ListWorkers(
+        self, request: apb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.ListWorkersResponse:
+        self.listed = bool(self.registered)
+        return await super().ListWorkers(request, context)
 
 
 @pytest.mark.timeout(120)
@@ -1643,6 +1657,31 @@ async def test_an_engine_registered_but_not_routed_yet_at_close_is_drained_first
             start.cancel()
             await actuator.close()
     assert controller.asked == [("drain", engine), ("remove", engine)]
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_the_close_s_time_counts_from_the_planner_s_first_signal(tmp_path: Path) -> None:
+    """The time `kvplane up` gives the planner runs from its SIGTERM, not from the close's
+    start: a removal under way then (its RemoveEngine answered late: a loaded controller),
+    which the planner finishes first, uses part of it, and the close's drain gets only what
+    is left; here nothing, so the other engine is taken out undrained rather than the close
+    running past up's grace. Before, the close's time began once those removals had ended."""
+    from planner.actuator import _AFTER_DRAIN_S, _EXIT_MARGIN_S
+
+    controller = ControllerRecording()
+    async with serving_admin(controller) as port:
+        # A drain of 1 s at most.
+        actuator = local_processes(port, tmp_path, _EXIT_MARGIN_S + _AFTER_DRAIN_S + 1.0)
+        try:
+            removed, other = [await actuator.start("default") for _ in range(2)]
+            controller.remove_s = 1.5  # more than the drain's second
+            actuator.closing()  # the planner's first signal (`run_live`)
+            await actuator.stop(removed)  # the removal under way, finished first
+            await actuator.close()
+        finally:
+            await actuator.close()
+    assert controller.asked == [("remove", removed), ("remove", other)]
     assert actuator.num_alive() == 0
 
 
