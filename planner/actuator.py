@@ -32,7 +32,12 @@ from kvplane.child_signals import signal_child
 from kvplane.errors import KvplaneError
 from kvplane.process_exit import exit_how, log_tail
 from kvplane.up.member import STOP_TIMEOUT_S, member_environment
-from planner.controller_admin import ControllerAdmin, Reconciliation
+from planner.controller_admin import (
+    ADMIN_TIMEOUT_S,
+    DRAIN_ANSWER_S,
+    ControllerAdmin,
+    Reconciliation,
+)
 from planner.engine_args import serve_args
 
 log = logging.getLogger(__name__)
@@ -43,16 +48,24 @@ _PORT_POLL_S = 0.05
 # then it is killed (a hung one, SIGSTOPped, holds SIGTERM pending).
 _STOP_GRACE_S = 20.0
 # How long the engines' requests may run on when the planner closes (Ctrl-C), before they are
-# aborted: the engine's own `shutdown_grace_s`.
+# aborted: the engine's own `shutdown_grace_s` (less, when the planner has less time to stop).
 _CLOSE_DRAIN_S = 5.0
-# The planner's close ends within the time `kvplane up` gives it (then it kills the planner,
-# and the engines, which lead sessions of their own, get only their parent-death SIGTERM: a
-# hung one never handles it), less a margin for the planner's own exit. Every engine still
-# running at the close's end is killed. In that time the engines are drained together (at
-# most `_CLOSE_DRAIN_S`, then `DRAIN_ANSWER_S` for their answers), each taken out of the
-# controller (at most `ADMIN_TIMEOUT_S`: a hung controller) and sent SIGTERM: the rest is its
-# time to exit (a test checks that some is left).
-_CLOSE_WITHIN_S = STOP_TIMEOUT_S - 2.0
+# At the close, how long each engine's RemoveEngine is waited for (a hung controller): it is
+# stopped all the same, its port file kept for the next planner on the workdir to remove it.
+_CLOSE_REMOVE_S = 2.0
+# What an engine gets at least, between its SIGTERM and the close's end, to exit.
+_CLOSE_EXIT_S = 2.0
+# The planner's close ends this long before the time it has to stop (`kvplane up`'s
+# `stop_timeout_s`, which `up` tells it; then up kills the planner, and the engines, which
+# lead sessions of their own, get only their parent-death SIGTERM: a hung one never handles
+# it): the planner's own exit after the close, on a loaded machine. Every engine still
+# running at the close's end is killed. Until then the engines are drained together (at
+# most `_CLOSE_DRAIN_S`, less when the time is short, then `DRAIN_ANSWER_S` for their
+# answers), each taken out of the controller (at most `_CLOSE_REMOVE_S`) and sent SIGTERM,
+# and `_CLOSE_EXIT_S` at least is left for them to exit (a test checks that the default
+# time fits it all).
+_EXIT_MARGIN_S = 5.0
+_AFTER_DRAIN_S = DRAIN_ANSWER_S + _CLOSE_REMOVE_S + _CLOSE_EXIT_S
 
 
 class Actuator(Protocol):
@@ -123,6 +136,7 @@ class LocalProcesses:
         start_timeout_s: float,
         channels: ClientChannels = INSECURE,
         pool_args: Mapping[str, Sequence[str]] | None = None,
+        stop_within_s: float = STOP_TIMEOUT_S,
     ) -> None:
         self._engine_args = tuple(engine_args)
         self._pool_args = {pool: tuple(args) for pool, args in (pool_args or {}).items()}
@@ -149,10 +163,14 @@ class LocalProcesses:
         # Stops under way, with their processes: each waits for its engine to exit (killed
         # after `_STOP_GRACE_S`) beside the ticks, so a drained engine that hangs as it stops
         # holds up no decision.
-        self._stopping: dict[asyncio.Task[None], asyncio.subprocess.Process] = {}
+        self._stopping: dict[asyncio.Task[bool], asyncio.subprocess.Process] = {}
         # The close's drain while under way (`kill_all` cuts it); whether `kill_all` was called.
         self._close_drain: asyncio.Future[None] | None = None
         self._killed = False
+        # How long the planner has to stop (`_EXIT_MARGIN_S`), and when its close must end
+        # (the event loop's clock), from its first signal (`closing`) or the close's start.
+        self._stop_within_s = stop_within_s
+        self._close_by: float | None = None
 
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
@@ -232,11 +250,13 @@ class LocalProcesses:
         self._spawned = [child for child in self._spawned if child.returncode is None]
         self._spawned.append(process)
         address: str | None = None
+        registered = False
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
             async with self._registering:
                 self._take_over_port(address)
                 await self._admin.register(address)
+            registered = True
             await self._routed(address)
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             await self._remove(address, port_file)
@@ -253,14 +273,23 @@ class LocalProcesses:
             ends = f"; its log {log_path} ends: {tail}" if tail else ""
             raise KvplaneError(f"engine {pool}-{number} did not start: {why}{ends}") from exc
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
-            # The controller may have taken it before the answer came.
-            await self._remove(address, port_file)
-            self._terminate(process)
+            if registered:  # the controller may route to it already: drained as the others
+                assert address is not None
+                self._serving(address, process, port_file, log_path)
+            else:  # the controller may have taken it before the answer came
+                await self._remove(address, port_file)
+                self._terminate(process)
             raise
+        self._serving(address, process, port_file, log_path)
+        return address
+
+    def _serving(
+        self, address: str, process: asyncio.subprocess.Process, port_file: Path, log_path: Path
+    ) -> None:
+        """`process` serves at `address`, one of the engines started (`close` stops it)."""
         self._processes[address] = process
         self._port_files[address] = port_file
         self._logs[address] = log_path
-        return address
 
     def _take_over_port(self, address: str) -> None:
         """`address`, a new engine's, is no longer that of an engine left registered (a
@@ -299,9 +328,12 @@ class LocalProcesses:
     async def drain(self, address: str, within_s: float) -> None:
         await self._admin.drain(address, within_s)
 
-    async def stop(self, address: str) -> None:
-        """Out of the controller, then `_terminate`d."""
-        process = await self._forget(address)
+    async def stop(self, address: str, remove_within_s: float = ADMIN_TIMEOUT_S) -> None:
+        """Out of the controller (its RemoveEngine waited for `remove_within_s`), then
+        `_terminate`d; once the planner closes, for `_CLOSE_REMOVE_S` at most."""
+        if self._close_by is not None:
+            remove_within_s = min(remove_within_s, _CLOSE_REMOVE_S)
+        process = await self._forget(address, remove_within_s)
         if process is not None:
             self._terminate(process)
 
@@ -320,20 +352,24 @@ class LocalProcesses:
             signal_child(process, signal.SIGKILL)
             await process.wait()
 
-    async def _forget(self, address: str) -> asyncio.subprocess.Process | None:
+    async def _forget(
+        self, address: str, remove_within_s: float = ADMIN_TIMEOUT_S
+    ) -> asyncio.subprocess.Process | None:
         """Take `address` out of the controller and of the engines started; its process."""
-        await self._remove(address, self._port_files.pop(address, None))
+        await self._remove(address, self._port_files.pop(address, None), remove_within_s)
         self._logs.pop(address, None)
         self._exits_said.discard(address)
         return self._processes.pop(address, None)
 
-    async def _remove(self, address: str | None, port_file: Path | None) -> None:
+    async def _remove(
+        self, address: str | None, port_file: Path | None, within_s: float = ADMIN_TIMEOUT_S
+    ) -> None:
         """RemoveEngine of `address`, an engine of this run that stops (None: a start that
         read no port registered nothing). Its port file goes once the controller no longer
         lists it; one whose RemoveEngine failed (the controller did not answer) is kept, in the
         workdir and for the next look (`adopt`) to take it out: a port file left in the
         workdir names an engine left registered."""
-        removed = address is None or await self._admin.remove(address)
+        removed = address is None or await self._admin.remove(address, within_s)
         if port_file is not None:
             self._keep_port_file(port_file, None if removed else address)
 
@@ -345,31 +381,48 @@ class LocalProcesses:
         else:
             self._left_registered[registered] = port_file
 
+    def closing(self) -> None:
+        """The planner begins to stop (its first SIGTERM/SIGINT): the close's time counts
+        from now, the removals it waits for first included."""
+        if self._close_by is None:
+            close_within_s = max(0.0, self._stop_within_s - _EXIT_MARGIN_S)
+            self._close_by = asyncio.get_running_loop().time() + close_within_s
+
     async def close(self) -> None:
         """Stop every engine started (the fleet ends with the planner), all at once: one at a
-        time, a slow or hung engine would hold up the others' stop. Each is drained first,
-        for `_CLOSE_DRAIN_S` (all together, `ControllerAdmin.drain_all`): RemoveEngine ends
-        the streams the controller relays from it, and its clients would lose the requests
-        it runs; then stopped. Every engine still running `_CLOSE_WITHIN_S` after the close
-        began (hung: SIGSTOPped, its SIGTERM pending), stops under way before it included, is
-        killed: the close fits the time `kvplane up` gives the planner."""
-        kill_at = asyncio.get_running_loop().time() + _CLOSE_WITHIN_S
+        time, a slow or hung engine would hold up the others' stop. Each is drained first
+        (all together, `ControllerAdmin.drain_all`), for `_CLOSE_DRAIN_S` or what the close's
+        time leaves: RemoveEngine ends the streams the controller relays from it, and its
+        clients would lose the requests it runs; then stopped. Every engine still running
+        at the close's end, `_EXIT_MARGIN_S` before the planner's time to stop is up (hung:
+        SIGSTOPped, its SIGTERM pending), stops under way before it included, is killed:
+        the close fits the time `kvplane up` gives the planner."""
+        self.closing()
+        assert self._close_by is not None
+        close_by = self._close_by
+        loop = asyncio.get_running_loop()
         addresses = list(self._processes)
-        if addresses and not self._killed:
+        drain_s = min(_CLOSE_DRAIN_S, close_by - loop.time() - _AFTER_DRAIN_S)
+        if addresses and not self._killed and drain_s > 0:
             log.info(
-                "draining %d engine(s) for up to %g s, then stopping them (interrupt again to "
-                "stop them at once)", len(addresses), _CLOSE_DRAIN_S,
+                "draining %d engine(s) for up to %.3g s, then stopping them (interrupt again "
+                "to stop them at once)", len(addresses), drain_s,
             )  # fmt: skip
-            self._close_drain = asyncio.ensure_future(
-                self._admin.drain_all(addresses, _CLOSE_DRAIN_S)
-            )
+            self._close_drain = asyncio.ensure_future(self._admin.drain_all(addresses, drain_s))
             try:  # waited, not awaited: `kill_all` cancels it, the close goes on
                 await asyncio.wait([self._close_drain])
             finally:
                 self._close_drain.cancel()
                 self._close_drain = None
-        await asyncio.gather(*(self.stop(address) for address in addresses))
-        await asyncio.gather(*(_exited(process, kill_at) for process in self._stopping.values()))
+        await asyncio.gather(*(self.stop(address, _CLOSE_REMOVE_S) for address in addresses))
+        stopping = list(self._stopping.values())
+        killed = await asyncio.gather(*(_exited(process, close_by) for process in stopping))
+        if late := [process.pid for process, k in zip(stopping, killed, strict=True) if k]:
+            log.warning(
+                "engine process(es) %s still running at the close's end (%g s before the "
+                "planner's %g s to stop are up): killed",
+                ", ".join(map(str, late)), _EXIT_MARGIN_S, self._stop_within_s,
+            )  # fmt: skip
         await asyncio.gather(*self._stopping)
         await self._admin.close()
 
@@ -411,9 +464,9 @@ def _read_port(path: Path) -> int | None:
         return None
 
 
-async def _exited(process: asyncio.subprocess.Process, kill_at: float | None = None) -> None:
+async def _exited(process: asyncio.subprocess.Process, kill_at: float | None = None) -> bool:
     """Until `process` exits after its SIGTERM; killed if it has not within `_STOP_GRACE_S`,
-    or by `kill_at` (the event loop's clock) if that comes first."""
+    or by `kill_at` (the event loop's clock) if that comes first. Whether it was killed."""
     deadline = asyncio.get_running_loop().time() + _STOP_GRACE_S
     try:
         async with asyncio.timeout_at(deadline if kill_at is None else min(deadline, kill_at)):
@@ -421,3 +474,5 @@ async def _exited(process: asyncio.subprocess.Process, kill_at: float | None = N
     except TimeoutError:
         signal_child(process, signal.SIGKILL)
         await process.wait()
+        return True
+    return False

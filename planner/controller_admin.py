@@ -339,13 +339,13 @@ class ControllerAdmin:
                 request.engine, answer_within_s,
             )  # fmt: skip
 
-    async def remove(self, address: str) -> bool:
-        """RemoveEngine; whether the controller no longer lists `address` (one it no longer
-        listed is not an error). Any other failure is logged and False: the engine is stopped
-        all the same (the controller then lists it, unreachable, until it is removed by
-        hand), and a caller that can retry keeps what names it."""
+    async def remove(self, address: str, within_s: float = ADMIN_TIMEOUT_S) -> bool:
+        """RemoveEngine, waited for `within_s`; whether the controller no longer lists
+        `address` (one it no longer listed is not an error). Any other failure is logged and
+        False: the engine is stopped all the same (the controller then lists it, unreachable,
+        until it is removed by hand), and a caller that can retry keeps what names it."""
         try:
-            await self._stub.RemoveEngine(apb.EngineRef(engine=address), timeout=ADMIN_TIMEOUT_S)
+            await self._stub.RemoveEngine(apb.EngineRef(engine=address), timeout=within_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("controller: RemoveEngine of %s: %s", address, self.describe(exc))

@@ -67,6 +67,7 @@ from kvplane.enum_names import enum_name
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
 from kvplane.redialled_stream import redialled_stream
+from kvplane.up.member import stop_within_s
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import Actuator, LocalProcesses
@@ -916,6 +917,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 start_timeout_s=live.start_timeout_s,
                 channels=controller_channels,
                 pool_args={pool.name: pool.engine_args for pool in config.pools},
+                stop_within_s=stop_within_s(environ),
             )
 
         def leading() -> bool:
@@ -943,9 +945,11 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             """The first SIGTERM/SIGINT closes the planner; one while it closes stops its
             local engines at once (killed, their drain cut), as a second Ctrl-C to `kvplane
             up` kills its members. A Deployment's pods keep serving either way."""
-            if stop.is_set() and isinstance(actuator, LocalProcesses):
-                log.warning("interrupted while closing: killing the engines now")
-                actuator.kill_all()
+            if isinstance(actuator, LocalProcesses):
+                if stop.is_set():
+                    log.warning("interrupted while closing: killing the engines now")
+                    actuator.kill_all()
+                actuator.closing()  # its time counts from the first signal
             stop.set()
 
         loop = asyncio.get_running_loop()

@@ -156,7 +156,8 @@ class FleetConfig(StrictModel):
     # Seconds each member gets to become healthy.
     start_timeout_s: StrictFloat = Field(default=120.0, gt=0)
     # Seconds a member gets to stop after SIGTERM, then it is killed; at the latest this long
-    # past the drain's deadline (`Fleet.stop`).
+    # past the drain's deadline (`Fleet.stop`). Members are told it (a planner fits its
+    # engines' stop in it: `kvplane.up.member.stop_within_s`).
     stop_timeout_s: StrictFloat = Field(default=STOP_TIMEOUT_S, gt=0)
     # On Ctrl-C engines finish what they run for this long; what is left is then aborted.
     drain_deadline_s: StrictFloat = Field(default=3.0, ge=0)

@@ -51,12 +51,12 @@ DRAIN_REPLY_GRACE_S = 5.0
 DRAINED_KINDS = ("engine", "controller")
 
 
-def _member_environment(name: str, cpus: list[int] | None) -> dict[str, str]:
-    """The member's environment: ours, and that it dies with us and keeps to `cpus` (if
-    given), which it applies itself (`kvplane.up.member`)."""
+def _member_environment(name: str, cpus: list[int] | None, stop_within_s: float) -> dict[str, str]:
+    """The member's environment: ours, and that it dies with us, keeps to `cpus` (if given),
+    which it applies itself, and has `stop_within_s` to stop (`kvplane.up.member`)."""
     if cpus is not None and (missing := cpus_missing(cpus)):
         raise KvplaneError(f"{name}: cpus {missing}")
-    return {**os.environ, **member_environment(cpus)}
+    return {**os.environ, **member_environment(cpus, stop_within_s)}
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:
@@ -228,7 +228,7 @@ class Fleet:
         log_path = member.log_path = self.workdir / f"{name}.log"
         command = [sys.executable, "-m", "kvplane", *member.config.command(config_path, port_file)]
         ready = self._readiness(member, config)
-        env = _member_environment(name, member.config.cpus)
+        env = _member_environment(name, member.config.cpus, self.config.stop_timeout_s)
         with log_path.open("wb") as log_file:
             member.process = await asyncio.create_subprocess_exec(
                 *command,

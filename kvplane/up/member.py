@@ -1,8 +1,8 @@
 """What a process that `kvplane up` starts does first: die with `up`, keep to its CPUs; and
-how long `up` gives it to stop by default (`STOP_TIMEOUT_S`), which a member that stops
-others (the planner, its engines) fits its own stop in.
+how long `up` gives it to stop (`stop_within_s`: its `stop_timeout_s`, `STOP_TIMEOUT_S` by
+default), which a member that stops others (the planner, its engines) fits its own stop in.
 
-`up` says both through the environment (`member_environment`), and the member acts on them
+`up` says these through the environment (`member_environment`), and the member acts on them
 as the CLI starts (`join_fleet`), before it starts a thread or loads torch. They are not done
 in the forked child before exec (a `preexec_fn`): a fork that runs Python code also runs
 gRPC's fork handlers, and while `up`'s own channels poll the members those are skipped,
@@ -13,25 +13,42 @@ Without a `preexec_fn` CPython spawns with vfork and no fork handler runs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+from collections.abc import Mapping
 
 PARENT_ENV = "KVPLANE_UP_PARENT"  # the pid of `up`: the member dies with it
 CPUS_ENV = "KVPLANE_UP_CPUS"  # comma-separated CPUs the member keeps to
+STOP_WITHIN_ENV = "KVPLANE_UP_STOP_WITHIN_S"  # seconds the member has to stop after SIGTERM
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Seconds `up` gives a member to stop after its SIGTERM (`stop_timeout_s`'s default); then it
 # kills the member with its process group.
 STOP_TIMEOUT_S = 15.0
 
 
-def member_environment(cpus: list[int] | None) -> dict[str, str]:
+def member_environment(
+    cpus: list[int] | None, stop_within_s: float = STOP_TIMEOUT_S
+) -> dict[str, str]:
     """The variables `up` adds to a member's environment."""
-    env = {PARENT_ENV: str(os.getpid())}
+    env = {PARENT_ENV: str(os.getpid()), STOP_WITHIN_ENV: repr(stop_within_s)}
     if cpus is not None:
         env[CPUS_ENV] = ",".join(str(cpu) for cpu in cpus)
     return env
+
+
+def stop_within_s(environ: Mapping[str, str]) -> float:
+    """How long this process has to stop after its SIGTERM before it is killed: what `up`
+    said (its `stop_timeout_s`), else `STOP_TIMEOUT_S` (not a member, or `up` said nothing
+    usable). `join_fleet` leaves the variable in place for the member to read; its own
+    children, given `member_environment`, are told their own."""
+    with contextlib.suppress(KeyError, ValueError):
+        within_s = float(environ[STOP_WITHIN_ENV])
+        if within_s > 0:
+            return within_s
+    return STOP_TIMEOUT_S
 
 
 def cpus_missing(cpus: list[int]) -> str | None:

@@ -102,21 +102,28 @@ async def test_the_planners_engines_are_the_fleets_until_the_planner_stops_first
 @pytest.mark.timeout(90)
 async def test_a_planner_whose_engine_hangs_stops_within_up_s_grace(tmp_path: Path) -> None:
     """A planner's engine hung (SIGSTOPped: it answers no drain and holds SIGTERM pending)
-    when up stops the planner: the planner kills it and exits on its own within up's
-    `stop_timeout_s`. Before, it waited 20 s for the engine, so up killed the planner (-9)
-    and the engine, in a session of its own, was left stopped with only its parent-death
-    SIGTERM pending."""
-    config = {**PLANNER_FLEET, "members": [PLANNER_FLEET["members"][0], ONE_ENGINE_PLANNER]}
+    when up stops the planner: up tells the planner its `stop_timeout_s` (here not the
+    default), and the planner kills the engine itself (it says so) and exits on its own,
+    seconds before up would kill it. Before, the planner took 13 s whatever up's
+    `stop_timeout_s`, so up killed it (-9) and the engine, in a session of its own, was left
+    stopped with only its parent-death SIGTERM pending."""
+    config = {
+        **PLANNER_FLEET,
+        "members": [PLANNER_FLEET["members"][0], ONE_ENGINE_PLANNER],
+        "stop_timeout_s": 12.0,
+    }
     fleet = Fleet(FleetConfig.model_validate(config), tmp_path)
     planner = fleet.member("planner")
     engines: list[int] = []
     try:
         await fleet.start()
-        assert planner.pid is not None
+        assert planner.pid is not None and planner.log_path is not None
         (engine,) = engines = _children(planner.pid)
         os.kill(engine, signal.SIGSTOP)
         await fleet.stop_planners()
-        assert planner.state == "stopped (0)"  # not killed by up
+        log = planner.log_path.read_text()
+        assert f"engine process(es) {engine} still running at the close's end" in log, log
+        assert planner.state == "stopped (0)", log  # not killed by up
         assert wait_gone(engines, 0) == []  # the planner killed it before it exited
     finally:
         for pid in engines:  # let a stopped one take its SIGTERM

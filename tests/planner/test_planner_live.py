@@ -45,7 +45,7 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner import live as live_module
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
-from planner.controller_admin import ADMIN_TIMEOUT_S, DRAIN_ANSWER_S, ControllerAdmin
+from planner.controller_admin import DRAIN_ANSWER_S, ControllerAdmin
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import IDLE, EngineObservation, EngineRole, EngineState
 from planner.core.planner import Planner
@@ -73,12 +73,15 @@ class Setup:
     actuator: LocalProcesses
 
 
-def local_processes(controller_port: int, workdir: Path) -> LocalProcesses:
+def local_processes(
+    controller_port: int, workdir: Path, stop_within_s: float = STOP_TIMEOUT_S
+) -> LocalProcesses:
     return LocalProcesses(
         controller=f"127.0.0.1:{controller_port}",
         engine_args=("--model", "sim"),
         workdir=workdir,
         start_timeout_s=120,
+        stop_within_s=stop_within_s,
     )
 
 
@@ -1428,6 +1431,12 @@ async def test_a_hung_engine_is_killed_and_replaced(
     assert actuator.num_alive() == 0
 
 
+def admin_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """What the planner's admin client logged: not grpc.aio's spurious wake-up errors
+    (tests/logged_errors.py), which a loaded machine adds to `caplog`'s records."""
+    return [r for r in caplog.records if r.name == "planner.controller_admin"]
+
+
 async def test_a_removal_the_controller_does_not_take_is_said(
     setup: Setup, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1439,7 +1448,7 @@ async def test_a_removal_the_controller_does_not_take_is_said(
         await listed.remove("127.0.0.1:1")
     finally:
         await listed.close()
-    assert not caplog.records
+    assert not admin_records(caplog)
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         gone = ControllerAdmin(f"127.0.0.1:{unused.getsockname()[1]}")
@@ -1447,7 +1456,7 @@ async def test_a_removal_the_controller_does_not_take_is_said(
             await gone.remove("127.0.0.1:1")
         finally:
             await gone.close()
-    (said,) = caplog.records
+    (said,) = admin_records(caplog)
     assert said.getMessage().startswith("controller: RemoveEngine of 127.0.0.1:1: UNAVAILABLE")
 
 
@@ -1470,13 +1479,28 @@ async def test_a_drain_at_close_the_controller_does_not_answer_is_given_up(
             await admin.drain_all(["127.0.0.1:1"], 3600.0)
         finally:
             await admin.close()
-    (said,) = caplog.records
+    (said,) = admin_records(caplog)
     assert said.getMessage() == "drain of 127.0.0.1:1: the controller did not answer in 5 s"
+
+
+@contextlib.asynccontextmanager
+async def serving_admin(servicer: PartialAdmin) -> AsyncIterator[int]:
+    """A server of `servicer`, a controller's admin API, until the block ends; its port."""
+    server = grpc.aio.server()
+    apb_grpc.add_AdminServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield port
+    finally:
+        await server.stop(0)
 
 
 class ControllerHungInDrains(PartialAdmin):
     """A controller that registers engines and routes to them at once, and answers each
     DrainEngine's first message (STARTED), then nothing more (hung, the stream open)."""
+
+    routes = True  # whether it routes to the engines registered
 
     def __init__(self) -> None:
         self.registered: set[str] = set()
@@ -1495,8 +1519,9 @@ class ControllerHungInDrains(PartialAdmin):
     async def ListWorkers(
         self, request: apb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> apb.ListWorkersResponse:
+        state = "ready" if self.routes else "starting"
         workers = [
-            apb.WorkerInfo(address=address, state="ready", routable=True)
+            apb.WorkerInfo(address=address, state=state, routable=self.routes)
             for address in sorted(self.registered)
         ]
         return apb.ListWorkersResponse(workers=workers)
@@ -1528,18 +1553,14 @@ async def test_a_controller_hung_after_a_drain_s_first_answer_holds_the_close_dr
     monkeypatch.setattr(controller_admin_module, "ADMIN_TIMEOUT_S", 3600.0)
     caplog.set_level(logging.WARNING, logger="planner.controller_admin")
     controller = ControllerHungInDrains()
-    server = grpc.aio.server()
-    apb_grpc.add_AdminServicer_to_server(controller, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    actuator = local_processes(port, tmp_path)
-    try:
-        engines = [await actuator.start("default") for _ in range(2)]
-        await actuator.close()
-    finally:
-        await actuator.close()
-        await server.stop(0)
-    said = [r.getMessage() for r in caplog.records if r.name == "planner.controller_admin"]
+    async with serving_admin(controller) as port:
+        actuator = local_processes(port, tmp_path)
+        try:
+            engines = [await actuator.start("default") for _ in range(2)]
+            await actuator.close()
+        finally:
+            await actuator.close()
+    said = [r.getMessage() for r in admin_records(caplog)]
     assert said == [f"drain of {', '.join(sorted(engines))}: not ended 1 s past its deadline"]
     assert not controller.registered  # then taken out of the controller
     assert actuator.num_alive() == 0
@@ -1547,7 +1568,7 @@ async def test_a_controller_hung_after_a_drain_s_first_answer_holds_the_close_dr
 
 @pytest.mark.timeout(120)
 async def test_a_hung_engine_at_close_is_killed_at_the_close_s_end(
-    setup: Setup, monkeypatch: pytest.MonkeyPatch
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A hung engine (SIGSTOPped: its drain unanswered, its SIGTERM pending) is killed at
     the close's end, whatever a stop's own grace (here an hour): `kvplane up` kills a planner
@@ -1560,20 +1581,123 @@ async def test_a_hung_engine_at_close_is_killed_at_the_close_s_end(
     actuator = setup.actuator
     hung = await actuator.start("default")
     process = actuator._processes[hung]
+    caplog.set_level(logging.WARNING, logger="planner.actuator")
     with stop_process(process.pid):
         await actuator.close()
         assert process.returncode == -signal.SIGKILL
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "planner.actuator"]
+    assert said.startswith(f"engine process(es) {process.pid} still running at the close's end")
     assert hung not in {r.address for r in setup.app.controller.fleet.registry.records()}
 
 
-def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
-    """The close ends before `kvplane up` kills the planner, and its drain, the answers'
-    wait and a hung controller's RemoveEngine leave the engines time between their SIGTERM
-    and the close's end."""
-    from planner.actuator import _CLOSE_DRAIN_S, _CLOSE_WITHIN_S
+class ControllerRecording(ControllerHungInDrains):
+    """A controller that registers engines and routes to them at once, ends each drain at
+    once, answers each RemoveEngine `remove_s` late, and records the drains and removals
+    asked of it, in order."""
 
-    assert _CLOSE_WITHIN_S < STOP_TIMEOUT_S
-    assert _CLOSE_DRAIN_S + DRAIN_ANSWER_S + ADMIN_TIMEOUT_S < _CLOSE_WITHIN_S
+    remove_s = 0.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[str, str]] = []
+
+    async def RemoveEngine(
+        self, request: apb.EngineRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.WorkerInfo:
+        self.asked.append(("remove", request.engine))
+        await asyncio.sleep(self.remove_s)
+        return await super().RemoveEngine(request, context)
+
+    async def DrainEngine(
+        self, request: apb.DrainEngineRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.DrainResponse]:
+        self.asked.append(("drain", request.engine))
+        yield pb.DrainResponse(state=pb.DRAIN_STATE_STARTED)
+        yield pb.DrainResponse(state=pb.DRAIN_STATE_COMPLETE)
+
+
+class ControllerRoutingNothing(ControllerRecording):
+    """As `ControllerRecording`, but it routes to no engine (its first health poll not
+    answered yet)."""
+
+    routes = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed = False  # listed with an engine registered: its start waits for a route
+
+    async def ListWorkers(
+        self, request: apb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.ListWorkersResponse:
+        self.listed = bool(self.registered)
+        return await super().ListWorkers(request, context)
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_registered_but_not_routed_yet_at_close_is_drained_first(
+    tmp_path: Path,
+) -> None:
+    """A start still waiting for the controller to route to its engine when the planner
+    closes: the engine is registered, and the controller may route requests to it already
+    (it lists it routable once its health poll answers), so the close drains it with the
+    others before taking it out of the controller. Before, the cancelled start took it out
+    at once, ending the streams the controller relays from it."""
+    controller = ControllerRoutingNothing()
+    async with serving_admin(controller) as port:
+        actuator = local_processes(port, tmp_path)
+        start = asyncio.create_task(actuator.start("default"))
+        try:
+            # Registered (the answer came), the start waits for the controller to route.
+            await eventually(lambda: controller.listed, 60, "the start waiting to be routed")
+            (engine,) = controller.registered
+            start.cancel()  # as the planner's close cancels the starts under way
+            await asyncio.wait([start])
+            await actuator.close()
+        finally:
+            start.cancel()
+            await actuator.close()
+    assert controller.asked == [("drain", engine), ("remove", engine)]
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_the_close_s_time_counts_from_the_planner_s_first_signal(tmp_path: Path) -> None:
+    """The time `kvplane up` gives the planner runs from its SIGTERM, not from the close's
+    start: a removal under way then (its RemoveEngine answered late: a loaded controller),
+    which the planner finishes first, uses part of it, and the close's drain gets only what
+    is left; here nothing, so the other engine is taken out undrained rather than the close
+    running past up's grace. Before, the close's time began once those removals had ended."""
+    from planner.actuator import _AFTER_DRAIN_S, _EXIT_MARGIN_S
+
+    controller = ControllerRecording()
+    async with serving_admin(controller) as port:
+        # A drain of 1 s at most.
+        actuator = local_processes(port, tmp_path, _EXIT_MARGIN_S + _AFTER_DRAIN_S + 1.0)
+        try:
+            removed, other = [await actuator.start("default") for _ in range(2)]
+            controller.remove_s = 1.5  # more than the drain's second
+            actuator.closing()  # the planner's first signal (`run_live`)
+            await actuator.stop(removed)  # the removal under way, finished first
+            await actuator.close()
+        finally:
+            await actuator.close()
+    assert controller.asked == [("remove", removed), ("remove", other)]
+    assert actuator.num_alive() == 0
+
+
+def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
+    """By default the close ends `_EXIT_MARGIN_S` before `kvplane up` kills the planner, and
+    its drain, the answers' wait and a hung controller's RemoveEngine leave the engines
+    `_CLOSE_EXIT_S` between their SIGTERM and the close's end."""
+    from planner.actuator import (
+        _CLOSE_DRAIN_S,
+        _CLOSE_EXIT_S,
+        _CLOSE_REMOVE_S,
+        _EXIT_MARGIN_S,
+    )
+
+    needed_s = _CLOSE_DRAIN_S + DRAIN_ANSWER_S + _CLOSE_REMOVE_S + _CLOSE_EXIT_S
+    assert needed_s <= STOP_TIMEOUT_S - _EXIT_MARGIN_S
 
 
 @pytest.mark.timeout(120)
