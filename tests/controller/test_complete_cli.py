@@ -229,7 +229,6 @@ async def test_complete_against_a_target_without_model_info(tmp_path: Path) -> N
                 assert as_json["text"] == "" and len(as_json["token_ids"]) == 4
     finally:
         await close_fleet(fleet)
-        await engine.close()
 
 
 def kvplane(*args: str) -> subprocess.CompletedProcess[str]:
