@@ -364,7 +364,13 @@ class AdminServicer(apb_grpc.AdminServicer):
                     role=record.role.value,
                     out_of_routing=record.availability
                     if not record.routable
-                    else lack_of(record, plan.model or None, plan.needs) or "",
+                    else lack_of(
+                        record,
+                        plan.model or None,
+                        plan.needs,
+                        self.controller.eligibility.decode_engines_prefill,
+                    )
+                    or "",
                 )
             )
         return reply

@@ -5,7 +5,8 @@ without writing a gRPC client.
 One OpenEngine Generate per prompt (`--prompt`, `--tokens-file` for the token ids of one, else
 each line of stdin in turn). Text output streams the generated text to stdout as it arrives
 (a model the target has no tokenizer for, as its GetModelInfo says, such as a sim engine's,
-has no text: then the token ids; a text prompt for it is refused before it is sent), then
+has no text: then the token ids; a text prompt for it is refused before it is sent; a
+target without GetModelInfo says nothing: its text, else its token ids once it ends), then
 one summary line on stderr: the engine that served it (a controller's `kvplane-route`
 trailing metadata, controller/route_report.py; a single engine sends none), the prompt
 tokens, those served from cache against the router's prediction, the time to the first
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import grpc
 import typer
 
 from controller.admin_cli import DEFAULT_TARGET, TARGET_KIND, TokensFileOpt
@@ -65,6 +67,9 @@ class _Echo(enum.Enum):
     TEXT = "text"  # the text as it comes: a token whose text is held back (part of a
     # character, what may begin a stop string) writes nothing until the text comes
     IDS = "ids"  # the token ids, space-separated: the target has no text for the model
+    # TEXT, and the token ids once it ends where no text came: the target does not say
+    # whether it has text for the model (no GetModelInfo)
+    TEXT_OR_IDS = "text or ids"
 
 
 @dataclass(slots=True)
@@ -147,17 +152,19 @@ def _route_text(route: dict[str, Any]) -> str:
 class _AskedModel:
     """The model a run asks for, and whether the target has text for it: False where its
     GetModelInfo says it takes no text (`supports_text_input` false: no engine serving it
-    has a tokenizer, such as a sim engine), which then sends token ids only."""
+    has a tokenizer, such as a sim engine), which then sends token ids only; None where it
+    does not say (a target without GetModelInfo)."""
 
     name: str
-    has_text: bool
+    has_text: bool | None  # None: the target does not say
 
 
 def _asked_model(stub: pb_grpc.OpenEngineStub, model: str | None) -> _AskedModel:
     """`--model`, else the first model the target serves that generates, as its
     GetEngineInfo and GetModelInfo say (a controller fronting pooling-only engines beside
-    generating ones lists both). None listed (a controller before its engines answer): "",
-    the default model, which the target then accepts or refuses itself."""
+    generating ones lists both; a target without GetModelInfo, the first it serves). None
+    listed (a controller before its engines answer): "", the default model, which the
+    target then accepts or refuses itself."""
     if model is not None:
         info: pb.ModelInfo | None = _model_info(stub, model)
     else:
@@ -166,17 +173,28 @@ def _asked_model(stub: pb_grpc.OpenEngineStub, model: str | None) -> _AskedModel
         ).supported_models
         infos = ((name, _model_info(stub, name)) for name in models)
         first = (models[0], None) if models else ("", None)
-        model, info = next(((name, i) for name, i in infos if generates(i)), first)
-    has_text = info is None or reported(info, "supports_text_input") is not False
-    return _AskedModel(model, has_text)
+        model, info = next(((name, i) for name, i in infos if i is None or generates(i)), first)
+    if info is None:
+        return _AskedModel(model, None)
+    return _AskedModel(model, reported(info, "supports_text_input") is not False)
 
 
 def _model_text(model: str) -> str:
     return f"model {model!r}" if model else "the default model"
 
 
-def _model_info(stub: pb_grpc.OpenEngineStub, model: str) -> pb.ModelInfo:
-    return stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=RPC_TIMEOUT_S)
+def _model_info(stub: pb_grpc.OpenEngineStub, model: str) -> pb.ModelInfo | None:
+    """The target's GetModelInfo of `model`; None where it does not implement it (an engine
+    the controller serves without it, `controller.fleet`: it tells nothing of the model)."""
+    try:
+        info: pb.ModelInfo = stub.GetModelInfo(
+            pb.GetModelInfoRequest(model=model), timeout=RPC_TIMEOUT_S
+        )
+    except grpc.RpcError as failed:
+        if failed.code() is grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        raise
+    return info
 
 
 def _complete(stub: pb_grpc.OpenEngineStub, request: pb.GenerateRequest, echo: _Echo) -> Completion:
@@ -192,7 +210,7 @@ def _complete(stub: pb_grpc.OpenEngineStub, request: pb.GenerateRequest, echo: _
                 done.first_token_ms = (time.perf_counter() - started) * 1000
             token = response.token
             ids = [t.token_id for t in token.tokens]
-            if echo is _Echo.TEXT and token.text:
+            if echo in (_Echo.TEXT, _Echo.TEXT_OR_IDS) and token.text:
                 sys.stdout.write(token.text)
                 sys.stdout.flush()
             elif echo is _Echo.IDS and ids:
@@ -213,6 +231,8 @@ def _complete(stub: pb_grpc.OpenEngineStub, request: pb.GenerateRequest, echo: _
             done.completion_tokens = usage.completion_tokens
             if usage.HasField("cached_prompt_tokens"):
                 done.cached_prompt_tokens = usage.cached_prompt_tokens
+    if echo is _Echo.TEXT_OR_IDS and not done.text and done.token_ids:
+        sys.stdout.write(" ".join(map(str, done.token_ids)))
     done.total_ms = (time.perf_counter() - started) * 1000
     done.route = read_route(call.trailing_metadata())
     return done
@@ -317,9 +337,9 @@ def complete(
         if output is CompletionOutput.json:
             echo = _Echo.NOTHING
         else:
-            echo = _Echo.TEXT if asked.has_text else _Echo.IDS
+            echo = {True: _Echo.TEXT, False: _Echo.IDS, None: _Echo.TEXT_OR_IDS}[asked.has_text]
         for each in _prompts(given):
-            if isinstance(each, str) and not asked.has_text:
+            if isinstance(each, str) and asked.has_text is False:
                 raise RpcCallError(
                     f"{server.address}: {_model_text(asked.name)} takes no text prompt (it has "
                     "no tokenizer): give the prompt's token ids, --tokens-file F"

@@ -28,7 +28,10 @@ outputs, the logprob candidates, and the options a request uses (text or token i
 logprobs, read as the engine reads them: `kvplane.logprobs_asked`, guided decoding,
 priority, stop in output, cache salt, prefix cache bypass).
 Every hop's engine is checked alike, but for the output a prefill engine's hop produces:
-the prompt and one token, whatever `min_tokens` asks (`RequestNeeds.on_hop_of`). An engine
+the prompt and one token, whatever `min_tokens` asks, and for the prompt logprobs a decode
+engine is never asked where decode engines never prefill a prompt themselves
+(`RequestNeeds.on_hop_of`; the fleet's largest prompt logprobs are then those of the engines
+computing a prompt, `bounds_of`). An engine
 that does not report a limit or an option may take any. `max_output_tokens` is not: an
 engine caps an output at its context (LENGTH). An OpenEngine Generate and a `vllm.Generate`
 are read alike (`needs_of`: each API's fields read into `_Asks`, judged by one set of rules,
@@ -166,14 +169,25 @@ class RequestNeeds(NamedTuple):
         rest = tuple(limit for limit in self.limits if limit[0] not in _PROMPT_LIMITS)
         return RequestNeeds((*prompt, *rest), self.options, self.min_output_tokens)
 
-    def on_hop_of(self, record: EngineRecord) -> RequestNeeds:
+    def on_hop_of(self, record: EngineRecord, decode_engines_prefill: bool) -> RequestNeeds:
         """What the engine of `record` must take of it on its own hop: a PREFILL engine
         computes the prompt and samples one token, never sent, whatever output the request
         must produce (engine/server/kv_transfer.py `prefill_request`), so its context and
-        KV cache need the prompt and one token alone; any other engine, all of it."""
+        KV cache need the prompt and one token alone; a DECODE engine, where decode engines
+        never prefill a prompt themselves (not `decode_engines_prefill`: no
+        `router.skip_prefill_ratio`), is handed the prompt's KV and never asked its prompt
+        logprobs (the prefill engine's hop sends them: `Handoff.with_session`), so it needs
+        none of them (`PROMPT_LOGPROBS`); any other engine, all of it."""
         identity = record.identity
+        role = None if identity is None else identity.role
+        if role is Role.DECODE and not decode_engines_prefill:
+            return RequestNeeds(
+                tuple(limit for limit in self.limits if limit[0] not in PROMPT_LOGPROBS),
+                self.options - PROMPT_LOGPROBS,
+                self.min_output_tokens,
+            )
         fewer = self.min_output_tokens - 1
-        if not fewer or identity is None or identity.role is not Role.PREFILL:
+        if not fewer or role is not Role.PREFILL:
             return self
         limits = tuple(
             (path, need - fewer) if path in _PROMPT_LIMITS else (path, need)
@@ -184,6 +198,11 @@ class RequestNeeds(NamedTuple):
 
 # The limits a request's context needs (`RequestNeeds.with_prompt`).
 _PROMPT_LIMITS = (CONTEXT_LIMIT, KV_CACHE_LIMIT)
+# The limit and the option of a request's prompt logprobs: needed of the engine computing
+# its prompt, not of a decode engine handed its KV (`RequestNeeds.on_hop_of`).
+PROMPT_LOGPROBS = frozenset(
+    {"generation.prompt_logprobs.max_top_n", "generation.prompt_logprobs.supported"}
+)
 
 
 NO_NEEDS = RequestNeeds()
@@ -344,33 +363,39 @@ class _Bounds(NamedTuple):
 
     # each ROUTED_LIMITS path (and KV_CACHE_LIMIT) some engine reports: the smallest
     smallest: dict[str, int]
-    # Where every engine finishing a Generate (`generating_facts`) reports it: the largest.
+    # Where every engine finishing a Generate (`generating_facts`) reports it: the largest
+    # (of `PROMPT_LOGPROBS`, where every engine computing a prompt does).
     largest: dict[str, int]
     lacked_by_one: frozenset[str]  # ROUTED_OPTIONS some engine reports unsupported
-    # ROUTED_OPTIONS every engine finishing a Generate reports unsupported.
+    # ROUTED_OPTIONS every engine finishing a Generate reports unsupported (of
+    # `PROMPT_LOGPROBS`, every engine computing a prompt).
     lacked_by_all: frozenset[str]
     # Every engine reports the same limits and lacks the same options: none is chosen over
     # another, and a request past them is refused by whichever engine it goes to.
     alike: bool
 
 
-def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds:
+def bounds_of(
+    serving: list[ModelFacts], finishing: list[ModelFacts], prompting: list[ModelFacts]
+) -> _Bounds:
     """The bounds over the engines `serving` a model (`generating_facts`), of which those
-    `finishing` a Generate themselves take what the fleet takes."""
+    `finishing` a Generate themselves take what the fleet takes, but of its prompt logprobs
+    (`PROMPT_LOGPROBS`), which those `prompting` (computing a prompt) take."""
     smallest: dict[str, int] = {}
     largest: dict[str, int] = {}
     reported = [limits_of(f) for f in serving]
-    finished = [limits_of(f) for f in finishing]
     for path in (*ROUTED_LIMITS, KV_CACHE_LIMIT):
         values = [limits[path] for limits in reported if path in limits]
         if values:
             smallest[path] = min(values)
-        ends = [limits[path] for limits in finished if path in limits]
-        if ends and len(ends) == len(finishing):
+        taking = prompting if path in PROMPT_LOGPROBS else finishing
+        ends = [limits[path] for limits in map(limits_of, taking) if path in limits]
+        if ends and len(ends) == len(taking):
             largest[path] = max(ends)
     lacked_by_one = frozenset().union(*(f.unsupported for f in serving)) & set(ROUTED_OPTIONS)
-    lacked = [f.unsupported.intersection(ROUTED_OPTIONS) for f in finishing]
-    lacked_by_all = frozenset.intersection(*lacked) if lacked else frozenset()
+    lacked_by_all = (_lacked_by_all(finishing) - PROMPT_LOGPROBS) | (
+        _lacked_by_all(prompting) & PROMPT_LOGPROBS
+    )
     kinds = {
         (
             frozenset((p, v) for p, v in limits.items() if p in smallest),
@@ -379,6 +404,12 @@ def bounds_of(serving: list[ModelFacts], finishing: list[ModelFacts]) -> _Bounds
         for f, limits in zip(serving, reported, strict=True)
     }
     return _Bounds(smallest, largest, lacked_by_one, lacked_by_all, alike=len(kinds) <= 1)
+
+
+def _lacked_by_all(engines: list[ModelFacts]) -> frozenset[str]:
+    """ROUTED_OPTIONS every one of `engines` reports unsupported (none: none)."""
+    lacked = [f.unsupported.intersection(ROUTED_OPTIONS) for f in engines]
+    return frozenset.intersection(*lacked) if lacked else frozenset()
 
 
 def generating_facts(
@@ -403,14 +434,16 @@ def generating_facts(
     ]
 
 
-def lack_of(record: EngineRecord, model: str | None, needs: RequestNeeds) -> str | None:
+def lack_of(
+    record: EngineRecord, model: str | None, needs: RequestNeeds, decode_engines_prefill: bool
+) -> str | None:
     """What the engine of `record` lacks for a request of `needs` on its hop ("max_context_length
-    1024 < 8192", "generation.supports_priority false"); None where it takes it (`unmet`),
-    or its identity is not read."""
+    1024 < 8192", "generation.supports_priority false"; `RequestNeeds.on_hop_of`); None where
+    it takes it (`unmet`), or its identity is not read."""
     if record.identity is None:
         return None
     facts = record.identity.facts_of(model)
-    hop = needs.on_hop_of(record)
+    hop = needs.on_hop_of(record, decode_engines_prefill)
     path = unmet(facts, hop)
     if path is None:
         return None
@@ -418,13 +451,18 @@ def lack_of(record: EngineRecord, model: str | None, needs: RequestNeeds) -> str
     return f"{path} {limits_of(facts).get(path)} < {need}" if need is not None else f"{path} false"
 
 
-def _lacks(records: Iterable[EngineRecord], model: str | None, needs: RequestNeeds) -> list[str]:
+def _lacks(
+    records: Iterable[EngineRecord],
+    model: str | None,
+    needs: RequestNeeds,
+    decode_engines_prefill: bool,
+) -> list[str]:
     """What each of `records` lacks for a request of `needs` ("small max_context_length 1024
     < 8192"), of those that lack anything."""
     return [
         f"{record.engine_id} {lack}"
         for record in records
-        if (lack := lack_of(record, model, needs)) is not None
+        if (lack := lack_of(record, model, needs, decode_engines_prefill)) is not None
     ]
 
 
@@ -445,8 +483,11 @@ def _past_context(
 class Eligibility:
     """The engines that can take a request, among a model's candidates (see the module doc)."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, *, decode_engines_prefill: bool) -> None:
         self.registry = registry
+        # Whether a decode engine may prefill a prompt itself (`Router.decode_engines_prefill`):
+        # then it computes the prompt logprobs a request asks, else never (`on_hop_of`).
+        self.decode_engines_prefill = decode_engines_prefill
         # Per model and path (`_of`): the aggregated path's, and every role's.
         self._bounds = RegistryMemo(registry, self._bounds_of)
 
@@ -463,10 +504,14 @@ class Eligibility:
         """`_of` (model, role), from every engine."""
         model, role = path
         serving = self.registry.may_serve_records(model)
-        return bounds_of(
-            generating_facts(serving, model, role=role),
-            generating_facts(serving, model, finishing=True, role=role),
-        )
+        finishing = generating_facts(serving, model, finishing=True, role=role)
+        prompting = finishing
+        if not self.decode_engines_prefill:  # decode engines never compute a prompt
+            computing = [
+                r for r in serving if r.identity is None or r.identity.role is not Role.DECODE
+            ]
+            prompting = generating_facts(computing, model, role=role)
+        return bounds_of(generating_facts(serving, model, role=role), finishing, prompting)
 
     def candidates(
         self,
@@ -523,7 +568,9 @@ class Eligibility:
             return None
         # The least prompt past it, by what its own hop took (a prefill engine's: the prompt
         # and one token, `RequestNeeds.on_hop_of`).
-        needs = needs.with_prompt(past - needs.on_hop_of(record).min_output_tokens)
+        needs = needs.with_prompt(
+            past - needs.on_hop_of(record, self.decode_engines_prefill).min_output_tokens
+        )
         try:
             return self._taking(model, bounds, candidates, needs)
         except BeyondFleetError:
@@ -562,7 +609,8 @@ class Eligibility:
         taking = self._taking(model, bounds, candidates, needs)[0]
         if candidates and not taking:
             records = (self.registry.by_engine_id(c.engine_id) for c in candidates)
-            told = _lacks((r for r in records if r is not None), model, needs)
+            read = (r for r in records if r is not None)
+            told = _lacks(read, model, needs, self.decode_engines_prefill)
             raise BeyondFleetError(
                 f"no decode engine takes the prompt of {prompt_tokens} tokens: {', '.join(told)}"
             )
@@ -592,7 +640,13 @@ class Eligibility:
             record = self.registry.by_engine_id(candidate.engine_id)
             if record is None or record.identity is None:
                 continue
-            if unmet(record.identity.facts_of(model), needs.on_hop_of(record)) is None:
+            if (
+                unmet(
+                    record.identity.facts_of(model),
+                    needs.on_hop_of(record, self.decode_engines_prefill),
+                )
+                is None
+            ):
                 out.append(candidate)
         return tuple(out), needs
 
@@ -606,7 +660,7 @@ class Eligibility:
         adapter narrowed the candidates to those that do not take it."""
         routable = self.registry.routable(model, role, generating=True)
         holding = [r for r in routable if not lora_name or r.holds_lora(lora_name)]
-        told = _lacks(holding, model, needs)
+        told = _lacks(holding, model, needs, self.decode_engines_prefill)
         if not told:
             return ""
         adapter = f" with LoRA adapter {lora_name!r}" if lora_name else ""
@@ -616,7 +670,8 @@ class Eligibility:
             for r in routable
             if r not in holding
             and r.identity is not None
-            and unmet(r.identity.facts_of(model), needs.on_hop_of(r)) is None
+            and unmet(r.identity.facts_of(model), needs.on_hop_of(r, self.decode_engines_prefill))
+            is None
         ]
         if without:
             why += f"; it would go to {', '.join(without)}, which do not hold {lora_name!r}"

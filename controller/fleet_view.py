@@ -73,7 +73,7 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     # Generate takes (not a prefill engine's: alone, it serves none), and an option
     # unsupported only when every one says so.
     finishing = generating_facts(records, model or None, finishing=True)
-    routed = bounds_of(generating_facts(records, model or None), finishing)
+    routed = bounds_of(generating_facts(records, model or None), finishing, finishing)
     limits: dict[str, int] = {}
     for facts in serving:
         for path, limit in facts.limits:

@@ -139,7 +139,9 @@ class Controller:
             on_implausible_event_stamp=self._implausible_event_stamp,
             instance_id=self.instance_id,
         )
-        self.eligibility = Eligibility(self.fleet.registry)
+        self.eligibility = Eligibility(
+            self.fleet.registry, decode_engines_prefill=self.router.decode_engines_prefill
+        )
         self.metrics = ControllerMetrics(
             self.fleet.registry,
             self.fleet.event_counters,

@@ -14,7 +14,9 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from typer.testing import CliRunner, Result
 
@@ -23,6 +25,7 @@ from kvplane.cli import app
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_builtin_engines
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,6 +195,38 @@ async def test_complete_sends_token_ids_to_engines_without_a_tokenizer(tmp_path:
         assert answer["text"] == "" and len(answer["token_ids"]) == 4
         assert answer["cached_prompt_tokens"] == answer["route"]["predicted_cached_tokens"] == 32
         assert answer["route"]["engine"] == summary["address"]
+    finally:
+        await close_fleet(fleet)
+
+
+class NoModelInfo(Forwarding):
+    """A sim engine without GetModelInfo (UNIMPLEMENTED), which the controller serves all
+    the same (its facts unknown)."""
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no GetModelInfo here")
+
+
+async def test_complete_against_a_target_without_model_info(tmp_path: Path) -> None:
+    """A target that does not implement GetModelInfo, an engine alone or a controller in
+    front of it, is asked all the same, `--model` given or not: it tells nothing of the
+    model's text, so its text streams as it comes and, where none came (a sim engine has no
+    tokenizer), its token ids are written once the output ends. GetModelInfo's UNIMPLEMENTED
+    used to end the run: with `--model` too once the model's text was asked for."""
+    engine = await start_fronted_engine("e0", NoModelInfo)
+    fleet = await make_fleet(engines=[engine])
+    try:
+        tokens = tmp_path / "prompt.json"
+        tokens.write_text(json.dumps(list(range(1, 41))))
+        for target in (f"127.0.0.1:{engine.port}", fleet.target):
+            for model in ([], ["--model", "sim"]):
+                args = ["-t", target, "--tokens-file", str(tokens), "--max-tokens", "4", *model]
+                done = await complete(*args)
+                assert done.exit_code == 0, (target, model, done.output)
+                generated = done.stdout.split()
+                assert len(generated) == 4 and all(t.isdigit() for t in generated), done.stdout
+                as_json = json.loads((await complete(*args, "-o", "json")).stdout)
+                assert as_json["text"] == "" and len(as_json["token_ids"]) == 4
     finally:
         await close_fleet(fleet)
 

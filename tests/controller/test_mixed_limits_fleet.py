@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -30,7 +30,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.controller.test_admin_cli import cli, cli_json
 from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import engine_answer_or_raise, generate_routed
@@ -407,6 +407,53 @@ async def test_candidates_asked_without_their_flag_go_only_to_an_engine_taking_t
         assert relayed.value.code() == refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert relayed.value.details() == refused.value.details(), relayed.value
         assert "return_prompt_logprobs is false" in (relayed.value.details() or "")
+    finally:
+        await close_fleet(fleet)
+
+
+class PromptLogprobsOf(Forwarding):
+    """A decode engine whose GetModelInfo tells other prompt logprobs than the sim engine
+    behind it (`limits`: the `prompt_logprobs` capabilities' fields it replaces)."""
+
+    limits: ClassVar[dict[str, Any]] = {}
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        for field, value in self.limits.items():
+            setattr(info.generation.prompt_logprobs, field, value)
+        return info
+
+
+class NoPromptLogprobs(PromptLogprobsOf):
+    limits: ClassVar[dict[str, Any]] = {"supported": False, "max_top_n": 2}
+
+
+class FewPromptCandidates(PromptLogprobsOf):
+    limits: ClassVar[dict[str, Any]] = {"max_top_n": 2}
+
+
+async def test_prompt_logprobs_are_asked_of_the_prefill_engine_not_the_decode_engine() -> None:
+    """A prefill engine taking prompt logprobs of 8 candidates beside decode engines that
+    do not (one says unsupported, both 2 candidates at most): decode engines never prefill
+    a prompt here (no `router.skip_prefill_ratio`), and the decode hop is handed the
+    prompt's KV without asking its logprobs (the prefill hop sends them), so such a request
+    is served, its prompt logprobs with 8 candidates. The fleet's largest was the decode
+    engines' (refused INVALID_ARGUMENT, "the largest ... is 2"), and every hop was checked
+    for the prompt logprobs (no decode engine took it: UNAVAILABLE)."""
+    engines: list[ServedEngine] = [
+        await start_sim_engine("p0", role="prefill"),
+        await start_fronted_engine("d0", NoPromptLogprobs, role="decode"),
+        await start_fronted_engine("d1", FewPromptCandidates, role="decode"),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        for i in range(4):
+            request = generate_request(f"p{i}", [5, 6, 7, 8] * 8, max_tokens=2)
+            request.response.prompt_candidates.top_n = 8
+            reply = [r async for r in fleet.gateway.Generate(request)]
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            prompt = [t for r in reply for t in r.prompt.tokens]
+            assert prompt and max(len(t.candidates) for t in prompt) == 8, reply
     finally:
         await close_fleet(fleet)
 
