@@ -396,7 +396,8 @@ class ControllerMetrics:
         self.event_timestamps_implausible.labels(engine).inc()
 
     def forget_engine(self, engine: str) -> None:
-        """Drop an engine's event-lag series (it left the fleet or is a new process)."""
+        """Drop an engine's event-lag series: it left the fleet (a new process of it is counted
+        on in them)."""
         self._event_lags.pop(engine, None)
         for family in (self.event_lag_seconds, self.event_timestamps_implausible):
             with contextlib.suppress(KeyError):

@@ -1,10 +1,13 @@
 """The metrics a dashboard is built from, as the docs name them against what a live fleet's
 /metrics serve: one `kvplane up` of every component (an engine, an indexer following it, a
 controller with `router.replica_sync` on Redis, a planner with an engine of its own), each
-member's /metrics scraped as Prometheus reads it (the text format). Every family served is
-documented (docs/*.md, README.md: its name, `_total` exactly on counters, and its labels where
-the docs give them), and every name the docs give is served, but the old names listed under
-"Renamed metrics", which must not be."""
+member's /metrics scraped as Prometheus reads it (the text format), once a generation has run
+on the engine and through the controller and the planner has sized its pool: labels are read
+from series, which a labelled family has none of before its first use. Every family served is
+documented (docs/*.md, README.md: its name, `_total` exactly on counters, and its labels as the
+docs give them, in braces or a table's labels column; given nowhere: none but the component's
+common ones), and every name the docs give is served, but the old names listed under "Renamed
+metrics", which must not be."""
 
 from __future__ import annotations
 
@@ -12,13 +15,17 @@ import contextlib
 import re
 import signal
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.foundation.test_up import _kill_leftovers, _up
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.foundation.test_up import MEMBER_LINE, _kill_leftovers, _up
 from tests.redis_servers import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +36,8 @@ _METRICS_LINE = re.compile(r"fleet member (\S+) metrics on (http://\S+)")
 _PREFIXES = tuple(f"kvplane_{component}_" for component in COMPONENTS)
 # Labels every series of a component has, said once in its docs ("all labelled with model").
 _COMMON_LABELS = {"engine": {"model"}}
+# The header of a table of metrics whose second column gives each row's labels (planner.md).
+_LABELS_TABLE = re.compile(r"\|\s*metric\s*\|\s*labels\s*\|")
 
 
 def _expand(quoted: str, component: str) -> list[tuple[str, frozenset[str] | None]]:
@@ -74,7 +83,24 @@ def _documented() -> tuple[dict[str, set[frozenset[str] | None]], set[str]]:
                         renamed.add(name)
                     elif name.startswith(_PREFIXES) and not name.endswith("_"):  # `x_*`: many
                         documented.setdefault(name, set()).add(labels)
+            for name, labels in _table_rows(paragraph, own):
+                documented.setdefault(name, set()).add(labels)
     return documented, renamed
+
+
+def _table_rows(paragraph: str, component: str) -> list[tuple[str, frozenset[str]]]:
+    """Each metric of a `| metric | labels | ... |` table with the labels its row gives (an
+    empty cell: none)."""
+    lines = paragraph.strip().splitlines()
+    if not lines or not _LABELS_TABLE.match(lines[0]):
+        return []
+    rows = []
+    for line in lines[2:]:  # past the header and its rule
+        cells = line.split("|")
+        labels = frozenset(re.findall(r"`(\w+)`", cells[2]))
+        for match in _QUOTED.finditer(cells[1]):
+            rows += [(name, labels) for name, _ in _expand(match.group(1), component)]
+    return rows
 
 
 def _served(url: str) -> dict[str, tuple[str, frozenset[str] | None, str]]:
@@ -125,20 +151,47 @@ def served(
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(_fleet(redis_server.url))
     proc = _up(fleet, tmp_path)
+    members: dict[str, tuple[str, int]] = {}  # name -> (address, pid)
     urls: dict[str, str] = {}
     try:
         assert proc.stderr is not None
-        while len(urls) < len(COMPONENTS):
+        while len(urls) < len(COMPONENTS):  # up names each member, then its /metrics
             line = proc.stderr.readline()
             assert line or proc.poll() is None, "kvplane up ended before its fleet served"
+            if match := MEMBER_LINE.search(line):
+                members[match.group(1)] = (match.group(3), int(match.group(4)))
             if match := _METRICS_LINE.search(line):
                 urls[match.group(1)] = match.group(2)
+        _generate(members["engine-0"][0])
+        _generate(members["controller"][0])
+        _wait_for_series(urls["planner"], "kvplane_planner_engines_wanted")
         return {name: _served(url) for name, url in urls.items()}
     finally:
         proc.send_signal(signal.SIGINT)  # up stops the planner (and its engine), then the rest
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=60)
-        _kill_leftovers(proc, [])
+        _kill_leftovers(proc, [pid for _, pid in members.values()])
+
+
+def _generate(address: str) -> None:
+    """One generation at `address` (an engine or the controller), run to its end."""
+    request = pb.GenerateRequest(
+        request_id=f"metrics-{address}",
+        model="sim",
+        token_ids=pb.TokenIds(ids=list(range(1, 33))),
+        stopping=pb.StoppingOptions(max_tokens=4, ignore_eos=True),
+    )
+    with grpc.insecure_channel(address) as channel:
+        replies = list(pb_grpc.OpenEngineStub(channel).Generate(request, timeout=60))
+    assert replies and replies[-1].WhichOneof("event") == "finished", replies[-1:]
+
+
+def _wait_for_series(url: str, name: str) -> None:
+    """Until the family `name` at `url` has a series (a gauge its component sets later)."""
+    deadline = time.monotonic() + 60
+    while _served(url)[name][1] is None:
+        assert time.monotonic() < deadline, f"no series of {name} at {url}"
+        time.sleep(0.2)
 
 
 def _component(name: str) -> str:
@@ -162,8 +215,9 @@ def test_every_served_metric_is_documented_with_its_type_and_labels(
                 continue
             if name.endswith("_total") != (kind == "counter"):
                 problems.append(f"{member}: {name} is a {kind}")
-            common = _COMMON_LABELS.get(_component(name), set())
-            given = {frozenset(set(g) | common) for g in documented[name] if g is not None}
+            common = frozenset(_COMMON_LABELS.get(_component(name), set()))
+            # Labels given nowhere: the metric has none but its component's common ones.
+            given = {g | common for g in documented[name] if g is not None} or {common}
             if labels is None:  # no series to read them from
                 continue
             problems.extend(
