@@ -73,7 +73,9 @@ class EventDecodeError(KvEventDecodeError):
 
 @dataclass(frozen=True, slots=True)
 class ZmqMessage:
-    topic: str
+    # None: the message had no topic frame (`[seq, payload]`, older vLLM's replay replies),
+    # which is not the same as an empty one (a publisher whose topic is "").
+    topic: str | None
     seq: int
     payload: bytes
 
@@ -82,11 +84,11 @@ def decode_frames(frames: Sequence[bytes]) -> ZmqMessage:
     """A live PUB message: `[topic, seq, payload]` or `[seq, payload]`."""
     if len(frames) == 3:
         topic, seq, payload = frames
-    elif len(frames) == 2:
-        topic, (seq, payload) = b"", frames
-    else:
-        raise FrameError(f"expected 2 or 3 frames, got {len(frames)}")
-    return ZmqMessage(_decode_topic(topic), _decode_seq(seq), bytes(payload))
+        return ZmqMessage(_decode_topic(topic), _decode_seq(seq), bytes(payload))
+    if len(frames) == 2:
+        seq, payload = frames
+        return ZmqMessage(None, _decode_seq(seq), bytes(payload))
+    raise FrameError(f"expected 2 or 3 frames, got {len(frames)}")
 
 
 def decode_replay_reply(frames: Sequence[bytes]) -> ZmqMessage | None:
