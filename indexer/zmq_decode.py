@@ -2,8 +2,9 @@
 
 Pure: bytes in, `indexer.engine_events` out. The contract:
 
-- live messages are `[topic, seq, payload]` or `[seq, payload]`; `seq` is 8 bytes big-endian
-  unsigned; any other frame count or seq width is a `FrameError`;
+- live messages are `[topic, seq, payload]` or `[seq, payload]` (topic None: no topic frame,
+  unlike an empty one); `seq` is 8 bytes big-endian unsigned; any other frame count or seq
+  width is a `FrameError`;
 - replay replies are the same behind an empty delimiter frame, and the end marker is
   `[b"", b"", ff*8, b""]` (or without the topic frame);
 - the payload is msgpack `[ts, events, data_parallel_rank]` (or a map with those keys); a
