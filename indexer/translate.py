@@ -294,7 +294,8 @@ class WorkerTranslator:
             # model's block.
             return None
         parent: BlockKey | None = None
-        if event.parent_block_hash is not None:
+        # The parent keys the first block only: a live first block has its key already.
+        if known[0] is None and event.parent_block_hash is not None:
             parent_live = self._live.get(to_sfixed64(event.parent_block_hash))
             if parent_live is None:
                 return None

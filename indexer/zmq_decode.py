@@ -2,8 +2,9 @@
 
 Pure: bytes in, `indexer.engine_events` out. The contract:
 
-- live messages are `[topic, seq, payload]` or `[seq, payload]`; `seq` is 8 bytes big-endian
-  unsigned; any other frame count or seq width is a `FrameError`;
+- live messages are `[topic, seq, payload]` or `[seq, payload]` (topic None: no topic frame,
+  unlike an empty one); `seq` is 8 bytes big-endian unsigned; any other frame count or seq
+  width is a `FrameError`;
 - replay replies are the same behind an empty delimiter frame, and the end marker is
   `[b"", b"", ff*8, b""]` (or without the topic frame);
 - the payload is msgpack `[ts, events, data_parallel_rank]` (or a map with those keys); a
@@ -73,7 +74,9 @@ class EventDecodeError(KvEventDecodeError):
 
 @dataclass(frozen=True, slots=True)
 class ZmqMessage:
-    topic: str
+    # None: the message had no topic frame (`[seq, payload]`, older vLLM's replay replies),
+    # which is not the same as an empty one (a publisher whose topic is "").
+    topic: str | None
     seq: int
     payload: bytes
 
@@ -82,11 +85,11 @@ def decode_frames(frames: Sequence[bytes]) -> ZmqMessage:
     """A live PUB message: `[topic, seq, payload]` or `[seq, payload]`."""
     if len(frames) == 3:
         topic, seq, payload = frames
-    elif len(frames) == 2:
-        topic, (seq, payload) = b"", frames
-    else:
-        raise FrameError(f"expected 2 or 3 frames, got {len(frames)}")
-    return ZmqMessage(_decode_topic(topic), _decode_seq(seq), bytes(payload))
+        return ZmqMessage(_decode_topic(topic), _decode_seq(seq), bytes(payload))
+    if len(frames) == 2:
+        seq, payload = frames
+        return ZmqMessage(None, _decode_seq(seq), bytes(payload))
+    raise FrameError(f"expected 2 or 3 frames, got {len(frames)}")
 
 
 def decode_replay_reply(frames: Sequence[bytes]) -> ZmqMessage | None:

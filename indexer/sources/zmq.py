@@ -1257,7 +1257,9 @@ def _subscriptions(topic: str) -> tuple[bytes, ...]:
     return (topic.encode(), TWO_FRAME_SUBSCRIPTION) if topic else (b"",)
 
 
-def _is_wanted_topic(message_topic: str, topic: str) -> bool:
+def _is_wanted_topic(message_topic: str | None, topic: str) -> bool:
     """Whether a message (live or replayed) is the source's: under its topic, or without a
-    topic frame (2-frame messages, older vLLM's replay replies: topic "")."""
-    return not message_topic or message_topic.startswith(topic)
+    topic frame (2-frame messages, older vLLM's replay replies: topic None). An empty topic
+    frame is a topic like any other: the SUB's filter keeps it out of a source with a topic,
+    so the replay must too."""
+    return message_topic is None or message_topic.startswith(topic)

@@ -413,6 +413,20 @@ def test_new_blocks_around_live_ones_chain_from_the_block_before_them() -> None:
     ]
 
 
+def test_a_live_first_block_keys_the_new_ones_after_it_whatever_its_parent() -> None:
+    """The event's parent keys its first block only: with that block live (a second copy),
+    the new blocks after it chain from its key, even once the parent is gone from the
+    worker (before, the whole event went unresolved and block 3 unindexed)."""
+    translator = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2)
+    tokens = tuple(range(40, 46))
+    keys = block_keys(tokens, 2)
+    translator.translate([BlockStored((1, 2), token_ids=tokens[:4])])
+    translator.translate([BlockRemoved((1,))])
+    event = BlockStored((2, 3), parent_block_hash=1, token_ids=tokens[2:])
+    assert [k for a in _actions(translator.translate([event])) for k in a.hashes] == [keys[2]]
+    assert translator.counters.num_unresolved == 0
+
+
 def _canonical_keys(*events: BlockStored) -> list[int]:
     batches = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2).translate(events)
     return [k for a in _actions(batches) for k in a.hashes]

@@ -219,7 +219,8 @@ def test_a_timestamp_that_is_not_finite_is_named_so(ts: float) -> None:
 def test_frames() -> None:
     assert decode_frames([b"kv@a", SEQ7, b"p"]).topic == "kv@a"
     message = decode_frames([SEQ7, b"p"])
-    assert (message.topic, message.seq, message.payload) == ("", 7, b"p")
+    assert (message.topic, message.seq, message.payload) == (None, 7, b"p")
+    assert decode_frames([b"", SEQ7, b"p"]).topic == ""  # an empty topic is not no topic
     for frames in ([b"x"], [b"a", b"b", b"c", b"d", b"e"], [], [b"t", b"short", b"p"]):
         with pytest.raises(FrameError):
             decode_frames(frames)
@@ -230,7 +231,9 @@ def test_replay_replies_with_and_without_topic_and_the_end_marker() -> None:
     without_topic = decode_replay_reply([b"", SEQ7, b"p"])
     assert with_topic is not None and without_topic is not None
     assert (with_topic.seq, with_topic.topic) == (7, "kv@a")
-    assert (without_topic.seq, without_topic.topic) == (7, "")
+    assert (without_topic.seq, without_topic.topic) == (7, None)
+    empty_topic = decode_replay_reply([b"", b"", SEQ7, b"p"])
+    assert empty_topic is not None and empty_topic.topic == ""
     assert decode_replay_reply([b"", b"", b"\xff" * 8, b""]) is None
     assert decode_replay_reply([b"", b"\xff" * 8, b""]) is None
     with pytest.raises(FrameError):
