@@ -25,7 +25,8 @@ for it; and where an engine refuses such a prompt INVALID_ARGUMENT, maybe for it
 it goes to one taking a longer context: `Eligibility.past_refusal`; its `min_tokens` alone
 is judged all the same, a context the prompt can only lengthen), the number of
 outputs, the logprob candidates, and the options a request uses (text or token input,
-logprobs, read as the engine reads them: `kvplane.logprobs_asked`, guided decoding,
+logprobs, read as the engine reads them: `kvplane.logprobs_asked`, their candidates'
+selection mode, where an engine lists its modes, guided decoding,
 priority, stop in output, cache salt, prefix cache bypass).
 Every hop's engine is checked alike, but for the output a prefill engine's hop produces:
 the prompt and one token, whatever `min_tokens` asks, and for the prompt logprobs a decode
@@ -56,7 +57,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from controller.model_info import CAPABILITY_FLAGS, REQUEST_LIMITS
+from controller.model_info import (
+    CAPABILITY_FLAGS,
+    REQUEST_LIMITS,
+    SELECTION_OPTIONS,
+    selection_option,
+)
 from controller.registry import EngineRecord, ModelFacts, Registry, RegistryMemo, Role
 from controller.router import Candidate
 from kvplane.errors import KvplaneError
@@ -73,10 +79,16 @@ ROUTED_LIMITS = tuple(
 )
 # ModelInfo's flags (CAPABILITY_FLAGS) of the request options routing honours per engine:
 # the input kinds and generation's options (not multimodal input, nor a pooling task's).
-ROUTED_OPTIONS = tuple(
-    flag
-    for flag in CAPABILITY_FLAGS
-    if flag in ("supports_text_input", "supports_token_ids_input") or flag.startswith("generation.")
+# And the logprobs' candidate selection modes (SELECTION_OPTIONS), read from the lists of them
+# GetModelInfo gives.
+ROUTED_OPTIONS = (
+    *(
+        flag
+        for flag in CAPABILITY_FLAGS
+        if flag in ("supports_text_input", "supports_token_ids_input")
+        or flag.startswith("generation.")
+    ),
+    *SELECTION_OPTIONS,
 )
 
 
@@ -198,10 +210,13 @@ class RequestNeeds(NamedTuple):
 
 # The limits a request's context needs (`RequestNeeds.with_prompt`).
 _PROMPT_LIMITS = (CONTEXT_LIMIT, KV_CACHE_LIMIT)
-# The limit and the option of a request's prompt logprobs: needed of the engine computing
-# its prompt, not of a decode engine handed its KV (`RequestNeeds.on_hop_of`).
+# The limit and the options of a request's prompt logprobs (`supported`, the candidate
+# selection modes): needed of the engine computing its prompt, not of a decode engine handed
+# its KV (`RequestNeeds.on_hop_of`).
 PROMPT_LOGPROBS = frozenset(
-    {"generation.prompt_logprobs.max_top_n", "generation.prompt_logprobs.supported"}
+    path
+    for path in (*ROUTED_LIMITS, *ROUTED_OPTIONS)
+    if path.startswith("generation.prompt_logprobs.")
 )
 
 
@@ -225,8 +240,9 @@ class _Asks(NamedTuple):
 
     input: str | None  # its input's kind (`_INPUT_OPTIONS`; None: none given)
     num_sequences: int
-    # ("prompt" or "output", the top_n candidates asked: 0 for none) of each logprobs asked
-    logprobs: tuple[tuple[str, int], ...]
+    # ("prompt" or "output", how its candidates are selected: of SELECTION_MODES, None for
+    # no candidates, the top_n candidates asked: 0 for none) of each logprobs asked
+    logprobs: tuple[tuple[str, str | None, int], ...]
     guided: bool
     priority: bool
     stop_in_output: bool
@@ -244,8 +260,10 @@ def _needs(asks: _Asks) -> RequestNeeds:
         options.add(_INPUT_OPTIONS[asks.input])
     if asks.num_sequences > 1:
         limits.append(("generation.max_num_sequences", asks.num_sequences))
-    for kind, top_n in asks.logprobs:
+    for kind, selection, top_n in asks.logprobs:
         options.add(f"generation.{kind}_logprobs.supported")
+        if selection is not None:
+            options.add(selection_option(kind, selection))
         if top_n:
             limits.append((f"generation.{kind}_logprobs.max_top_n", top_n))
     for asked, option in (
@@ -282,7 +300,9 @@ def needs_of(request: pb.GenerateRequest | vpb.GenerateRequest) -> RequestNeeds:
         _Asks(
             input=request.WhichOneof("input"),
             num_sequences=sampling.num_sequences,
-            logprobs=_logprobs_asked(request.response, openengine_asks, "selection"),
+            logprobs=_logprobs_asked(
+                request.response, openengine_asks, "selection", lambda _: True
+            ),
             guided=request.HasField("guided") and request.guided.WhichOneof("guide") is not None,
             priority=request.HasField("priority"),
             stop_in_output=stopping.include_stop_in_output,
@@ -294,18 +314,27 @@ def needs_of(request: pb.GenerateRequest | vpb.GenerateRequest) -> RequestNeeds:
 
 
 def _logprobs_asked(
-    response: Any, asks: Callable[[Any, str], bool], selection: str
-) -> tuple[tuple[str, int], ...]:
-    """("prompt" or "output", the top_n candidates asked: 0 for none) of each logprobs a
-    request's `response` options ask for, as the engine reads its API's (`asks`, of
-    `kvplane.logprobs_asked`; `selection` the oneof of its candidates' selection)."""
+    response: Any, asks: Callable[[Any, str], bool], selection: str, selects: Callable[[Any], bool]
+) -> tuple[tuple[str, str | None, int], ...]:
+    """("prompt" or "output", how its candidates are selected, the top_n candidates asked: 0
+    for none) of each logprobs a request's `response` options ask for, as the engine reads
+    its API's (`asks`, of `kvplane.logprobs_asked`; `selection` the oneof of its candidates'
+    selection; `selects` whether a selection set asks candidates: a vLLM `top_n` of 0, an
+    empty `token_ids` or `all` false does not)."""
     asked = []
     for kind in KINDS:
         if asks(response, kind):
             candidates = getattr(response, f"{kind}_candidates")
-            top_n = candidates.top_n if candidates.WhichOneof(selection) == "top_n" else 0
-            asked.append((kind, top_n))
+            which = candidates.WhichOneof(selection) if selects(candidates) else None
+            asked.append((kind, which, candidates.top_n if which == "top_n" else 0))
     return tuple(asked)
+
+
+def _vllm_selects(candidates: vpb.CandidateTokens) -> bool:
+    """Whether a `vllm.Generate`'s candidate selection asks any candidates, as the engine
+    reads it (engine/server/vllm_servicer.py: a `top_n` of 0, no `token_ids`, `all` false
+    ask none)."""
+    return bool(candidates.top_n or candidates.token_ids.ids or candidates.all)
 
 
 def _vllm_needs(request: vpb.GenerateRequest) -> RequestNeeds:
@@ -337,7 +366,7 @@ def _vllm_asks(request: vpb.GenerateRequest) -> _Asks:
     return _Asks(
         input=request.WhichOneof("prompt"),
         num_sequences=request.sampling.num_sequences,
-        logprobs=_logprobs_asked(request.response, vllm_asks, "select"),
+        logprobs=_logprobs_asked(request.response, vllm_asks, "select", _vllm_selects),
         guided=structured is not None and (structured != "json_object" or decoding.json_object),
         priority=request.priority != 0,
         stop_in_output=request.stopping.include_stop_strings,
@@ -375,12 +404,47 @@ class _Bounds(NamedTuple):
     alike: bool
 
 
-def bounds_of(
-    serving: list[ModelFacts], finishing: list[ModelFacts], prompting: list[ModelFacts]
-) -> _Bounds:
-    """The bounds over the engines `serving` a model (`generating_facts`), of which those
-    `finishing` a Generate themselves take what the fleet takes, but of its prompt logprobs
-    (`PROMPT_LOGPROBS`), which those `prompting` (computing a prompt) take."""
+class PathEngines(NamedTuple):
+    """The facts of a model on the engines of one path of a request (`path_engines`)."""
+
+    serving: list[ModelFacts]  # every engine generating it
+    # Those finishing a Generate themselves (no prefill engine): what the fleet takes.
+    finishing: list[ModelFacts]
+    # Those computing a prompt: what the fleet takes of its prompt logprobs.
+    prompting: list[ModelFacts]
+
+    def taking(self, path: str) -> list[ModelFacts]:
+        """The engines whose limit or option at `path` (of ROUTED_LIMITS, ROUTED_OPTIONS) is
+        what the fleet takes: those computing a prompt for `PROMPT_LOGPROBS`, else those
+        finishing a Generate."""
+        return self.prompting if path in PROMPT_LOGPROBS else self.finishing
+
+
+def path_engines(
+    serving: Iterable[EngineRecord],
+    model: str | None,
+    role: Role | None,
+    decode_engines_prefill: bool,
+) -> PathEngines:
+    """The facts of `model` on the read engines of `serving` (`generating_facts`) of `role`
+    (None: every role), by what each does on a request's path: where decode engines never
+    prefill a prompt (not `decode_engines_prefill`: no `router.skip_prefill_ratio`), a
+    decode engine computes no prompt (`RequestNeeds.on_hop_of`), the others all do; else
+    those finishing a Generate compute its prompt."""
+    records = list(serving)
+    finishing = generating_facts(records, model, finishing=True, role=role)
+    prompting = finishing
+    if not decode_engines_prefill:
+        computing = [r for r in records if r.identity is None or r.identity.role is not Role.DECODE]
+        prompting = generating_facts(computing, model, role=role)
+    return PathEngines(generating_facts(records, model, role=role), finishing, prompting)
+
+
+def bounds_of(engines: PathEngines) -> _Bounds:
+    """The bounds over the engines serving a model on a path (`path_engines`): the smallest
+    of every one, and the largest and the options lacked by all of those each limit or
+    option is taken by (`PathEngines.taking`)."""
+    serving = engines.serving
     smallest: dict[str, int] = {}
     largest: dict[str, int] = {}
     reported = [limits_of(f) for f in serving]
@@ -388,13 +452,13 @@ def bounds_of(
         values = [limits[path] for limits in reported if path in limits]
         if values:
             smallest[path] = min(values)
-        taking = prompting if path in PROMPT_LOGPROBS else finishing
+        taking = engines.taking(path)
         ends = [limits[path] for limits in map(limits_of, taking) if path in limits]
         if ends and len(ends) == len(taking):
             largest[path] = max(ends)
     lacked_by_one = frozenset().union(*(f.unsupported for f in serving)) & set(ROUTED_OPTIONS)
-    lacked_by_all = (_lacked_by_all(finishing) - PROMPT_LOGPROBS) | (
-        _lacked_by_all(prompting) & PROMPT_LOGPROBS
+    lacked_by_all = (_lacked_by_all(engines.finishing) - PROMPT_LOGPROBS) | (
+        _lacked_by_all(engines.prompting) & PROMPT_LOGPROBS
     )
     kinds = {
         (
@@ -504,14 +568,7 @@ class Eligibility:
         """`_of` (model, role), from every engine."""
         model, role = path
         serving = self.registry.may_serve_records(model)
-        finishing = generating_facts(serving, model, finishing=True, role=role)
-        prompting = finishing
-        if not self.decode_engines_prefill:  # decode engines never compute a prompt
-            computing = [
-                r for r in serving if r.identity is None or r.identity.role is not Role.DECODE
-            ]
-            prompting = generating_facts(computing, model, role=role)
-        return bounds_of(generating_facts(serving, model, role=role), finishing, prompting)
+        return bounds_of(path_engines(serving, model, role, self.decode_engines_prefill))
 
     def candidates(
         self,

@@ -21,20 +21,20 @@ from controller.eligibility import (
     ROUTED_LIMITS,
     ROUTED_OPTIONS,
     bounds_of,
-    generating_facts,
     largest_input_context,
     longest_context,
+    path_engines,
 )
 from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts, Registry
 
 FLEET_VIEW_KEY = "kvplane-fleet-view"
 
 
-def fleet_view(registry: Registry) -> str:
+def fleet_view(registry: Registry, decode_engines_prefill: bool) -> str:
     """The digest of what the fleet's engines (those read and not incompatible, as
     GetEngineInfo lists them) tell of themselves, one by one (any of them may answer
     GetModelInfo) and summed up per model (`fleet_facts`: an engine like the others joining
-    moves the sums only)."""
+    moves the sums only; `decode_engines_prefill` as routing's)."""
     read = [
         r.identity
         for r in registry.records()
@@ -42,50 +42,55 @@ def fleet_view(registry: Registry) -> str:
     ]
     described = sorted({_described(identity) for identity in read})
     models = sorted({m for identity in read for m in identity.models})
+    serving = registry.may_serve_records
     summed = [
-        f"fleet {model}:{_facts_text(fleet_facts(registry.may_serve_records(model), model))}"
+        f"fleet {model}:{_facts_text(fleet_facts(serving(model), model, decode_engines_prefill))}"
         for model in models
     ]
     return hashlib.sha256("\n".join(described + summed).encode()).hexdigest()[:16]
 
 
-def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
+def fleet_facts(
+    records: Iterable[EngineRecord], model: str, decode_engines_prefill: bool
+) -> ModelFacts:
     """The fleet's facts of `model` over the read engines of `records` (those that may serve
     it, routable or not: `Registry.may_serve_records`; a request may be routed to any of
     them), as the gateway's GetModelInfo answers
     them: each request limit (REQUEST_LIMITS) the smallest any reports, so that a request
     within them is not refused wherever it goes, but one routing honours per engine
-    (controller.eligibility) the largest (the context of each no more than its KV cache
-    holds: `_served_context`; for a model with pooling tasks, the smaller of the largest a
-    Generate and the largest a pooling task's input is routed to); a request option
-    (CAPABILITY_FLAGS) unsupported
+    (controller.eligibility) the largest of the engines routing asks it of (of the prompt
+    logprobs, those computing a prompt: not a decode engine where decode engines never
+    prefill, not `decode_engines_prefill`; `PathEngines.taking`), the context of each no
+    more than its KV cache holds (`_served`; for a model with pooling tasks, the smaller of
+    the largest a Generate and the largest a pooling task's input is routed to); a request
+    option (CAPABILITY_FLAGS, a candidate selection mode: SELECTION_OPTIONS) unsupported
     when one says so (a pooling task's, of those with the task: `ModelFacts.constrains`),
-    one routing honours when every one says so; the model's name (`served_name`) while they
-    agree on one; the capacity, `total_kv_blocks` and `max_running_requests`,
-    their sum (KV blocks only while they are of one size, else None); the block size while
-    they agree on one; the pooling tasks any has; generated when any generates it; LoRA
-    supported when an engine generating it says so (False when every one says not). None
-    where none reports it."""
+    one routing honours when every engine routing asks it of says so; the model's name
+    (`served_name`) while they agree on one; the capacity, `total_kv_blocks` and
+    `max_running_requests`, their sum (KV blocks only while they are of one size, else
+    None); the block size while they agree on one; the pooling tasks any has; generated
+    when any generates it; LoRA supported when an engine generating it says so (False when
+    every one says not). None where none reports it."""
     records = list(records)
     serving = [r.identity.facts_of(model) for r in records if r.identity is not None]
     # Where routing honours an engine's limit or option (ROUTED_LIMITS, ROUTED_OPTIONS: a
-    # Generate goes only to an engine that takes it), the largest any engine finishing a
-    # Generate takes (not a prefill engine's: alone, it serves none), and an option
-    # unsupported only when every one says so.
-    finishing = generating_facts(records, model or None, finishing=True)
-    routed = bounds_of(generating_facts(records, model or None), finishing, finishing)
+    # Generate goes only to an engine that takes it), the largest any engine routing asks it
+    # of takes (one finishing a Generate, not a prefill engine: alone, it serves none; of the
+    # prompt logprobs, one computing a prompt), and an option unsupported only when every
+    # such engine says so: as routing judges a request on any path (`path_engines`).
+    engines = path_engines(records, model or None, None, decode_engines_prefill)
+    routed = bounds_of(engines)
     limits: dict[str, int] = {}
     for facts in serving:
         for path, limit in facts.limits:
             if facts.constrains(path) and (path not in limits or limit < limits[path]):
                 limits[path] = limit
-    # An engine's context as far as its KV cache holds it (`_served_context`): a controller
+    smallest_context = limits.get(CONTEXT_LIMIT)
+    # An engine's context as far as its KV cache holds it (`_served`): a controller
     # fronting this one sees the summed cache, not one engine's, and would send it a prompt
     # that no single engine here holds.
-    served = [{**dict(f.limits), **_served_context(f)} for f in finishing]
-    smallest_context = limits.get(CONTEXT_LIMIT)
     for path in ROUTED_LIMITS:
-        largest = _largest(served, path)
+        largest = _largest(map(_served, engines.taking(path)), path)
         if largest is not None:
             limits[path] = largest
     tasked = [f for f in serving if f.tasks]
@@ -94,7 +99,7 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
         # input the engines with a task take (the smallest context where one does not tell
         # its own), and the smaller of that and a Generate's where the model does both.
         pooled = largest_input_context(tasked) or smallest_context
-        generated = _largest(served, CONTEXT_LIMIT)
+        generated = _largest(map(_served, engines.finishing), CONTEXT_LIMIT)
         limits[CONTEXT_LIMIT] = pooled if generated is None else min(pooled, generated)
     names = {f.served_name for f in serving if f.served_name}
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
@@ -120,11 +125,11 @@ def fleet_facts(records: Iterable[EngineRecord], model: str) -> ModelFacts:
     )
 
 
-def _served_context(facts: ModelFacts) -> dict[str, int]:
-    """The longest context the engine of `facts` serves (`CONTEXT_LIMIT`, where it reports it
-    or its KV cache: `longest_context`)."""
+def _served(facts: ModelFacts) -> dict[str, int]:
+    """The limits of the engine of `facts`, by path, its context the longest it serves
+    (`CONTEXT_LIMIT`, where it reports it or its KV cache: `longest_context`)."""
     longest = longest_context(facts)
-    return {} if longest is None else {CONTEXT_LIMIT: longest}
+    return dict(facts.limits) if longest is None else {**dict(facts.limits), CONTEXT_LIMIT: longest}
 
 
 def _largest(served: Iterable[dict[str, int]], path: str) -> int | None:

@@ -111,7 +111,12 @@ from controller.fleet_view import FLEET_VIEW_KEY, fleet_facts, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
 from controller.metrics import Reroute
-from controller.model_info import CAPABILITY_FLAGS, field_holder
+from controller.model_info import (
+    CAPABILITY_FLAGS,
+    SELECTION_MODES,
+    field_holder,
+    selection_option,
+)
 from controller.outcomes import (
     ENGINE_METADATA_KEY,
     MODEL_METADATA_KEY,
@@ -151,6 +156,7 @@ from kvplane import __version__
 from kvplane.enum_names import enum_name
 from kvplane.error_codes import status_form
 from kvplane.errors import KvplaneError
+from kvplane.logprobs_asked import KINDS
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -1593,8 +1599,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         reply.attributes["engines"] = str(len(records))
         reply.attributes["routable_engines"] = str(sum(r.routable for r in records))
         # A controller fronting this one reads its identity again when this moves.
-        reply.attributes[FLEET_VIEW_KEY] = fleet_view(self.controller.fleet.registry)
+        reply.attributes[FLEET_VIEW_KEY] = self._fleet_view()
         return reply
+
+    def _fleet_view(self) -> str:
+        """The version of what the fleet tells of itself (`fleet_view`), its facts as
+        routing judges them."""
+        prefill = self.controller.eligibility.decode_engines_prefill
+        return fleet_view(self.controller.fleet.registry, prefill)
 
     def _block_size_of(self, record: EngineRecord) -> int:
         """The tokens one of the engine's KV blocks holds: its models' block size, else the
@@ -1731,7 +1743,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # is among them (a ring of controllers, `controller.hops`).
         fronted = sorted(self.controller.fleet.registry.fronted_controller_ids())
         # And the fleet view this answer is of: GetLoad's telling it moved is compared with it.
-        view = (FLEET_VIEW_KEY, fleet_view(self.controller.fleet.registry))
+        view = (FLEET_VIEW_KEY, self._fleet_view())
         context.set_trailing_metadata([(FRONTS_METADATA_KEY, i) for i in fronted] + [view])
         return pb.EngineInfo(
             engine_name=CONTROLLER_ENGINE_NAME,
@@ -1805,7 +1817,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         await _require_model(self.controller, request.model, context)
         registry = self.controller.fleet.registry
         records = registry.routable(request.model)
-        fleet = fleet_facts(registry.may_serve_records(request.model), request.model)
+        fleet = fleet_facts(
+            registry.may_serve_records(request.model),
+            request.model,
+            self.controller.eligibility.decode_engines_prefill,
+        )
         # A generating engine answers where one serves the model: a pooling-only one's answer
         # has no `generation`, which says the model is not generated (a controller fronting
         # this one, reading it, would refuse the model's Generates until its view moved).
@@ -1859,6 +1875,18 @@ def _as_the_fleets(reply: pb.ModelInfo, fleet: ModelFacts, model: str) -> None:
             setattr(holder, name, False)
         elif flag in ROUTED_OPTIONS and holder.HasField(name) and not getattr(holder, name):
             setattr(holder, name, True)
+    # Likewise the logprobs' candidate selection modes (routing honours them: ROUTED_OPTIONS):
+    # each but those every engine lists its modes without, where an engine lists them.
+    if reply.HasField("generation"):
+        for kind in KINDS:
+            capabilities = getattr(reply.generation, f"{kind}_logprobs")
+            served = [
+                mode
+                for selection, mode in SELECTION_MODES.items()
+                if selection_option(kind, selection) not in fleet.unsupported
+            ]
+            if capabilities.candidate_selection_modes or len(served) < len(SELECTION_MODES):
+                capabilities.candidate_selection_modes[:] = served
     # Not the answering engine's, where engines differ: the block size they share (absent
     # when they differ, as GetLoad's `kv_block_size` lists them), the model's name they
     # share (the name asked for when they differ: every one serves it).

@@ -10,6 +10,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from controller.registry import ModelFacts
+from kvplane.logprobs_asked import KINDS
 from openengine.v1 import openengine_pb2 as pb
 
 # The pooling tasks, as ModelInfo.tasks names their capabilities.
@@ -55,6 +56,26 @@ CAPABILITY_FLAGS = (
     "tasks.score.supports_instruction",
 )
 
+# The ways a request selects its logprobs' candidates (OpenEngine's CandidateTokenSelection
+# and vLLM's CandidateTokens name them alike), each with the mode an engine's
+# `candidate_selection_modes` lists it by.
+SELECTION_MODES = {
+    "top_n": pb.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,
+    "token_ids": pb.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS,
+    "all": pb.CANDIDATE_TOKEN_SELECTION_MODE_ALL,
+}
+
+
+def selection_option(kind: str, selection: str) -> str:
+    """The request option of selecting `kind` ("prompt", "output") logprobs' candidates by
+    `selection` (of SELECTION_MODES), by path, as CAPABILITY_FLAGS name theirs: an engine
+    whose GetModelInfo lists its candidate selection modes for `kind` lacks it where the
+    list leaves its mode out (an empty list reports none: it may take any)."""
+    return f"generation.{kind}_logprobs.candidate_selection_modes.{selection}"
+
+
+SELECTION_OPTIONS = tuple(selection_option(k, s) for k in KINDS for s in SELECTION_MODES)
+
 
 def field_holder(model: Message, flag: str) -> tuple[Message | None, str]:
     """The message of `model` holding the field at path `flag` (of CAPABILITY_FLAGS or
@@ -74,8 +95,18 @@ def reported(model: Message, path: str) -> Any:
 
 
 def unsupported(model: pb.ModelInfo) -> frozenset[str]:
-    """The CAPABILITY_FLAGS GetModelInfo reports false (absent: not reported)."""
-    return frozenset(flag for flag in CAPABILITY_FLAGS if reported(model, flag) is False)
+    """The CAPABILITY_FLAGS GetModelInfo reports false (absent: not reported), and the
+    SELECTION_OPTIONS of the candidate selection modes it leaves out of a list it gives."""
+    flags = {flag for flag in CAPABILITY_FLAGS if reported(model, flag) is False}
+    for kind in KINDS:
+        modes = getattr(model.generation, f"{kind}_logprobs").candidate_selection_modes
+        if modes:
+            flags.update(
+                selection_option(kind, s)
+                for s, mode in SELECTION_MODES.items()
+                if mode not in modes
+            )
+    return frozenset(flags)
 
 
 def supported_tasks(model: pb.ModelInfo) -> frozenset[str]:

@@ -298,7 +298,8 @@ class ModelFacts:
     limits: tuple[tuple[str, int], ...] = ()
     # Requests it runs at once (the KV capacity is `total_kv_blocks`).
     max_running_requests: int | None = None
-    # The request options it says it does not support (CAPABILITY_FLAGS reported false).
+    # The request options it says it does not support (CAPABILITY_FLAGS reported false, and
+    # the SELECTION_OPTIONS of candidate selection modes a list of them leaves out).
     unsupported: frozenset[str] = frozenset()
     # The model's own name (served_model_name): the name asked for, or the model an alias
     # stands for; "" when not said.

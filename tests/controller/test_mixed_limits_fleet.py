@@ -194,9 +194,10 @@ def test_what_routing_honours_is_of_what_model_info_tells() -> None:
     option a request may need (`needs_of`, asking everything) is one of them: a need of a
     name no engine reports would pass every engine unread."""
     from controller.eligibility import KV_CACHE_LIMIT, needs_of
+    from controller.model_info import SELECTION_OPTIONS
 
     assert set(ROUTED_LIMITS) <= set(REQUEST_LIMITS)
-    assert set(ROUTED_OPTIONS) <= set(CAPABILITY_FLAGS)
+    assert set(ROUTED_OPTIONS) <= {*CAPABILITY_FLAGS, *SELECTION_OPTIONS}
     everything = pb.GenerateRequest(
         sampling=pb.SamplingParams(num_sequences=4),
         stopping=pb.StoppingOptions(min_tokens=3, include_stop_in_output=True),
@@ -215,6 +216,12 @@ def test_what_routing_honours_is_of_what_model_info_tells() -> None:
         needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]))),
     ]
     needs.append(needs_of(everything).with_prompt(10))
+    for selection in (
+        pb.CandidateTokenSelection(token_ids=pb.TokenIds(ids=[1])),
+        pb.CandidateTokenSelection(all=pb.AllCandidates()),
+    ):
+        response = pb.ResponseOptions(prompt_candidates=selection, output_candidates=selection)
+        needs.append(needs_of(pb.GenerateRequest(prompt="hi", response=response)))
     assert {path for n in needs for path, _ in n.limits} == {*ROUTED_LIMITS, KV_CACHE_LIMIT}
     assert {o for n in needs for o in n.options} == set(ROUTED_OPTIONS)
 
@@ -458,6 +465,143 @@ async def test_prompt_logprobs_are_asked_of_the_prefill_engine_not_the_decode_en
         await close_fleet(fleet)
 
 
+async def test_model_info_tells_the_prompt_logprobs_of_the_engines_computing_a_prompt() -> None:
+    """A prefill engine of a 64-token vocabulary (64 prompt candidates) beside decode
+    engines saying prompt logprobs unsupported, of 2 candidates at most: routing asks prompt
+    logprobs of the prefill engine alone where decode engines never prefill, so the
+    gateway's GetModelInfo advertises them supported with 64 candidates, and a request
+    asking those is served. It advertised the decode engines' (unsupported, 2 candidates),
+    which routing never asks. Where decode engines may prefill (`skip_prefill_ratio`),
+    routing asks them too: then theirs, and a request past them is refused naming 2."""
+    for router, served in (({}, True), ({"skip_prefill_ratio": 0.9}, False)):
+        engines: list[ServedEngine] = [
+            await start_sim_engine("p0", role="prefill", sim={"vocab_size": 64}),
+            await start_fronted_engine("d0", NoPromptLogprobs, role="decode"),
+            await start_fronted_engine("d1", NoPromptLogprobs, role="decode"),
+        ]
+        fleet = await make_fleet(engines=engines, router=router)
+        try:
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            prompt_logprobs = info.generation.prompt_logprobs
+            assert prompt_logprobs.supported is served, (router, info)
+            assert prompt_logprobs.max_top_n == (64 if served else 2), (router, info)
+            request = generate_request("all", [5, 6, 7, 8] * 8, max_tokens=2)
+            request.response.prompt_candidates.top_n = 64
+            call = fleet.gateway.Generate(request)
+            if served:
+                reply = [r async for r in call]
+                prompt = [t for r in reply for t in r.prompt.tokens]
+                assert prompt and max(len(t.candidates) for t in prompt) == 64, reply[-1]
+                continue
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                [r async for r in call]
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+            assert "prompt_logprobs.max_top_n 64; the largest" in (caught.value.details() or "")
+            assert "is 2" in (caught.value.details() or ""), caught.value
+        finally:
+            await close_fleet(fleet)
+
+
+def mode(selection: str) -> pb.CandidateTokenSelectionMode.ValueType:
+    """The candidate selection mode a GetModelInfo lists of a CandidateTokenSelection's
+    `selection` ("top_n", "token_ids", "all")."""
+    return pb.CandidateTokenSelectionMode.Value(
+        f"CANDIDATE_TOKEN_SELECTION_MODE_{selection.upper()}"
+    )
+
+
+class CandidateModes(Forwarding):
+    """An engine selecting its logprobs' candidates by `modes` alone (per kind: "prompt",
+    "output"): its GetModelInfo lists them, and it refuses a Generate
+    selecting by another, INVALID_ARGUMENT, as an engine without the mode does."""
+
+    modes: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        for kind, selections in self.modes.items():
+            listed = [mode(s) for s in selections]
+            getattr(info.generation, f"{kind}_logprobs").candidate_selection_modes[:] = listed
+        return info
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        for kind, selections in self.modes.items():
+            which = getattr(request.response, f"{kind}_candidates").WhichOneof("selection")
+            if which is not None and which not in selections:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{kind} candidates by {which}: unsupported"
+                )
+        async for response in self.inner.Generate(request):
+            yield response
+
+
+class NoWholeVocabulary(CandidateModes):
+    modes: ClassVar[dict[str, tuple[str, ...]]] = {
+        "prompt": ("top_n",),
+        "output": ("top_n", "token_ids"),
+    }
+
+
+class NoTokenIds(CandidateModes):
+    modes: ClassVar[dict[str, tuple[str, ...]]] = {
+        "prompt": ("top_n",),
+        "output": ("top_n", "all"),
+    }
+
+
+async def test_candidates_go_only_to_an_engine_selecting_them_as_asked() -> None:
+    """Round robin between an engine selecting output candidates by top-N or token ids and
+    one by top-N or the whole vocabulary: output candidates by token ids (twice in a row:
+    round robin would send one to each) go to the first, the whole vocabulary to the second,
+    each served; GetModelInfo lists every mode one of
+    them takes for the output (routing honours each engine's), whichever answers, and
+    top-N alone for the prompt, which both take alone; prompt candidates by token ids are
+    the engine's own refusal, relayed as it is. An engine's modes were never read: every
+    other such request went to an engine refusing it, and GetModelInfo listed the
+    answering engine's own."""
+    engines: list[ServedEngine] = [
+        await start_fronted_engine("ids", NoWholeVocabulary, sim={"vocab_size": 64}),
+        await start_fronted_engine("vocab", NoTokenIds, sim={"vocab_size": 64}),
+    ]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+
+    def request(request_id: str, **response: Any) -> pb.GenerateRequest:
+        generate = generate_request(request_id, [5, 6, 7, 8], max_tokens=2)
+        generate.response.CopyFrom(pb.ResponseOptions(**response))
+        return generate
+
+    ids = pb.CandidateTokenSelection(token_ids=pb.TokenIds(ids=[1, 2, 3]))
+    whole = pb.CandidateTokenSelection(all=pb.AllCandidates())
+    try:
+        for i in range(4):
+            selection, engine, count = (ids, engines[0], 3) if i < 2 else (whole, engines[1], 64)
+            reply, route = await generate_routed(
+                fleet, request(f"c{i}", output_candidates=selection)
+            )
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            assert max(len(t.candidates) for r in reply for t in r.token.tokens) == count
+            assert route is not None and route["engine"] == fleet.address(engine), route
+        for cordoned in ("ids", "vocab"):
+            await fleet.admin.Cordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(1)
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            generation = info.generation
+            output = generation.output_logprobs.candidate_selection_modes
+            assert list(output) == [mode("top_n"), mode("token_ids"), mode("all")], info
+            prompt = generation.prompt_logprobs.candidate_selection_modes
+            assert list(prompt) == [mode("top_n")], info
+            await fleet.admin.Uncordon(apb.EngineRef(engine=cordoned))
+            await fleet.wait_routable(2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [r async for r in fleet.gateway.Generate(request("p", prompt_candidates=ids))]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert refused.value.details() == "prompt candidates by token_ids: unsupported"
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_the_aggregated_path_refuses_past_its_own_engines_limits() -> None:
     """Aggregated engines of a short and a middle context beside a long-context decode
     engine: requests take the aggregated path while an aggregated engine is routable, so a
@@ -527,6 +671,24 @@ def test_a_vllm_generate_needs_what_the_same_openengine_generate_needs() -> None
         token_ids=vpb.TokenIds(ids=[1]), decoding=vpb.DecodingParameters(json_object=False)
     )
     assert needs_of(plain) == needs_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))
+    # Each candidate selection mode alike; vLLM's that select none (an empty `token_ids`,
+    # `all` false) ask the logprobs alone, as its engine reads them.
+    for vllm_select, openengine_select in (
+        (vpb.CandidateTokens(token_ids=vpb.TokenIds(ids=[3])), {"token_ids": pb.TokenIds(ids=[3])}),
+        (vpb.CandidateTokens(all=True), {"all": pb.AllCandidates()}),
+        (vpb.CandidateTokens(all=False), {}),
+    ):
+        selected = vpb.GenerateRequest(
+            text="hi",
+            response=vpb.ResponseOptions(output_logprobs=True, output_candidates=vllm_select),
+        )
+        response = pb.ResponseOptions(
+            return_output_logprobs=True,
+            output_candidates=pb.CandidateTokenSelection(**openengine_select),
+        )
+        if not openengine_select:
+            response.ClearField("output_candidates")
+        assert needs_of(selected) == needs_of(pb.GenerateRequest(prompt="hi", response=response))
 
 
 def test_candidates_ask_for_their_logprobs_unless_the_flag_says_false() -> None:
