@@ -10,8 +10,8 @@ What it decides:
 - **Key space.** `engine`: the engine's hash in sfixed64 (`to_sfixed64`). `canonical`:
   kvplane's chained key of the block's tokens (`indexer.keys.block_keys`), with an engine-hash
   -> canonical-key map per worker that resolves removals and re-announcements without tokens.
-  An event that cannot be keyed (no tokens, unknown parent, a LoRA's block with its `lora_id`
-  and no `lora_name`) is skipped and counted.
+  An event that cannot be keyed (no tokens, an unknown parent of a first block not live
+  already, a LoRA's block with its `lora_id` and no `lora_name`) is skipped and counted.
 - **Copies.** vLLM can hold the same hash in two physical blocks and then removes it twice, so
   copies are counted per (tier, KV cache group, engine hash): a block is reported when its
   first copy at a tier appears, in any group, and revoked when its last copy there goes.
@@ -259,7 +259,9 @@ class WorkerTranslator:
                     live.masks[tier] = mask
                     _append_report(out, tier, key, live.parent, block_size, mask=mask)
             elif not held:
-                _append_report(out, tier, key, parent, block_size)
+                # (The parent it has: a live block's, where the event's parent is not live,
+                # is the one stated before, not "a root".)
+                _append_report(out, tier, key, live.parent, block_size)
             parent = key
 
     def _restate_masks(self, out: list[_Run]) -> None:

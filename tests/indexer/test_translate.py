@@ -427,6 +427,21 @@ def test_a_live_first_block_keys_the_new_ones_after_it_whatever_its_parent() -> 
     assert translator.counters.num_unresolved == 0
 
 
+def test_a_live_first_block_new_at_a_tier_is_reported_under_its_parent_not_as_a_root() -> None:
+    """The same, the event storing at another tier: block 2 is new there, and its REPORT,
+    which a bridge's target reads, states the parent block 2 has (key 1), where the event's
+    parent is no longer live (before, none: "block 2 is a root")."""
+    translator = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2)
+    tokens = tuple(range(40, 46))
+    keys = block_keys(tokens, 2)
+    translator.translate([BlockStored((1, 2), token_ids=tokens[:4], medium="GPU")])
+    translator.translate([BlockRemoved((1,), medium="GPU")])
+    event = BlockStored((2, 3), parent_block_hash=1, token_ids=tokens[2:], medium="CPU")
+    assert _actions(translator.translate([event])) == [
+        Action(REPORT, Tier.DRAM, (keys[1], keys[2]), (), (2, 2), keys[0])
+    ]
+
+
 def _canonical_keys(*events: BlockStored) -> list[int]:
     batches = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2).translate(events)
     return [k for a in _actions(batches) for k in a.hashes]
