@@ -20,12 +20,20 @@ from controller.eligibility import (
     CONTEXT_LIMIT,
     ROUTED_LIMITS,
     ROUTED_OPTIONS,
+    PathEngines,
     bounds_of,
     largest_input_context,
     longest_context,
     path_engines,
 )
-from controller.registry import EngineIdentity, EngineRecord, EngineState, ModelFacts, Registry
+from controller.registry import (
+    EngineIdentity,
+    EngineRecord,
+    EngineState,
+    ModelFacts,
+    Registry,
+    Role,
+)
 
 FLEET_VIEW_KEY = "kvplane-fleet-view"
 
@@ -58,7 +66,8 @@ def fleet_facts(
     them), as the gateway's GetModelInfo answers
     them: each request limit (REQUEST_LIMITS) the smallest any reports, so that a request
     within them is not refused wherever it goes, but one routing honours per engine
-    (controller.eligibility) the largest of the engines routing asks it of (of the prompt
+    (controller.eligibility) the largest of the engines routing asks it of, on the path it
+    takes (`_routed_path`: the aggregated engines' where one serves the model; of the prompt
     logprobs, those computing a prompt: not a decode engine where decode engines never
     prefill, not `decode_engines_prefill`; `PathEngines.taking`), the context of each no
     more than its KV cache holds (`_served`; for a model with pooling tasks, the smaller of
@@ -77,8 +86,8 @@ def fleet_facts(
     # Generate goes only to an engine that takes it), the largest any engine routing asks it
     # of takes (one finishing a Generate, not a prefill engine: alone, it serves none; of the
     # prompt logprobs, one computing a prompt), and an option unsupported only when every
-    # such engine says so: as routing judges a request on any path (`path_engines`).
-    engines = path_engines(records, model or None, None, decode_engines_prefill)
+    # such engine says so: as routing judges a request on the path it takes (`_routed_path`).
+    engines = _routed_path(records, model or None, decode_engines_prefill)
     routed = bounds_of(engines)
     limits: dict[str, int] = {}
     for facts in serving:
@@ -123,6 +132,19 @@ def fleet_facts(
         ),
         served_name=next(iter(names)) if len(names) == 1 else "",
     )
+
+
+def _routed_path(
+    records: list[EngineRecord], model: str | None, decode_engines_prefill: bool
+) -> PathEngines:
+    """The engines of `model` (`path_engines`) on the path routing takes its requests on
+    while its engines are up (`Controller.disaggregated`): the aggregated path's where an
+    engine generating it plays an aggregated role (a decode engine's larger limits are none
+    of it: routing refuses a request past the aggregated engines'), else every role's."""
+    aggregated = path_engines(records, model, Role.AGGREGATED, decode_engines_prefill)
+    if aggregated.finishing:
+        return aggregated
+    return path_engines(records, model, None, decode_engines_prefill)
 
 
 def _served(facts: ModelFacts) -> dict[str, int]:

@@ -602,7 +602,28 @@ async def test_candidates_go_only_to_an_engine_selecting_them_as_asked() -> None
         await close_fleet(fleet)
 
 
-async def test_the_aggregated_path_refuses_past_its_own_engines_limits() -> None:
+MIDDLE = 2 * SHORT
+
+
+@pytest.fixture
+async def aggregated_beside_decode() -> AsyncIterator[Fleet]:
+    """Aggregated engines of a short and a middle context beside a long-context decode
+    engine."""
+    engines = [
+        await start_sim_engine("a0", max_model_len=SHORT),
+        await start_sim_engine("a1", max_model_len=MIDDLE),
+        await start_sim_engine("d0", role="decode", max_model_len=LONG),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_the_aggregated_path_refuses_past_its_own_engines_limits(
+    aggregated_beside_decode: Fleet,
+) -> None:
     """Aggregated engines of a short and a middle context beside a long-context decode
     engine: requests take the aggregated path while an aggregated engine is routable, so a
     prompt past the middle context is refused before any engine is asked, INVALID_ARGUMENT
@@ -610,28 +631,36 @@ async def test_the_aggregated_path_refuses_past_its_own_engines_limits() -> None
     counted toward the refusal: the prompt failed UNAVAILABLE ("those taking traffic do not
     take the request"), worth retrying by its status, which it never was while an
     aggregated engine was up."""
-    middle = 2 * SHORT
-    engines = [
-        await start_sim_engine("a0", max_model_len=SHORT),
-        await start_sim_engine("a1", max_model_len=middle),
-        await start_sim_engine("d0", role="decode", max_model_len=LONG),
-    ]
-    fleet = await make_fleet(engines=engines)
-    try:
-        call = fleet.gateway.Generate(generate_request("past", [5] * 300, max_tokens=4))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            [r async for r in call]
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
-        details = caught.value.details() or ""
-        assert "max_context_length 301; the largest" in details, details
-        assert f"takes is {middle}" in details, details
-        trailing = await call.trailing_metadata() or ()
-        assert ROUTE_METADATA_KEY not in [k for k, _ in trailing]
-        reply, route = await generate_routed(fleet, generate_request("in", [5] * 200))
-        assert reply[-1].WhichOneof("event") == "finished", reply[-1]
-        assert route is not None and route["engine"] == fleet.address(engines[1]), route
-    finally:
-        await close_fleet(fleet)
+    fleet, engines = aggregated_beside_decode, aggregated_beside_decode.engines
+    call = fleet.gateway.Generate(generate_request("past", [5] * 300, max_tokens=4))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    details = caught.value.details() or ""
+    assert "max_context_length 301; the largest" in details, details
+    assert f"takes is {MIDDLE}" in details, details
+    trailing = await call.trailing_metadata() or ()
+    assert ROUTE_METADATA_KEY not in [k for k, _ in trailing]
+    reply, route = await generate_routed(fleet, generate_request("in", [5] * 200))
+    assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+    assert route is not None and route["engine"] == fleet.address(engines[1]), route
+
+
+async def test_model_info_promises_the_context_of_the_path_requests_take(
+    aggregated_beside_decode: Fleet,
+) -> None:
+    """Aggregated engines beside a longer-context decode engine: requests take the
+    aggregated path while an aggregated engine is up, so GetModelInfo advertises the largest
+    context of the aggregated engines, which routing takes, and a prompt within it is
+    served. It advertised the decode engine's, which routing refused (INVALID_ARGUMENT,
+    above): a client or a controller fronting this one trusting it was refused."""
+    fleet, engines = aggregated_beside_decode, aggregated_beside_decode.engines
+    info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+    assert info.max_context_length == MIDDLE, info
+    prompt = [5] * (info.max_context_length - 4)
+    reply, route = await generate_routed(fleet, generate_request("in", prompt, max_tokens=4))
+    assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+    assert route is not None and route["engine"] == fleet.address(engines[1]), route
 
 
 def test_a_vllm_generate_needs_what_the_same_openengine_generate_needs() -> None:
