@@ -32,7 +32,7 @@ from kvplane.cli_common import (
     usage_errors_named_as_ours,
 )
 from kvplane.errors import KvplaneError
-from kvplane.logs import LogFormat, LogLevel, configure_logging
+from kvplane.logs import LogFormat, LogLevel, configured_logging
 from kvplane.up.member import join_fleet
 
 # The command groups (and the one command) each component owns: where it is, and the help
@@ -147,6 +147,7 @@ app = typer.Typer(
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     log_level: Annotated[
         LogLevel, typer.Option(case_sensitive=False, help="Log level.")
     ] = LogLevel.INFO,
@@ -154,7 +155,8 @@ def _root(
         LogFormat, typer.Option(case_sensitive=False, help="Log format.")
     ] = LogFormat.TEXT,
 ) -> None:
-    configure_logging(log_level, log_format)
+    # For as long as the command runs: the context closes as it returns, or fails.
+    ctx.with_resource(configured_logging(log_level, log_format))
 
 
 @app.command()

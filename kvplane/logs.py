@@ -1,4 +1,4 @@
-"""Structured logging, configured once by the CLI's `main()`.
+"""Structured logging, configured by the `kvplane` command for as long as it runs.
 
 Records are one line each: `ts level logger message key=value...` for people, or one JSON
 object per line (`--log-format json`) for log pipelines. Extra fields passed with
@@ -7,10 +7,12 @@ object per line (`--log-format json`) for log pipelines. Extra fields passed wit
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
 import sys
+from collections.abc import Iterator
 
 
 class LogLevel(enum.StrEnum):
@@ -55,12 +57,34 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
-def configure_logging(level: LogLevel = LogLevel.INFO, fmt: LogFormat = LogFormat.TEXT) -> None:
+# The loggers whose level `configured_logging` sets: the root, and the libraries it quietens.
+_QUIETENED = ("asyncio", "grpc")
+
+
+@contextlib.contextmanager
+def configured_logging(
+    level: LogLevel = LogLevel.INFO, fmt: LogFormat = LogFormat.TEXT
+) -> Iterator[None]:
+    """The process's logging written to stderr at `level` in `fmt` while the block runs;
+    afterwards the root logger's handlers and the levels set here are as they were. A command
+    run in a process that goes on (a test's CliRunner, beside servers of its own) leaves that
+    process's logging as it found it: its servers' later warnings are not written to the
+    command's stderr, captured or closed by then."""
+    root = logging.getLogger()
+    names = ("", *_QUIETENED)
+    levels = {name: logging.getLogger(name).level for name in names}
+    handlers = root.handlers[:]
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter() if fmt is LogFormat.JSON else _TextFormatter())
-    root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.value)
     # grpc's and asyncio's own chatter stays at WARNING unless asked for.
-    for noisy in ("asyncio", "grpc"):
+    for noisy in _QUIETENED:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    try:
+        yield
+    finally:
+        handler.flush()
+        root.handlers[:] = handlers
+        for name, previous in levels.items():
+            logging.getLogger(name).setLevel(previous)

@@ -65,9 +65,9 @@ async def admin_process(*args: str) -> tuple[int, str, str]:
 
 async def cli_json(*args: str) -> Any:
     """The JSON `kvplane admin ARGS --output json` prints: its stdout alone. The CLI runs in
-    this process (`cli`), and points the process's logging at its own stderr: a log line of
-    the controller or an engine here (an engine just closed is unreachable, say) written
-    while it runs is in its `output`, stdout and stderr together."""
+    this process (`cli`) and, while it runs, points the process's logging at its own stderr:
+    a log line of the controller or an engine here (an engine just closed is unreachable,
+    say) written meanwhile is in its `output`, stdout and stderr together."""
     result = await cli(*args, "--output", "json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)

@@ -165,7 +165,7 @@ async def test_admin_drain_needs_engine_or_self_and_reports_a_passed_deadline(
     long = await start_long(fleet.gateway, "long")
     late = await cli("drain", "--self", "--deadline-ms", "0", *t)
     assert late.exit_code == 1
-    assert late.output.strip().splitlines()[-1] == (
+    assert late.stdout.strip().splitlines()[-1] == (
         "error ERROR_CODE_DRAINING: deadline passed, requests in flight: 1"
     )
     assert isinstance(late.exception, RpcCallError)
@@ -176,7 +176,7 @@ async def test_admin_drain_needs_engine_or_self_and_reports_a_passed_deadline(
     long.cancel()
     drained = await cli("drain", "--self", *t)
     assert drained.exit_code == 0, drained.output
-    assert drained.output.strip().splitlines()[-1].startswith("COMPLETE")
+    assert drained.stdout.strip().splitlines()[-1].startswith("COMPLETE")
 
 
 async def test_ctrl_c_stops_following_a_drain_and_says_the_drain_goes_on(
@@ -267,7 +267,7 @@ async def test_drain_output_json_ends_a_passed_deadline_with_the_events_own_erro
 async def test_admin_drain_self_drains_the_controller(fleet: Fleet) -> None:
     drained = await cli("drain", "--self", "--target", fleet.target)
     assert drained.exit_code == 0, drained.output
-    assert drained.output.strip().splitlines()[-1] == "COMPLETE  in flight 0"
+    assert drained.stdout.strip().splitlines()[-1] == "COMPLETE  in flight 0"
     assert await health(fleet) == pb.HEALTH_STATE_DRAINING
 
 

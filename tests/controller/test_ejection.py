@@ -109,7 +109,7 @@ async def workers(fleet: Fleet) -> dict[str, dict[str, Any]]:
         ["admin", "--target", fleet.target, "workers", "--output", "json"],
     )
     assert result.exit_code == 0, result.output
-    return {w["address"]: w for w in json.loads(result.output)["workers"]}
+    return {w["address"]: w for w in json.loads(result.stdout)["workers"]}
 
 
 def broken_address(broken: FrontedEngine[BrokenGenerate]) -> str:

@@ -724,7 +724,7 @@ async def test_an_engine_holding_a_prefix_on_disk_wins_over_a_cold_one_not_over_
         target = ("--tokens-file", str(tokens), "--target", fleet.target)
         table = await asyncio.to_thread(CliRunner().invoke, app, ["admin", "match", *target])
         assert table.exit_code == 0, table.output
-        _, header, *rows = table.output.splitlines()
+        _, header, *rows = table.stdout.splitlines()
         assert header.split() == [
             *("ENGINE", "ADDRESS", "DEVICE", "BLOCKS", "HOST", "BLOCKS"),
             *("DISK", "BLOCKS", "CACHED", "TOKENS"),
@@ -733,7 +733,7 @@ async def test_an_engine_holding_a_prefix_on_disk_wins_over_a_cold_one_not_over_
         assert by_engine["disk"] == ["0", "0", "12", str(12 * BLOCK)]
         table = await asyncio.to_thread(CliRunner().invoke, app, ["admin", "route", *target])
         assert table.exit_code == 0, table.output
-        _, header, *rows = table.output.splitlines()
+        _, header, *rows = table.stdout.splitlines()
         assert header.split()[:4] == ["ENGINE", "CACHED", "HOST", "DISK"]
         by_engine = {row.split()[0]: row.split()[1:4] for row in rows}
         assert by_engine["disk"] == ["0", "0", str(12 * BLOCK)]

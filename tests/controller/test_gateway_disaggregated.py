@@ -237,23 +237,23 @@ async def test_admin_route_match_and_load_tell_each_engines_hop_and_role(tmp_pat
         fresh.write_text(" ".join(str(t) for t in range(2000, 2040)))
         routed = await _cli("route", "--tokens-file", str(fresh), *target)
         assert routed.exit_code == 0, routed.output
-        assert p0 in routed.output.splitlines()[0]
+        assert p0 in routed.stdout.splitlines()[0]
         assert (
             "prefill hop: this prefill engine computes the prompt's KV; a decode engine is "
             "chosen by load when it hands the KV session over"
-        ) in " ".join(routed.output.split())
+        ) in " ".join(routed.stdout.split())
         held = tmp_path / "held.txt"
         prompt = await _decode_engine_holding_a_prompt(fleet, decode[0])
         held.write_text(" ".join(str(t) for t in [*prompt, 2]))
         routed = await _cli("route", "--tokens-file", str(held), *target)
-        assert d0 in routed.output.splitlines()[0]
+        assert d0 in routed.stdout.splitlines()[0]
         assert (
             "no prefill hop: this decode engine prefills the prompt itself (it holds "
             "router.skip_prefill_ratio of it"
-        ) in " ".join(routed.output.split())
+        ) in " ".join(routed.stdout.split())
         matched = await _cli("match", "--tokens-file", str(held), *target)
         assert matched.exit_code == 0, matched.output
-        header, *rows = matched.output.splitlines()[1:]
+        header, *rows = matched.stdout.splitlines()[1:]
         assert header.split()[:3] == ["ENGINE", "ADDRESS", "ROLE"]
         assert {row.split()[1]: row.split()[2] for row in rows} == {p0: "prefill", d0: "decode"}
         load = await fleet.gateway.GetLoad(pb.GetLoadRequest())

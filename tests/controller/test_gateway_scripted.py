@@ -579,19 +579,19 @@ async def test_lora_cli_load_on_one_engine_then_unload_from_the_fleet(tmp_path: 
         assert list(engines[0].servicer.adapters) == ["x"] and not engines[1].servicer.adapters
         listed = await cli("lora", "list", *t, "--output", "json")
         assert listed.exit_code == 0, listed.output
-        doc = json.loads(listed.output)
+        doc = json.loads(listed.stdout)
         assert [a["lora_name"] for a in doc["adapters"]] == ["x"]
         held = {e["instance_id"]: e["adapters"] for e in doc["engines"]}
         assert held == {"e0": ["x"], "e1": []}  # which engine holds what
         table = await cli("lora", "list", *t)
         assert table.exit_code == 0, table.output
-        header, row = table.output.splitlines()
+        header, row = table.stdout.splitlines()
         assert header.split() == ["ID", "NAME", "PATH", "ENGINES"]
         assert row.split() == ["1", "x", path, "e0"]
         unloaded = await cli("lora", "unload", "x", *t)
         assert unloaded.exit_code == 0, unloaded.output
         assert not engines[0].servicer.adapters
-        lines = unloaded.output.splitlines()
+        lines = unloaded.stdout.splitlines()
         assert lines[0] == "x unloaded"
         # "  e1 (127.0.0.1:PORT): not_loaded, no adapter 'x'": one line per engine.
         outcome = {line.split()[0]: line.split("): ")[1].split(",")[0] for line in lines[1:]}

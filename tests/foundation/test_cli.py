@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -12,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -48,8 +47,7 @@ def kvplane(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch)
     """`kvplane ARGS` through the entry point's own `main` in this process, with its exit
     code, stdout and stderr as `run` gives them: the same code path, without starting Python
     and importing kvplane once per call (most of this file's time when every test did). For
-    commands that fail before anything is served; logging as `main` configured it is put
-    back after each call."""
+    commands that fail before anything is served."""
     monkeypatch.chdir(REPO)
 
     def invoke(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -57,33 +55,16 @@ def kvplane(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch)
             monkeypatch.setenv(name, value)
         monkeypatch.setattr(sys, "argv", ["kvplane", *args])
         capsys.readouterr()  # only this call's output
-        with _logging_kept():
-            try:
-                main()
-                code: object = 0
-            except SystemExit as exc:
-                code = exc.code
+        try:
+            main()
+            code: object = 0
+        except SystemExit as exc:
+            code = exc.code
         out, err = capsys.readouterr()
         status = code if isinstance(code, int) else (0 if code is None else 1)
         return subprocess.CompletedProcess(["kvplane", *args], status, out, err)
 
     return invoke
-
-
-@contextlib.contextmanager
-def _logging_kept() -> Iterator[None]:
-    """The root logger's handlers and the levels `configure_logging` sets, put back: the
-    root callback of every command replaces them, and pytest's own capture with them."""
-    root = logging.getLogger()
-    names = ("", "asyncio", "grpc")
-    levels = {name: logging.getLogger(name).level for name in names}
-    handlers = root.handlers[:]
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
 
 
 def test_help_lists_every_command_group() -> None:
@@ -394,6 +375,25 @@ def test_an_unknown_log_level_or_format_is_a_usage_error(
 def test_log_level_and_format_ignore_case() -> None:
     result = run("--log-level", "debug", "--log-format", "JSON", "version")
     assert result.returncode == 0 and result.stdout.startswith("kvplane ")
+
+
+def test_a_command_run_in_process_leaves_its_logging_as_it_found_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A command run in a process that goes on (CliRunner, beside the test's own controller
+    and engines) logs to its stderr while it runs, and no longer: a server's warning after it
+    reaches the process's own handlers (here pytest's), not the command's stderr, captured
+    and closed by then ("Logging error"), nor the next command's output."""
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    levels = {name: logging.getLogger(name).level for name in ("", "asyncio", "grpc")}
+    ran = CliRunner().invoke(app, ["--log-level", "debug", "--log-format", "json", "version"])
+    assert ran.exit_code == 0 and ran.stdout.startswith("kvplane ")
+    assert root.handlers == handlers
+    assert {name: logging.getLogger(name).level for name in levels} == levels
+    with caplog.at_level("WARNING", logger="controller.gateway"):
+        logging.getLogger("controller.gateway").warning("engine e0 unreachable")
+    assert caplog.messages == ["engine e0 unreachable"]
 
 
 @pytest.mark.parametrize(
