@@ -395,6 +395,10 @@ class _Bounds(NamedTuple):
     # Where every engine finishing a Generate (`generating_facts`) reports it: the largest
     # (of `PROMPT_LOGPROBS`, where every engine computing a prompt does).
     largest: dict[str, int]
+    # Of the limits a prompt needs (CONTEXT_LIMIT, KV_CACHE_LIMIT), where every prompt is
+    # computed on a prefill engine (`PathEngines.prefilling`) and every one reports it: the
+    # largest, which a prompt and one token must fit.
+    largest_prefill: dict[str, int]
     lacked_by_one: frozenset[str]  # ROUTED_OPTIONS some engine reports unsupported
     # ROUTED_OPTIONS every engine finishing a Generate reports unsupported (of
     # `PROMPT_LOGPROBS`, every engine computing a prompt).
@@ -412,6 +416,10 @@ class PathEngines(NamedTuple):
     finishing: list[ModelFacts]
     # Those computing a prompt: what the fleet takes of its prompt logprobs.
     prompting: list[ModelFacts]
+    # Where every engine computing a prompt is a prefill engine (decode engines never
+    # prefill: no `router.skip_prefill_ratio`), those: every prompt must fit one of them, by
+    # its own hop (the prompt and one token, `RequestNeeds.on_hop_of`); else none.
+    prefilling: list[ModelFacts]
 
     def taking(self, path: str) -> list[ModelFacts]:
         """The engines whose limit or option at `path` (of ROUTED_LIMITS, ROUTED_OPTIONS) is
@@ -429,15 +437,21 @@ def path_engines(
     """The facts of `model` on the read engines of `serving` (`generating_facts`) of `role`
     (None: every role), by what each does on a request's path: where decode engines never
     prefill a prompt (not `decode_engines_prefill`: no `router.skip_prefill_ratio`), a
-    decode engine computes no prompt (`RequestNeeds.on_hop_of`), the others all do; else
-    those finishing a Generate compute its prompt."""
+    decode engine computes no prompt (`RequestNeeds.on_hop_of`), the others all do (and
+    where none of those finishes a Generate, they are the `prefilling` engines every prompt
+    must fit); else those finishing a Generate compute its prompt."""
     records = list(serving)
     finishing = generating_facts(records, model, finishing=True, role=role)
     prompting = finishing
+    prefilling: list[ModelFacts] = []
     if not decode_engines_prefill:
         computing = [r for r in records if r.identity is None or r.identity.role is not Role.DECODE]
         prompting = generating_facts(computing, model, role=role)
-    return PathEngines(generating_facts(records, model, role=role), finishing, prompting)
+        if len(generating_facts(computing, model, finishing=True, role=role)) == 0:
+            prefilling = prompting
+    return PathEngines(
+        generating_facts(records, model, role=role), finishing, prompting, prefilling
+    )
 
 
 def bounds_of(engines: PathEngines) -> _Bounds:
@@ -456,6 +470,12 @@ def bounds_of(engines: PathEngines) -> _Bounds:
         ends = [limits[path] for limits in map(limits_of, taking) if path in limits]
         if ends and len(ends) == len(taking):
             largest[path] = max(ends)
+    prefill_limits = [limits_of(f) for f in engines.prefilling]
+    largest_prefill = {
+        path: max(limits[path] for limits in prefill_limits)
+        for path in _PROMPT_LIMITS
+        if prefill_limits and all(path in limits for limits in prefill_limits)
+    }
     lacked_by_one = frozenset().union(*(f.unsupported for f in serving)) & set(ROUTED_OPTIONS)
     lacked_by_all = (_lacked_by_all(engines.finishing) - PROMPT_LOGPROBS) | (
         _lacked_by_all(engines.prompting) & PROMPT_LOGPROBS
@@ -467,7 +487,9 @@ def bounds_of(engines: PathEngines) -> _Bounds:
         )
         for f, limits in zip(serving, reported, strict=True)
     }
-    return _Bounds(smallest, largest, lacked_by_one, lacked_by_all, alike=len(kinds) <= 1)
+    return _Bounds(
+        smallest, largest, largest_prefill, lacked_by_one, lacked_by_all, alike=len(kinds) <= 1
+    )
 
 
 def _lacked_by_all(engines: list[ModelFacts]) -> frozenset[str]:
@@ -743,4 +765,15 @@ class Eligibility:
                 raise BeyondFleetError(
                     f"the request needs {path} {need}; the largest any engine serving "
                     f"{named} takes is {largest}"
+                )
+        # Its prompt, on a prefill engine's hop (the prompt and one token).
+        fewer = needs.min_output_tokens - 1
+        for path, need in needs.limits:
+            largest = bounds.largest_prefill.get(path)
+            if largest is not None and need - fewer > largest:
+                raise BeyondFleetError(
+                    f"the request's prompt needs {path} {need - fewer} of a prefill engine "
+                    f"(its prompt and one token); the largest any prefill engine serving "
+                    f"{named} takes is {largest} (decode engines never prefill a prompt here: "
+                    "no router.skip_prefill_ratio)"
                 )

@@ -69,7 +69,8 @@ def fleet_facts(
     (controller.eligibility) the largest of the engines routing asks it of, on the path it
     takes (`_routed_path`: the aggregated engines' where one serves the model; of the prompt
     logprobs, those computing a prompt: not a decode engine where decode engines never
-    prefill, not `decode_engines_prefill`; `PathEngines.taking`), the context of each no
+    prefill, not `decode_engines_prefill`; `PathEngines.taking`; then the context no more
+    than the largest a prefill engine takes, `PathEngines.prefilling`), the context of each no
     more than its KV cache holds (`_served`; for a model with pooling tasks, the smaller of
     the largest a Generate and the largest a pooling task's input is routed to); a request
     option (CAPABILITY_FLAGS, a candidate selection mode: SELECTION_OPTIONS) unsupported
@@ -110,6 +111,13 @@ def fleet_facts(
         pooled = largest_input_context(tasked) or smallest_context
         generated = _largest(map(_served, engines.finishing), CONTEXT_LIMIT)
         limits[CONTEXT_LIMIT] = pooled if generated is None else min(pooled, generated)
+    # Where every prompt is computed on a prefill engine (`PathEngines.prefilling`), within
+    # the largest context of theirs too: routing refuses a prompt past every one of them,
+    # whatever the decode engines take (one telling none may take any).
+    prefilling = [_served(f) for f in engines.prefilling]
+    if prefilling and CONTEXT_LIMIT in limits and all(CONTEXT_LIMIT in p for p in prefilling):
+        prefilled = max(p[CONTEXT_LIMIT] for p in prefilling)
+        limits[CONTEXT_LIMIT] = min(limits[CONTEXT_LIMIT], prefilled)
     names = {f.served_name for f in serving if f.served_name}
     seats = [f.max_running_requests for f in serving if f.max_running_requests is not None]
     kv = [f.total_kv_blocks for f in serving if f.total_kv_blocks is not None]

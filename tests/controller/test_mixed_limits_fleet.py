@@ -283,6 +283,49 @@ async def test_a_disaggregated_fleet_takes_the_context_its_decode_engines_take()
         await close_fleet(fleet)
 
 
+async def refused_invalid(call: Any) -> str:
+    """The details of the INVALID_ARGUMENT refusal the Generate `call` ends with."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    return caught.value.details() or ""
+
+
+async def test_a_prompt_past_every_prefill_engine_is_prefilled_by_a_decode_engine_or_refused() -> (
+    None
+):
+    """A short-context prefill engine beside a long-context decode engine. Where decode
+    engines may prefill (`skip_prefill_ratio`), a prompt past the prefill engine's context
+    is prefilled by the decode engine itself, as when no prefill engine is up, and
+    GetModelInfo advertises the decode engine's context; where they never do, no engine of
+    its path takes it: refused INVALID_ARGUMENT naming the prefill engine's context, the
+    largest that would serve it, which GetModelInfo advertises. It advertised the decode
+    engine's context either way, and such a prompt failed UNAVAILABLE ("no prefill engine
+    available") where decode engines never prefill: worth retrying by its status, which it
+    never was. A prompt within both is served either way."""
+    for router, prefills in (({}, False), ({"skip_prefill_ratio": 0.9}, True)):
+        prefill = await start_sim_engine("p0", role="prefill", max_model_len=SHORT)
+        decode = await start_sim_engine("d0", role="decode", max_model_len=LONG)
+        fleet = await make_fleet(engines=[prefill, decode], router=router)
+        try:
+            long_prompt = generate_request("past", [5] * 300, max_tokens=4)
+            if prefills:
+                reply, route = await generate_routed(fleet, long_prompt)
+                assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+                assert route is not None and "prefill" not in route, route
+                assert route["engine"] == f"127.0.0.1:{decode.port}", route
+            else:
+                details = await refused_invalid(fleet.gateway.Generate(long_prompt))
+                assert "max_context_length 301" in details, details
+                assert f"takes is {SHORT}" in details, details
+            within = [r async for r in fleet.gateway.Generate(generate_request("in", [5] * 40))]
+            assert within[-1].WhichOneof("event") == "finished", (router, within[-1])
+            info = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+            assert info.max_context_length == (LONG if prefills else SHORT), (router, info)
+        finally:
+            await close_fleet(fleet)
+
+
 async def test_a_lora_request_no_engine_holding_its_adapter_takes_names_the_adapter(
     tmp_path: Path,
 ) -> None:
@@ -633,10 +676,7 @@ async def test_the_aggregated_path_refuses_past_its_own_engines_limits(
     aggregated engine was up."""
     fleet, engines = aggregated_beside_decode, aggregated_beside_decode.engines
     call = fleet.gateway.Generate(generate_request("past", [5] * 300, max_tokens=4))
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        [r async for r in call]
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
-    details = caught.value.details() or ""
+    details = await refused_invalid(call)
     assert "max_context_length 301; the largest" in details, details
     assert f"takes is {MIDDLE}" in details, details
     trailing = await call.trailing_metadata() or ()
