@@ -39,13 +39,17 @@ def member_environment(
     return env
 
 
+# The variables `up` told this member that it reads later, kept by `join_fleet` as it drops them.
+_told: dict[str, str] = {}
+
+
 def stop_within_s(environ: Mapping[str, str]) -> float:
     """How long this process has to stop after its SIGTERM before it is killed: what `up`
-    said (its `stop_timeout_s`), else `STOP_TIMEOUT_S` (not a member, or `up` said nothing
-    usable). `join_fleet` leaves the variable in place for the member to read; its own
-    children, given `member_environment`, are told their own."""
+    said (its `stop_timeout_s`: in `environ`, or as `join_fleet` found it), else
+    `STOP_TIMEOUT_S` (not a member, or `up` said nothing usable). The member's own children
+    do not inherit it; those given `member_environment` are told their own."""
     with contextlib.suppress(KeyError, ValueError):
-        within_s = float(environ[STOP_WITHIN_ENV])
+        within_s = float({**_told, **environ}[STOP_WITHIN_ENV])
         if within_s > 0:
             return within_s
     return STOP_TIMEOUT_S
@@ -66,6 +70,8 @@ def join_fleet() -> None:
     that the member's own children do not act on them too."""
     parent = os.environ.pop(PARENT_ENV, None)
     cpus = os.environ.pop(CPUS_ENV, None)
+    if STOP_WITHIN_ENV in os.environ:
+        _told[STOP_WITHIN_ENV] = os.environ.pop(STOP_WITHIN_ENV)
     if cpus:
         os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
     if parent and sys.platform.startswith("linux"):

@@ -1157,17 +1157,17 @@ def test_the_admin_hint_dials_the_fleet_as_up_does(tmp_path: Path) -> None:
 def test_a_member_whose_up_is_already_gone_exits_at_once() -> None:
     """A member sets its parent-death signal itself, after exec; `up` dying before that is
     caught by comparing the parent it was given with its real one. The variables are not
-    passed on to the member's own children."""
+    passed on to the member's own children; the stop grace `up` gave stays the member's."""
     script = (
-        "import os; from kvplane.up.member import join_fleet; join_fleet(); "
+        "import os; from kvplane.up.member import join_fleet, stop_within_s; join_fleet(); "
         "print(sorted(os.sched_getaffinity(0)), "
-        "[k for k in os.environ if k.startswith('KVPLANE_UP_')])"
+        "[k for k in os.environ if k.startswith('KVPLANE_UP_')], stop_within_s(os.environ))"
     )
     cpu = max(os.sched_getaffinity(0))
-    ours = {**os.environ, **member_environment([cpu])}  # this process is the parent
+    ours = {**os.environ, **member_environment([cpu], stop_within_s=7.5)}  # we are its parent
     alive = subprocess.run([sys.executable, "-c", script], env=ours, capture_output=True)
     assert alive.returncode == 0, alive.stderr
-    assert alive.stdout.decode().strip() == f"[{cpu}] []"
+    assert alive.stdout.decode().strip() == f"[{cpu}] [] 7.5"
     orphan = {**ours, PARENT_ENV: str(os.getpid() + 1_000_000)}
     gone = subprocess.run([sys.executable, "-c", script], env=orphan, capture_output=True)
     assert (gone.returncode, gone.stdout) == (1, b"")
