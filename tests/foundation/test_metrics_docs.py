@@ -17,6 +17,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -143,21 +144,36 @@ def _fleet(redis_url: str) -> str:
 
 
 @pytest.fixture(scope="module")
+def redis_of_its_own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """An empty redis-server for the fleet, not the session's (which earlier tests wrote)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
 def served(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+    tmp_path_factory: pytest.TempPathFactory, redis_of_its_own: RedisServer
 ) -> dict[str, dict[str, tuple[str, frozenset[str] | None, str]]]:
     """Member name -> its /metrics' families, scraped from a running fleet."""
     tmp_path = tmp_path_factory.mktemp("fleet")
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(_fleet(redis_server.url))
+    fleet.write_text(_fleet(redis_of_its_own.url))
     proc = _up(fleet, tmp_path)
     members: dict[str, tuple[str, int]] = {}  # name -> (address, pid)
     urls: dict[str, str] = {}
+    said: list[str] = []  # up's stderr so far, for the failure's message
     try:
         assert proc.stderr is not None
         while len(urls) < len(COMPONENTS):  # up names each member, then its /metrics
             line = proc.stderr.readline()
-            assert line or proc.poll() is None, "kvplane up ended before its fleet served"
+            said.append(line)
+            assert line or proc.poll() is None, "kvplane up ended before its fleet served:\n" + (
+                "".join(said[-40:])
+            )
             if match := MEMBER_LINE.search(line):
                 members[match.group(1)] = (match.group(3), int(match.group(4)))
             if match := _METRICS_LINE.search(line):
