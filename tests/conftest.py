@@ -11,18 +11,14 @@ from pathlib import Path
 import pytest
 import typer.core
 
-from tests.redis_servers import RedisClusterNodes, RedisServer
+from tests.redis_servers import RedisClusterNodes, RedisServer, running_redis
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One redis-server for the session (no persistence)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

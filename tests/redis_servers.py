@@ -12,7 +12,8 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,17 @@ class RedisServer:
             return not info["rdb_bgsave_in_progress"] and info["rdb_last_bgsave_status"] == status
 
         wait_for(saved, 10, f"BGSAVE to end with status {status}")
+
+
+@contextmanager
+def running_redis(workdir: Path) -> Iterator[RedisServer]:
+    """A started redis-server in `workdir`, stopped on leaving the block."""
+    server = RedisServer(workdir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
 
 
 class RedisClusterNodes:

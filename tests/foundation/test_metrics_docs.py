@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.foundation.test_up import MEMBER_LINE, _kill_leftovers, _up
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, running_redis
 
 REPO = Path(__file__).resolve().parents[2]
 COMPONENTS = ("engine", "indexer", "controller", "planner")
@@ -146,12 +146,8 @@ def _fleet(redis_url: str) -> str:
 @pytest.fixture(scope="module")
 def redis_of_its_own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """An empty redis-server for the fleet, not the session's (which earlier tests wrote)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
