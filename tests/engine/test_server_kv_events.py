@@ -407,7 +407,7 @@ def _signed(key: int) -> int:
     return key - 2**64 if key >= 2**63 else key
 
 
-@pytest.mark.parametrize("socket_type", [zmq.REQ, zmq.DEALER])
+@pytest.mark.parametrize("socket_type", [zmq.REQ, zmq.DEALER], ids=["req", "dealer"])
 async def test_the_engines_replay_answers_newer_vllms_msgpack_request(socket_type: int) -> None:
     """A real engine's replay socket answers WIRE.md's newer request form with one message:
     its replayed batches (the live bytes) or, asked for, a snapshot from which kvplane's own

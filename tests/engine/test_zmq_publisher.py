@@ -264,7 +264,7 @@ def _snapshot_keys(payload: bytes) -> list[int]:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("socket_type", [zmq.REQ, zmq.DEALER])
+@pytest.mark.parametrize("socket_type", [zmq.REQ, zmq.DEALER], ids=["req", "dealer"])
 async def test_newer_vllms_msgpack_replay_request_is_answered_with_one_reply(
     socket_type: int,
 ) -> None:
