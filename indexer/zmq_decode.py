@@ -9,8 +9,13 @@ Pure: bytes in, `indexer.engine_events` out. The contract:
   `[b"", b"", ff*8, b""]` (or without the topic frame);
 - the payload is msgpack `[ts, events, data_parallel_rank]` (or a map with those keys); a
   payload that does not decode to that envelope is a `PayloadError` (the message is dropped);
+  an envelope array longer than three has its trailing elements ignored (not checked, not
+  counted), as vLLM's msgspec structs (`array_like`, unknown fields allowed) decode it: a
+  field a newer vLLM appends must not cost whole batches. Fewer than two elements, or a
+  wrong type in the first three, is still a `PayloadError`;
 - each event is a map with a `"type"` tag or an array with the tag first; unknown tags and
-  unknown fields are ignored; an event with a malformed field is skipped and counted, its
+  unknown fields are ignored (an array's elements past its layout too, as vLLM's decoder
+  ignores them); an event with a malformed field is skipped and counted, its
   siblings are kept; a value too large for the index's fields (a block_size above uint32)
   makes the event malformed; decoding never raises anything but a `KvEventDecodeError`,
   whatever the input (deep nesting included);
@@ -160,9 +165,11 @@ def decode_payload(payload: bytes, *, array_tail: ArrayTail = "ignore") -> Event
 def _envelope(raw: object) -> tuple[float, list[Any], int | None]:
     if isinstance(raw, Mapping):
         ts, events, dp_rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    elif isinstance(raw, list) and 2 <= len(raw) <= 3:
+    elif isinstance(raw, list) and len(raw) >= 2:
+        # Elements past the third (a newer vLLM's fields) are ignored, as vLLM's own msgspec
+        # decoder ignores them (module docstring).
         ts, events = raw[0], raw[1]
-        dp_rank = raw[2] if len(raw) == 3 else None
+        dp_rank = raw[2] if len(raw) >= 3 else None
     else:
         raise PayloadError("payload is not an EventBatch [ts, events, data_parallel_rank]")
     if isinstance(ts, bool) or not isinstance(ts, int | float):

@@ -459,6 +459,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
                 buffer_steps=kv_config.buffer_steps,
                 first_sequence_number=kv_log.first_sequence_number,
                 data_parallel_rank=kv_config.data_parallel_rank,
+                snapshot=kv_log.snapshot,
             )
             await publisher.start()
             kv_log.add_listener(publisher.publish_batch)

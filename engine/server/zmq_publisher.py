@@ -6,10 +6,27 @@ first number: a vLLM-style consumer detects a restart by the seq going back). PU
 blocks: at the high-water mark ZMQ drops, and a subscriber that sees a gap asks the replay
 socket.
 
-Replay (vLLM 0.32's legacy protocol): a DEALER sends `[b"", start_seq]`; the ROUTER answers
-`[b"", topic, seq, payload]` for every buffered batch with `seq >= start_seq`, oldest first,
-then the end marker `[b"", b"", ff*8, b""]`. Replies are the very bytes sent live. Anything
-else on the replay socket is answered with just the end marker.
+Replay answers both request forms of WIRE.md section 1, told apart as vLLM's publisher tells
+them: an 8-byte request is the legacy protocol, anything else a msgpack one.
+
+- Legacy (vLLM 0.32): a DEALER sends `[b"", start_seq]`; the ROUTER answers
+  `[b"", topic, seq, payload]` for every buffered batch with `seq >= start_seq`, oldest
+  first, then the end marker `[b"", b"", ff*8, b""]`. Replies are the very bytes sent live.
+- msgpack (newer vLLM): a DEALER or REQ sends the map `{publisher_epoch, start_seq,
+  force_snapshot}` (`start_seq` required, an int >= 0; `publisher_epoch` an int or nil;
+  `force_snapshot` a bool, default false); the ROUTER answers with one message, the map
+  `{publisher_epoch, next_seq, replayed_batches: [[seq, payload], ...], snapshot}`.
+  `publisher_epoch` is this process's: the KV event log's first sequence number (wall-clock
+  microseconds at its creation, so a restart changes it). `next_seq` is the seq the next live
+  batch will carry. `snapshot` is nil, or the payload of one EventBatch describing the whole
+  cached set as of `next_seq - 1` (AllBlocksCleared, then a BlockStored per cached block,
+  parents first: the KV event log's snapshot), with `replayed_batches` then empty. The
+  snapshot is sent when asked for (`force_snapshot`), when the request's epoch is another
+  process's (its seqs mean nothing here), or when the buffer no longer (or not yet) holds
+  `start_seq`: the same rule as SubscribeKvEvents' snapshot standing in for a replay it cannot
+  serve. A publisher without a snapshot (`snapshot=None`) replays what it holds instead.
+
+A request that is neither (not msgpack, not such a map) is answered with just the end marker.
 
 Both sockets bind (this engine is the server). A `*` host listens on IPv4 and IPv6 alike (vLLM's
 on IPv4 only), an IPv6 address (`tcp://[::1]:5557`) on IPv6 (`kvplane.zmq_ip`). A `*` port picks
@@ -24,7 +41,11 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeGuard
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -56,10 +77,13 @@ class ZmqKvPublisher:
         buffer_steps: int,
         first_sequence_number: int,
         data_parallel_rank: int = 0,
+        snapshot: Callable[[], KvEventBatchRecord] | None = None,
     ) -> None:
         """`first_sequence_number`: the KV event log's (`KvEventLog.first_sequence_number`),
-        the batch published as ZMQ seq 0."""
+        the batch published as ZMQ seq 0, and this publisher's epoch. `snapshot`: the log's
+        (`KvEventLog.snapshot`), for msgpack replay requests it cannot serve from its buffer."""
         self._first_seq = first_sequence_number
+        self._snapshot = snapshot
         self._dp_rank = data_parallel_rank
         self._endpoint = rank_endpoint(endpoint, data_parallel_rank)
         self._replay_endpoint = (
@@ -121,21 +145,45 @@ class ZmqKvPublisher:
             frames = await router.recv_multipart()
             if len(frames) < 2:
                 continue
-            identity, body = frames[0], frames[1:]
-            request = body[-1]
-            replies: list[list[bytes]] = []
+            identity, request = frames[0], frames[-1]
             if len(request) == 8:
                 start_seq = int.from_bytes(request, "big")
-                replies = [
-                    [identity, b"", self.topic, seq_bytes, payload]
-                    for seq, seq_bytes, payload in list(self._sent)
-                    if seq >= start_seq
-                ]
+                for seq, seq_bytes, payload in list(self._sent):
+                    if seq >= start_seq:
+                        await router.send_multipart([identity, b"", self.topic, seq_bytes, payload])
             else:
+                parsed = parse_msgpack_replay_request(request)
+                if parsed is not None:
+                    await router.send_multipart([identity, b"", self._msgpack_reply(parsed)])
+                    continue
                 log.warning("ZMQ replay: ignoring a %d-byte request", len(request))
-            for reply in replies:
-                await router.send_multipart(reply)
             await router.send_multipart([identity, b"", b"", END_OF_REPLAY_SEQ, b""])
+
+    def _msgpack_reply(self, request: MsgpackReplayRequest) -> bytes:
+        """The one message answering a msgpack replay request (module docstring)."""
+        sent = list(self._sent)
+        next_seq = sent[-1][0] + 1 if sent else 0
+        oldest = sent[0][0] if sent else next_seq
+        wants_snapshot = (
+            request.force_snapshot
+            or (request.publisher_epoch not in (None, self._first_seq))
+            or not oldest <= request.start_seq <= next_seq
+        )
+        snapshot: bytes | None = None
+        replayed: list[tuple[int, bytes]] = []
+        if wants_snapshot and self._snapshot is not None:
+            snapshot = encode_msgpack_batch(self._snapshot(), self._dp_rank)
+        else:
+            replayed = [(seq, payload) for seq, _, payload in sent if seq >= request.start_seq]
+        reply = {
+            "publisher_epoch": self._first_seq,
+            "next_seq": next_seq,
+            "replayed_batches": replayed,
+            "snapshot": snapshot,
+        }
+        packed = msgpack.packb(reply, use_bin_type=True)
+        assert isinstance(packed, bytes)
+        return packed
 
     async def close(self) -> None:
         if self._replay_task is not None:
@@ -146,6 +194,36 @@ class ZmqKvPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+
+
+@dataclass(frozen=True, slots=True)
+class MsgpackReplayRequest:
+    start_seq: int
+    publisher_epoch: int | None = None
+    force_snapshot: bool = False
+
+
+def parse_msgpack_replay_request(request: bytes) -> MsgpackReplayRequest | None:
+    """A newer vLLM's replay request, `{publisher_epoch, start_seq, force_snapshot}`; None
+    when `request` is not one (not msgpack, not a map, a field of the wrong type)."""
+    try:
+        fields = msgpack.unpackb(request, raw=False)
+    except Exception:  # msgpack raises ValueError, FormatError, StackError, ...
+        return None
+    if not isinstance(fields, dict):
+        return None
+    start_seq = fields.get("start_seq")
+    epoch = fields.get("publisher_epoch")
+    force = fields.get("force_snapshot", False)
+    if not _is_int(start_seq) or start_seq < 0:
+        return None
+    if (epoch is not None and not _is_int(epoch)) or not isinstance(force, bool):
+        return None
+    return MsgpackReplayRequest(start_seq, epoch, force)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def rank_endpoint(endpoint: str, data_parallel_rank: int) -> str:

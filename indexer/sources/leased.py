@@ -161,12 +161,19 @@ class LeasedEngineSources:
 
     async def _taken(self) -> None:
         """The lease is this replica's: start every source afresh (their starts rebuild the
-        workers, whatever another replica or nobody wrote meanwhile)."""
+        workers, whatever another replica or nobody wrote meanwhile). Replacing sources this
+        replica was running (its lease found taken anew: its key expired under it, or Redis
+        lost it with its data) is a resync of their workers, counted as one each in their
+        `resyncs`, as the controller counts it for the engines it follows (`Fleet`'s
+        `_lease_taken`); a take-over after another replica's writing, or after none, is a
+        start."""
         running = self._tasks
         self._stop()
         if running:
             await asyncio.wait(running)
         for source in self.sources:
+            if running:
+                source.counters.num_resyncs += 1
             task = asyncio.create_task(source.run(self._sink), name=f"source:{source.worker_id}")
             task.add_done_callback(self._ended)
             self._tasks.append(task)

@@ -407,6 +407,66 @@ def _signed(key: int) -> int:
     return key - 2**64 if key >= 2**63 else key
 
 
+@pytest.mark.parametrize("socket_type", [zmq.REQ, zmq.DEALER], ids=["req", "dealer"])
+async def test_the_engines_replay_answers_newer_vllms_msgpack_request(socket_type: int) -> None:
+    """A real engine's replay socket answers WIRE.md's newer request form with one message:
+    its replayed batches (the live bytes) or, asked for, a snapshot from which kvplane's own
+    decoder and translator rebuild exactly the engine's cached set."""
+    config = sim_config(
+        kv_events=KvEventsConfig(
+            zmq_enabled=True, endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*"
+        )
+    )
+    async with running_engine(config) as engine:
+        await collect(engine.stub, generate_request(list(range(100, 120))))
+        await collect(engine.stub, generate_request([*range(100, 110), 7, 8, 9]))
+        sources = (await engine.stub.GetKvEventSources(pb.GetKvEventSourcesRequest())).sources
+        advert = next(s for s in sources if s.transport == "zmq")
+        kv_log = engine.app.service.kv_log
+        epoch = kv_log.first_sequence_number
+        next_seq = kv_log.last_sequence_number - epoch + 1
+        ctx = zmq.asyncio.Context()
+        client = ctx.socket(socket_type)
+        client.connect(advert.replay_endpoint)
+
+        async def ask(**request: object) -> dict[str, Any]:
+            packed = msgpack.packb(request)
+            delimiter = [b""] if socket_type == zmq.DEALER else []
+            await client.send_multipart([*delimiter, packed])
+            assert await client.poll(timeout=5000)
+            frames = await client.recv_multipart()
+            assert frames[: len(delimiter)] == delimiter and len(frames) == len(delimiter) + 1
+            reply: dict[str, Any] = msgpack.unpackb(frames[-1], raw=False)
+            assert (reply["publisher_epoch"], reply["next_seq"]) == (epoch, next_seq)
+            return reply
+
+        try:
+            replay = await ask(publisher_epoch=epoch, start_seq=0, force_snapshot=False)
+            assert replay["snapshot"] is None
+            assert [seq for seq, _ in replay["replayed_batches"]] == list(range(next_seq))
+            translator = WorkerTranslator(
+                TranslateOptions(worker_id="engine", hash_mode=HashMode.CANONICAL)
+            )
+            for seq, payload in replay["replayed_batches"]:
+                translator.translate(decode_payload(payload).events, seq=seq)
+            cached = await _engine_cached_keys(engine)
+            assert cached and {_signed(k) for k in translator.live_keys()} == cached
+
+            snapshot = await ask(publisher_epoch=epoch, start_seq=0, force_snapshot=True)
+            assert snapshot["replayed_batches"] == []
+            batch = decode_payload(snapshot["snapshot"])
+            assert batch.num_bad_events == 0 and batch.num_unknown_events == 0
+            rebuilt = WorkerTranslator(
+                TranslateOptions(worker_id="engine", hash_mode=HashMode.CANONICAL)
+            )
+            rebuilt.translate(batch.events, seq=next_seq - 1)
+            assert rebuilt.counters.num_unresolved == 0
+            assert {_signed(k) for k in rebuilt.live_keys()} == cached
+        finally:
+            client.close(linger=0)
+            ctx.term()
+
+
 @needs_ipv6_loopback
 @pytest.mark.parametrize(
     ("endpoint", "advertised_host"),

@@ -95,18 +95,28 @@ def _stored(key: int, parent: int | None) -> BlockStored:
     )
 
 
-@pytest.mark.timeout(30)
-async def test_live_sub_and_dealer_replay() -> None:
-    # The log numbers from its time-based base; the ZMQ seq counts from 0 as vLLM's does.
-    log = KvEventLog(buffer_steps=100)
-    publisher = ZmqKvPublisher(
+def _loopback_publisher(
+    log: KvEventLog, *, buffer_steps: int, data_parallel_rank: int = 0, snapshot: bool = False
+) -> ZmqKvPublisher:
+    """A publisher of `log`'s batches on free loopback ports (with the log's snapshot for
+    msgpack replay requests when `snapshot`)."""
+    return ZmqKvPublisher(
         endpoint="tcp://127.0.0.1:*",
         replay_endpoint="tcp://127.0.0.1:*",
         topic="kv@test@sim",
         hwm=1000,
-        buffer_steps=100,
+        buffer_steps=buffer_steps,
         first_sequence_number=log.first_sequence_number,
+        data_parallel_rank=data_parallel_rank,
+        snapshot=log.snapshot if snapshot else None,
     )
+
+
+@pytest.mark.timeout(30)
+async def test_live_sub_and_dealer_replay() -> None:
+    # The log numbers from its time-based base; the ZMQ seq counts from 0 as vLLM's does.
+    log = KvEventLog(buffer_steps=100)
+    publisher = _loopback_publisher(log, buffer_steps=100)
 
     def last_zmq_seq() -> int:
         return log.last_sequence_number - log.first_sequence_number
@@ -167,10 +177,9 @@ async def test_live_sub_and_dealer_replay() -> None:
             got.append(int.from_bytes(frames[2], "big"))
         assert got == [start, start + 1]
 
-        # Any other request (newer vLLM's msgpack one) is answered with just the end marker,
-        # as vLLM 0.32 answers it, and the socket goes on serving.
-        newer = msgpack.packb({"publisher_epoch": 0, "start_seq": 0, "force_snapshot": False})
-        await dealer.send_multipart([b"", newer])
+        # A request of neither form is answered with just the end marker, and the socket goes
+        # on serving.
+        await dealer.send_multipart([b"", b"\xc1 not a replay request"])
         assert await dealer.poll(timeout=5000)
         assert await dealer.recv_multipart() == [b"", b"", END_OF_REPLAY_SEQ, b""]
         await dealer.send_multipart([b"", last_zmq_seq().to_bytes(8, "big")])
@@ -226,3 +235,107 @@ async def test_a_data_parallel_rank_binds_vllms_offset_endpoints(tmp_path: Path)
     assert rank_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert rank_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert rank_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+
+
+async def _ask(socket: zmq.asyncio.Socket, request: dict[str, Any]) -> dict[str, Any]:
+    """One msgpack replay request and its one reply (a DEALER's behind the empty frame)."""
+    packed = msgpack.packb(request)
+    if socket.type == zmq.DEALER:
+        await socket.send_multipart([b"", packed])
+    else:
+        await socket.send(packed)
+    assert await socket.poll(timeout=5000)
+    frames = await socket.recv_multipart()
+    if socket.type == zmq.DEALER:
+        assert frames[0] == b""
+        frames = frames[1:]
+    assert len(frames) == 1
+    reply: dict[str, Any] = msgpack.unpackb(frames[0], raw=False)
+    assert sorted(reply) == ["next_seq", "publisher_epoch", "replayed_batches", "snapshot"]
+    return reply
+
+
+def _snapshot_keys(payload: bytes) -> list[int]:
+    """The keys a snapshot payload stores, checked to start with AllBlocksCleared."""
+    _ts, events, rank = msgpack.unpackb(payload, raw=False)
+    assert rank == 1
+    assert events[0] == {"type": "AllBlocksCleared"}
+    return [k for event in events[1:] for k in event["block_hashes"]]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("socket_type", [zmq.REQ, zmq.DEALER], ids=["req", "dealer"])
+async def test_newer_vllms_msgpack_replay_request_is_answered_with_one_reply(
+    socket_type: int,
+) -> None:
+    """WIRE.md's newer request form, `{publisher_epoch, start_seq, force_snapshot}`, gets one
+    message `{publisher_epoch, next_seq, replayed_batches, snapshot}`: the buffered batches
+    from start_seq (the bytes sent live) or, when asked, when the epoch is another process's
+    or when the buffer no longer holds start_seq, a snapshot of the cached set."""
+    log = KvEventLog(buffer_steps=100)
+    publisher = _loopback_publisher(log, buffer_steps=3, data_parallel_rank=1, snapshot=True)
+    await publisher.start()
+    log.add_listener(publisher.publish_batch)
+    records: list[KvEventBatchRecord] = []
+    log.add_listener(records.append)
+    epoch = log.first_sequence_number
+    ctx = zmq.asyncio.Context()
+    client = ctx.socket(socket_type)
+    assert publisher.bound_replay_endpoint is not None
+    client.connect(publisher.bound_replay_endpoint)
+    try:
+        # Nothing published yet: nothing to replay, the next live batch is seq 0.
+        empty = await _ask(client, {"publisher_epoch": None, "start_seq": 0})
+        assert empty == {
+            "publisher_epoch": epoch,
+            "next_seq": 0,
+            "replayed_batches": [],
+            "snapshot": None,
+        }
+        log.append([_stored(1, None)])
+        log.append([_stored(2, 1)])
+        log.append([BlockRemoved(block_keys=(BlockKey(2),))])
+        log.append([_stored(3, 1)])  # seqs 0-3; the buffer of 3 holds 1-3
+        sent = {seq: encode_msgpack_batch(record, 1) for seq, record in enumerate(records)}
+
+        covered = await _ask(
+            client, {"publisher_epoch": epoch, "start_seq": 2, "force_snapshot": False}
+        )
+        assert covered["publisher_epoch"] == epoch and covered["next_seq"] == 4
+        assert covered["snapshot"] is None
+        assert covered["replayed_batches"] == [[2, sent[2]], [3, sent[3]]]
+        up_to_date = await _ask(client, {"publisher_epoch": epoch, "start_seq": 4})
+        assert (up_to_date["replayed_batches"], up_to_date["snapshot"]) == ([], None)
+
+        for request in (
+            {"publisher_epoch": epoch, "start_seq": 2, "force_snapshot": True},  # asked for
+            {"publisher_epoch": epoch + 1, "start_seq": 2},  # another process's seqs
+            {"publisher_epoch": epoch, "start_seq": 0},  # seq 0 left the buffer
+            {"publisher_epoch": None, "start_seq": 9},  # not yet published
+        ):
+            reply = await _ask(client, request)
+            assert (reply["publisher_epoch"], reply["next_seq"]) == (epoch, 4)
+            assert reply["replayed_batches"] == []
+            assert _snapshot_keys(reply["snapshot"]) == [1, 3]
+
+        # A malformed msgpack request (start_seq missing or negative, a string epoch) is
+        # answered with the end marker alone; the socket goes on serving.
+        for bad in (
+            {"publisher_epoch": 0},
+            {"start_seq": -1},
+            {"start_seq": 0, "publisher_epoch": "x"},
+        ):
+            packed = msgpack.packb(bad)
+            if socket_type == zmq.DEALER:
+                await client.send_multipart([b"", packed])
+            else:
+                await client.send(packed)
+            assert await client.poll(timeout=5000)
+            marker = await client.recv_multipart()
+            assert marker[-3:] == [b"", END_OF_REPLAY_SEQ, b""]
+        again = await _ask(client, {"start_seq": 3})
+        assert again["replayed_batches"] == [[3, sent[3]]]
+    finally:
+        client.close(linger=0)
+        ctx.term()
+        await publisher.close()

@@ -138,12 +138,20 @@ class Replica:
         except OSError:
             return None
 
-    def followed(self) -> float | None:
-        """`kvplane_indexer_source_followed` of the worker (None: not reported)."""
+    def _sample(self, metric: str) -> float | None:
+        """The worker's sample of `metric` on `/metrics` (None: not reported)."""
         for line in (self._metrics() or "").splitlines():
-            if line.startswith(f'kvplane_indexer_source_followed{{worker_id="{WORKER}"}}'):
+            if line.startswith(f'{metric}{{worker_id="{WORKER}"}}'):
                 return float(line.split()[-1])
         return None
+
+    def followed(self) -> float | None:
+        """`kvplane_indexer_source_followed` of the worker (None: not reported)."""
+        return self._sample("kvplane_indexer_source_followed")
+
+    def resyncs(self) -> float | None:
+        """`kvplane_indexer_source_resyncs_total` of the worker (None: not reported)."""
+        return self._sample("kvplane_indexer_source_resyncs_total")
 
     async def wait_serving(self) -> None:
         """Until its metrics answer (its sources, or their leases, are started then)."""
@@ -358,6 +366,29 @@ async def test_a_holder_restarted_under_its_replica_name_takes_its_lease_back_at
     assert second.followed() == 0
 
 
+async def test_a_lease_found_taken_anew_is_counted_as_a_resync(setup: Setup) -> None:
+    """The holder's lease key gone from Redis (it expired under a holder paused past its
+    term that no other replica took over, or Redis lost it): the holder's next renewal takes
+    it anew and replaces its own subscription with a fresh one, which clears and rebuilds the
+    worker; `kvplane_indexer_source_resyncs_total` counts that as one resync, as the
+    controller's `kvplane_controller_engine_kv_event_resyncs_total` does (before, 0)."""
+    setup.publisher.buffer_steps = None  # the fresh subscription rebuilds from the replay
+    only = setup.replica("only", lease_s=1.5)
+    await only.wait_followed(1)
+    for block in range(4):
+        await setup.publish(_stored(100 + block))
+    await setup.index_exact("with the replica writing")
+    assert only.resyncs() == 0
+
+    keys = [k for k in setup.redis.command("KEYS", "*") if k.endswith(f":l:{WORKER}".encode())]
+    assert len(keys) == 1, keys
+    setup.redis.command("DEL", keys[0])
+    await eventually(lambda: only.resyncs() == 1, WAIT_S, "the lease taken anew counted")
+    await setup.publish(_stored(300), _removed(100))
+    await setup.index_exact("after the lease was taken anew")
+    assert (only.followed(), only.resyncs()) == (1, 1)
+
+
 async def test_resync_asked_of_the_replica_without_the_lease_is_done_by_the_holder(
     setup: Setup,
 ) -> None:
@@ -388,6 +419,7 @@ async def test_resync_asked_of_the_replica_without_the_lease_is_done_by_the_hold
     assert reply.handed_to[0].startswith("indexer-a/")
     await setup.index_exact("after the holder resynced the engine")  # block 9 is gone
     assert (first.followed(), second.followed()) == (1, 0)
+    assert first.resyncs() == 1  # the resync handed over, counted once by the holder
 
     # As `kvplane admin index resync` prints it.
     admin = await asyncio.to_thread(

@@ -405,6 +405,27 @@ async def test_live_copies_of_the_start_replay_are_duplicates_after_a_second_res
     assert _keys(index) == {1, 2}
 
 
+async def test_a_batch_with_a_newer_vllms_trailing_field_is_applied_not_dropped(
+    context: zmq.asyncio.Context,
+) -> None:
+    """An EventBatch array with a 4th element (a field a newer vLLM appends) is read as vLLM
+    reads it: the first three elements, the rest ignored; it is no bad message."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    source = _source(publisher.endpoint, context, MemoryBackend(index))
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_message(0, _stored(1)))
+            newer = msgpack.packb([1.0, [_stored(2, parent=1)], 0, {"future": 1}])
+            await publisher.send([TOPIC, _seq(1), newer])
+            await source.wait_until(lambda: source.last_seq == 1, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_bad_messages == 0
+    assert _keys(index) == {1, 2}
+
+
 async def test_two_frame_messages_without_a_topic(context: zmq.asyncio.Context) -> None:
     index = PrefixIndex()
     publisher = FakeKvPublisher(context)
