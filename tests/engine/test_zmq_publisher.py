@@ -98,10 +98,9 @@ def _stored(key: int, parent: int | None) -> BlockStored:
 
 
 def _loopback_publisher(
-    log: KvEventLog, *, buffer_steps: int, data_parallel_rank: int = 0, snapshot: bool = False
+    log: KvEventLog, *, buffer_steps: int, data_parallel_rank: int = 0
 ) -> ZmqKvPublisher:
-    """A publisher of `log`'s batches on free loopback ports (with the log's snapshot for
-    msgpack replay requests when `snapshot`)."""
+    """A publisher of `log`'s batches on free loopback ports."""
     return ZmqKvPublisher(
         endpoint="tcp://127.0.0.1:*",
         replay_endpoint="tcp://127.0.0.1:*",
@@ -110,7 +109,7 @@ def _loopback_publisher(
         buffer_steps=buffer_steps,
         first_sequence_number=log.first_sequence_number,
         data_parallel_rank=data_parallel_rank,
-        snapshot=log.snapshot if snapshot else None,
+        snapshot=log.snapshot,
     )
 
 
@@ -225,6 +224,7 @@ async def test_a_data_parallel_rank_binds_vllms_offset_endpoints(tmp_path: Path)
         buffer_steps=10,
         first_sequence_number=1,
         data_parallel_rank=2,
+        snapshot=KvEventLog(10, first_sequence_number=1).snapshot,
     )
     await publisher.start()
     ctx = zmq.asyncio.Context()
@@ -285,7 +285,7 @@ async def test_newer_vllms_msgpack_replay_request_is_answered_with_one_reply(
     from start_seq (the bytes sent live) or, when asked, when the epoch is another process's
     or when the buffer no longer holds start_seq, a snapshot of the cached set."""
     log = KvEventLog(buffer_steps=100)
-    publisher = _loopback_publisher(log, buffer_steps=3, data_parallel_rank=1, snapshot=True)
+    publisher = _loopback_publisher(log, buffer_steps=3, data_parallel_rank=1)
     await publisher.start()
     log.add_listener(publisher.publish_batch)
     records: list[KvEventBatchRecord] = []
@@ -374,7 +374,7 @@ async def test_a_snapshot_then_the_live_stream_from_next_seq_is_the_cached_set()
     are ignored (as vLLM's msgspec decoder ignores them), and a `start_seq` beyond anything
     published (up to the largest uint64) gets the snapshot too."""
     log = KvEventLog(buffer_steps=100)
-    publisher = _loopback_publisher(log, buffer_steps=2, snapshot=True)
+    publisher = _loopback_publisher(log, buffer_steps=2)
     async with _serving(log, publisher) as (sub, client):
         # Until the SUB receives (a PUB drops what it sends before the subscription).
         log.append([_stored(1, None)])
