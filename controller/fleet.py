@@ -1635,21 +1635,20 @@ class Fleet:
                 return
             await self._start_events(engine, identity)
 
-    async def _lease_taken(self, engine: _Engine) -> None:
+    async def _lease_taken(self, engine: _Engine, resync: bool) -> None:
         """This replica took the engine's writer lease over: follow the engine's events from
         a fresh subscription, whose snapshot clears and rebuilds its worker (what another
-        replica wrote, or nobody while the lease was free, is replaced). Replacing a
-        subscription of this replica's (its lease found taken anew after Redis lost it, or a
-        resync handed over) is a resync of the engine's entries, counted as one."""
+        replica wrote, or nobody while the lease was free, is replaced), counted as one
+        resync of the engine's entries when the lease says it is one (`WriterLease`'s
+        `on_taken`: it replaces this replica's own subscription)."""
         async with engine.events_lock:
-            resubscribed = engine.events_task is not None
             if engine.events_task is not None:
                 task = engine.events_task
                 engine.stop_events()
                 await asyncio.wait([task])
             if engine.followed is not None:
                 await self._start_events(engine, engine.followed)
-                if resubscribed and engine.source_counters is not None:
+                if resync and engine.source_counters is not None:
                     engine.source_counters.num_resyncs += 1
 
     async def _start_events(self, engine: _Engine, identity: EngineIdentity) -> None:

@@ -97,12 +97,17 @@ class WriterLease:
     """This replica's view of one engine's writer lease, kept by `run()`.
 
     `wanted()`: whether the replica follows the engine now (its identity read, KV events
-    on); only then is the lease taken. `on_taken()` runs when it is taken (or taken back
-    after a fenced write was refused), `on_lost()` when another replica holds it or a write
-    was refused: the first starts a fresh subscription, the second stops it.
+    on); only then is the lease taken. `on_taken(resync)` runs when it is taken (or taken
+    back after a fenced write was refused), `on_lost()` when another replica holds it or a
+    write was refused: the first starts a fresh subscription, the second stops it.
     `on_resync(only_if_stream_lost)` runs when a renewal finds a resync of the engine that
-    another replica was asked and handed to this one (`ask_resync`); by default `on_taken()`
-    (a fresh subscription rebuilds the engine's workers from a snapshot).
+    another replica was asked and handed to this one (`ask_resync`); by default
+    `on_taken(True)` (a fresh subscription rebuilds the engine's workers from a snapshot).
+    `resync` is the one rule of what a replica counts as a resync of the engine (the
+    controller's `kv_event_resyncs_total`, the indexer's `resyncs`): True when the fresh
+    subscription replaces this replica's own (the lease found taken anew while held: its
+    key expired under it, or Redis lost it; a resync handed over), False for a take-over
+    from another replica or from nobody, which is a start.
     `reachable()`: whether the engine's events reach this replica now (its subscription
     connected); while held, a whole term without them gives the lease up. None: always."""
 
@@ -114,7 +119,7 @@ class WriterLease:
         term_s: float,
         *,
         wanted: Callable[[], bool],
-        on_taken: Callable[[], Awaitable[None]],
+        on_taken: Callable[[bool], Awaitable[None]],
         on_lost: Callable[[], None],
         on_resync: Callable[[bool], Awaitable[None]] | None = None,
         reachable: Callable[[], bool] | None = None,
@@ -189,7 +194,7 @@ class WriterLease:
             only_if_stream_lost = state is LeaseState.KEPT_RESYNC_IF_STREAM_LOST
             try:
                 if self._on_resync is None:
-                    await self._on_taken()
+                    await self._on_taken(True)
                 else:
                     await self._on_resync(only_if_stream_lost)
             except asyncio.CancelledError:
@@ -231,9 +236,9 @@ class WriterLease:
         if state is LeaseState.TAKEN or not self.held:
             log.info("engine %s: this replica writes its KV events into the shared index "
                      "(resubscribing from a snapshot)", self.engine)  # fmt: skip
-            self.held = True
+            taken_anew, self.held = self.held, True
             try:
-                await self._on_taken()
+                await self._on_taken(taken_anew)
             except asyncio.CancelledError:
                 raise
             except Exception:  # (the engine's ZMQ sources could not be read): next time

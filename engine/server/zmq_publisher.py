@@ -14,7 +14,8 @@ them: an 8-byte request is the legacy protocol, anything else a msgpack one.
   first, then the end marker `[b"", b"", ff*8, b""]`. Replies are the very bytes sent live.
 - msgpack (newer vLLM): a DEALER or REQ sends the map `{publisher_epoch, start_seq,
   force_snapshot}` (`start_seq` required, an int >= 0; `publisher_epoch` an int or nil;
-  `force_snapshot` a bool, default false); the ROUTER answers with one message, the map
+  `force_snapshot` a bool, default false; other keys ignored, as vLLM's msgspec decoder
+  ignores them); the ROUTER answers with one message, the map
   `{publisher_epoch, next_seq, replayed_batches: [[seq, payload], ...], snapshot}`.
   `publisher_epoch` is this process's: the KV event log's first sequence number (wall-clock
   microseconds at its creation, so a restart changes it). `next_seq` is the seq the next live
@@ -24,9 +25,13 @@ them: an 8-byte request is the legacy protocol, anything else a msgpack one.
   snapshot is sent when asked for (`force_snapshot`), when the request's epoch is another
   process's (its seqs mean nothing here), or when the buffer no longer (or not yet) holds
   `start_seq`: the same rule as SubscribeKvEvents' snapshot standing in for a replay it cannot
-  serve. A publisher without a snapshot (`snapshot=None`) replays what it holds instead.
+  serve. The reply is made in one go, between two batches (the publishing path and the
+  ROUTER share the event loop), so the snapshot is the cached set as of exactly `next_seq - 1`:
+  a client that applies it and then the live batches from `next_seq` on loses none and
+  applies none twice.
 
-A request that is neither (not msgpack, not such a map) is answered with just the end marker.
+A request that is neither (not msgpack, not such a map, `start_seq` missing or negative, a
+field of another type) is answered with just the end marker.
 
 Both sockets bind (this engine is the server). A `*` host listens on IPv4 and IPv6 alike (vLLM's
 on IPv4 only), an IPv6 address (`tcp://[::1]:5557`) on IPv6 (`kvplane.zmq_ip`). A `*` port picks
@@ -77,11 +82,12 @@ class ZmqKvPublisher:
         buffer_steps: int,
         first_sequence_number: int,
         data_parallel_rank: int = 0,
-        snapshot: Callable[[], KvEventBatchRecord] | None = None,
+        snapshot: Callable[[], KvEventBatchRecord],
     ) -> None:
         """`first_sequence_number`: the KV event log's (`KvEventLog.first_sequence_number`),
-        the batch published as ZMQ seq 0, and this publisher's epoch. `snapshot`: the log's
-        (`KvEventLog.snapshot`), for msgpack replay requests it cannot serve from its buffer."""
+        the batch published as ZMQ seq 0, and this publisher's epoch. `snapshot`: the same
+        log's (`KvEventLog.snapshot`), for msgpack replay requests it cannot serve from its
+        buffer; it must be called on the thread that publishes (the event loop)."""
         self._first_seq = first_sequence_number
         self._snapshot = snapshot
         self._dp_rank = data_parallel_rank
@@ -160,7 +166,9 @@ class ZmqKvPublisher:
             await router.send_multipart([identity, b"", b"", END_OF_REPLAY_SEQ, b""])
 
     def _msgpack_reply(self, request: MsgpackReplayRequest) -> bytes:
-        """The one message answering a msgpack replay request (module docstring)."""
+        """The one message answering a msgpack replay request (module docstring). No await
+        from here to the reply's bytes: no batch is published between the snapshot and
+        `next_seq`."""
         sent = list(self._sent)
         next_seq = sent[-1][0] + 1 if sent else 0
         oldest = sent[0][0] if sent else next_seq
@@ -171,7 +179,7 @@ class ZmqKvPublisher:
         )
         snapshot: bytes | None = None
         replayed: list[tuple[int, bytes]] = []
-        if wants_snapshot and self._snapshot is not None:
+        if wants_snapshot:
             snapshot = encode_msgpack_batch(self._snapshot(), self._dp_rank)
         else:
             replayed = [(seq, payload) for seq, _, payload in sent if seq >= request.start_seq]

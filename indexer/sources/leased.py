@@ -159,20 +159,16 @@ class LeasedEngineSources:
             await asyncio.wait(tasks)
             await self.lease.release()
 
-    async def _taken(self) -> None:
+    async def _taken(self, resync: bool) -> None:
         """The lease is this replica's: start every source afresh (their starts rebuild the
-        workers, whatever another replica or nobody wrote meanwhile). Replacing sources this
-        replica was running (its lease found taken anew: its key expired under it, or Redis
-        lost it with its data) is a resync of their workers, counted as one each in their
-        `resyncs`, as the controller counts it for the engines it follows (`Fleet`'s
-        `_lease_taken`); a take-over after another replica's writing, or after none, is a
-        start."""
+        workers, whatever another replica or nobody wrote meanwhile), each counting one in
+        its `resyncs` when the lease says it is a resync (`WriterLease`'s `on_taken`)."""
         running = self._tasks
         self._stop()
         if running:
             await asyncio.wait(running)
         for source in self.sources:
-            if running:
+            if resync:
                 source.counters.num_resyncs += 1
             task = asyncio.create_task(source.run(self._sink), name=f"source:{source.worker_id}")
             task.add_done_callback(self._ended)

@@ -50,7 +50,7 @@ async def test_a_writer_lease_cancelled_inside_a_renewal_stops() -> None:
     class Index:
         hold_lease = call
 
-    async def nothing() -> None:
+    async def nothing(_resync: bool) -> None:
         return None
 
     lease = WriterLease(

@@ -799,6 +799,28 @@ class CutEvents(Forwarding):
             )
 
 
+async def test_a_writer_lease_found_taken_anew_counts_one_resync(redis: RedisServer) -> None:
+    """The engine's writer lease key gone from Redis under its holder (it expired under a
+    paused holder nobody replaced, or Redis lost it): the holder's next renewal takes it
+    anew and resubscribes, which rebuilds the engine's entries and counts exactly one
+    `kvplane_controller_engine_kv_event_resyncs_total`, by the writer lease's rule shared
+    with the indexer replicas' `resyncs` (a first take, from nobody, counts none)."""
+    fleet = await make_fleet(1, index={"backend": redis.url, "writer_lease_s": 1.5})
+    try:
+        engine = fleet.engines[0]
+        address = fleet.address(engine)
+        await finished(fleet, generate_request("a", [*PREFIX, 1]))
+        await index_follows(fleet, address, engine)
+        assert _resyncs(fleet, address) == 0
+        assert redis.command("DEL", f"kvplane:{{default:0}}:l:{address}") == 1
+        await eventually(lambda: _resyncs(fleet, address) == 1, 20, "the lease taken anew")
+        await finished(fleet, generate_request("b", [*range(3000, 3064), 1]))
+        await index_follows(fleet, address, engine)
+        assert _resyncs(fleet, address) == 1
+    finally:
+        await close_fleet(fleet)
+
+
 @pytest.mark.parametrize("buffer_steps", [10_000, 1], ids=["replayed", "snapshot"])
 async def test_a_kv_event_stream_the_engine_ends_is_followed_again_exactly(
     index: dict[str, str], buffer_steps: int

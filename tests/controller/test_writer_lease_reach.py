@@ -41,7 +41,7 @@ class Replica:
             reachable=lambda: self.reaches,
         )
 
-    async def _taken(self) -> None:
+    async def _taken(self, _resync: bool) -> None:
         self.takes.append(time.monotonic())
 
     def _lost(self) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +98,9 @@ def _stored(key: int, parent: int | None) -> BlockStored:
 
 
 def _loopback_publisher(
-    log: KvEventLog, *, buffer_steps: int, data_parallel_rank: int = 0, snapshot: bool = False
+    log: KvEventLog, *, buffer_steps: int, data_parallel_rank: int = 0
 ) -> ZmqKvPublisher:
-    """A publisher of `log`'s batches on free loopback ports (with the log's snapshot for
-    msgpack replay requests when `snapshot`)."""
+    """A publisher of `log`'s batches on free loopback ports."""
     return ZmqKvPublisher(
         endpoint="tcp://127.0.0.1:*",
         replay_endpoint="tcp://127.0.0.1:*",
@@ -108,8 +109,32 @@ def _loopback_publisher(
         buffer_steps=buffer_steps,
         first_sequence_number=log.first_sequence_number,
         data_parallel_rank=data_parallel_rank,
-        snapshot=log.snapshot if snapshot else None,
+        snapshot=log.snapshot,
     )
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    log: KvEventLog, publisher: ZmqKvPublisher
+) -> AsyncIterator[tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]]:
+    """`publisher` started on `log`'s batches, a SUB (topic `kv@`) and a replay DEALER
+    connected to it; all closed afterwards."""
+    await publisher.start()
+    log.add_listener(publisher.publish_batch)
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(publisher.bound_endpoint)
+    dealer = ctx.socket(zmq.DEALER)
+    assert publisher.bound_replay_endpoint is not None
+    dealer.connect(publisher.bound_replay_endpoint)
+    try:
+        yield sub, dealer
+    finally:
+        sub.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
+        await publisher.close()
 
 
 @pytest.mark.timeout(30)
@@ -121,16 +146,7 @@ async def test_live_sub_and_dealer_replay() -> None:
     def last_zmq_seq() -> int:
         return log.last_sequence_number - log.first_sequence_number
 
-    await publisher.start()
-    log.add_listener(publisher.publish_batch)
-    ctx = zmq.asyncio.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.connect(publisher.bound_endpoint)
-    dealer = ctx.socket(zmq.DEALER)
-    assert publisher.bound_replay_endpoint is not None
-    dealer.connect(publisher.bound_replay_endpoint)
-    try:
+    async with _serving(log, publisher) as (sub, dealer):
         # PUB drops messages until the subscription has propagated: publish until one arrives.
         live: list[list[bytes]] = []
         parent: int | None = None
@@ -185,11 +201,6 @@ async def test_live_sub_and_dealer_replay() -> None:
         await dealer.send_multipart([b"", last_zmq_seq().to_bytes(8, "big")])
         assert await dealer.poll(timeout=5000)
         assert (await dealer.recv_multipart())[2] == last_zmq_seq().to_bytes(8, "big")
-    finally:
-        sub.close(linger=0)
-        dealer.close(linger=0)
-        ctx.term()
-        await publisher.close()
 
 
 def _free_tcp_port() -> int:
@@ -213,6 +224,7 @@ async def test_a_data_parallel_rank_binds_vllms_offset_endpoints(tmp_path: Path)
         buffer_steps=10,
         first_sequence_number=1,
         data_parallel_rank=2,
+        snapshot=KvEventLog(10, first_sequence_number=1).snapshot,
     )
     await publisher.start()
     ctx = zmq.asyncio.Context()
@@ -273,7 +285,7 @@ async def test_newer_vllms_msgpack_replay_request_is_answered_with_one_reply(
     from start_seq (the bytes sent live) or, when asked, when the epoch is another process's
     or when the buffer no longer holds start_seq, a snapshot of the cached set."""
     log = KvEventLog(buffer_steps=100)
-    publisher = _loopback_publisher(log, buffer_steps=3, data_parallel_rank=1, snapshot=True)
+    publisher = _loopback_publisher(log, buffer_steps=3, data_parallel_rank=1)
     await publisher.start()
     log.add_listener(publisher.publish_batch)
     records: list[KvEventBatchRecord] = []
@@ -339,3 +351,66 @@ async def test_newer_vllms_msgpack_replay_request_is_answered_with_one_reply(
         client.close(linger=0)
         ctx.term()
         await publisher.close()
+
+
+def _apply(keys: set[int], payload: bytes) -> None:
+    """A vLLM-style consumer's cached set after one EventBatch payload."""
+    _ts, events, _rank = msgpack.unpackb(payload, raw=False)
+    for event in events:
+        if event["type"] == "AllBlocksCleared":
+            keys.clear()
+        elif event["type"] == "BlockStored":
+            keys.update(event["block_hashes"])
+        else:
+            keys.difference_update(event["block_hashes"])
+
+
+@pytest.mark.timeout(30)
+async def test_a_snapshot_then_the_live_stream_from_next_seq_is_the_cached_set() -> None:
+    """A newer-vLLM consumer that follows the live stream, asks for a snapshot while batches
+    keep coming, and then applies the live batches from the reply's `next_seq` on (dropping
+    those before it, which the snapshot holds) ends with exactly the publisher's cached set:
+    no batch published around the snapshot is lost or applied twice. Unknown request keys
+    are ignored (as vLLM's msgspec decoder ignores them), and a `start_seq` beyond anything
+    published (up to the largest uint64) gets the snapshot too."""
+    log = KvEventLog(buffer_steps=100)
+    publisher = _loopback_publisher(log, buffer_steps=2)
+    async with _serving(log, publisher) as (sub, client):
+        # Until the SUB receives (a PUB drops what it sends before the subscription).
+        log.append([_stored(1, None)])
+        while not await sub.poll(timeout=50):
+            log.append([BlockRemoved(block_keys=(BlockKey(1),)), _stored(1, None)])
+        for key in range(2, 6):  # live, unread by the consumer, and past the buffer of 2
+            log.append([_stored(key, key - 1)])
+        reply = await _ask(
+            client, {"publisher_epoch": None, "start_seq": 0, "from_a_newer_vllm": [1, 2]}
+        )
+        assert reply["replayed_batches"] == [] and reply["snapshot"] is not None
+        log.append([_stored(6, 5), BlockRemoved(block_keys=(BlockKey(2),))])
+        log.append([AllBlocksCleared(), _stored(7, None)])
+        log.append([_stored(8, 7)])
+        last_seq = log.last_sequence_number - log.first_sequence_number
+
+        keys: set[int] = set()
+        _apply(keys, reply["snapshot"])
+        applied: list[int] = []
+        while not applied or applied[-1] < last_seq:
+            assert await sub.poll(timeout=5000)
+            _topic, seq_bytes, payload = await sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq >= reply["next_seq"]:
+                applied.append(seq)
+                _apply(keys, payload)
+        assert applied == list(range(reply["next_seq"], last_seq + 1))
+        assert keys == {7, 8} == set(_mirror_keys(log))
+
+        beyond = await _ask(client, {"start_seq": 2**64 - 1, "force_snapshot": False})
+        assert beyond["replayed_batches"] == [] and beyond["next_seq"] == last_seq + 1
+        rebuilt: set[int] = set()
+        _apply(rebuilt, beyond["snapshot"])
+        assert rebuilt == keys
+
+
+def _mirror_keys(log: KvEventLog) -> list[BlockKey]:
+    """The keys the log's own snapshot stores (its cached set)."""
+    return [k for e in log.snapshot().events if isinstance(e, BlockStored) for k in e.block_keys]
