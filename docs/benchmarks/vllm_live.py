@@ -126,7 +126,8 @@ class LiveModel:
             topic, seq_bytes, payload = frames
             assert topic == TOPIC.encode() and len(seq_bytes) == 8, frames[:2]
             seq = int.from_bytes(seq_bytes, "big")
-            _ts, events, _rank = msgpack.unpackb(payload, raw=False)
+            # [ts, events, data_parallel_rank, ...]: later fields ignored, as vLLM's decoder does
+            _ts, events = msgpack.unpackb(payload, raw=False)[:2]
             self.record.write(json.dumps({"seq": seq, "events": events}, default=repr) + "\n")
             self.record.flush()
             with self.lock:
