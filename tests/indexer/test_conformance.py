@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from indexer.backend import IndexBackend, PrefixResult, TierPlacements, WorkerPlacements
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
 from indexer.memory_backend import MemoryBackend
+from indexer.validation import MAX_HASHES_PER_REQUEST, validate_batch
 
 HBM, DRAM, SSD = Tier.HBM, Tier.DRAM, Tier.SSD
 FULL, SWA, MAMBA = 1, 2, 4
@@ -490,6 +491,20 @@ async def test_copies_leave_with_the_last_copy(backend: IndexBackend) -> None:
     assert (await backend.stats()).num_placements == 0
 
 
+async def test_copies_are_counted_per_placement(backend: IndexBackend) -> None:
+    # Block 1 has two copies at w's DRAM and at v's HBM; w's single HBM copy is its own.
+    await apply(backend, "w", report(HBM, [1]), *[report(DRAM, [1], copies=True)] * 2)
+    await apply(backend, "v", *[report(HBM, [1], copies=True)] * 2)
+    await apply(backend, "w", revoke(HBM, [1], copies=True))  # its last copy at HBM
+    assert set(tiers_of(await backend.match([1], False), "w")) == {DRAM}
+    assert set(tiers_of(await backend.match([1], False), "v")) == {HBM}
+    await apply(backend, "w", revoke(DRAM, [1], copies=True))
+    await apply(backend, "v", revoke(HBM, [1], copies=True))
+    assert (await backend.stats()).num_placements == 2
+    await apply(backend, "w", revoke(DRAM, [1], copies=True))
+    assert [wp.worker_id for wp in await backend.match([1], False)] == ["v"]
+
+
 async def test_plain_revoke_removes_every_copy(backend: IndexBackend) -> None:
     await apply(backend, "w", *[report(HBM, [1], copies=True)] * 3)
     await apply(backend, "w", revoke(HBM, [1]))
@@ -672,6 +687,37 @@ async def test_snapshot_round_trip(backend: IndexBackend) -> None:
         if a.parent is None and not a.copies
     ]
     assert roots == [1]
+
+
+async def test_a_report_links_each_block_to_the_one_before_it(backend: IndexBackend) -> None:
+    # A REPORT states its head's parent; every later block is the child of the one before it
+    # (a REPORT without a parent keeps the parents stated before).
+    await apply(backend, "w", report(HBM, [1, 2, 3]), report(DRAM, [2, 3]))
+    await apply(backend, "w", report(HBM, [4, 5], parent=3))
+    rebuilt = MemoryBackend()
+    async for batch in backend.snapshot():
+        await rebuilt.apply(batch)
+    assert [rebuilt.index.parent(k) for k in (1, 2, 3, 4, 5)] == [None, 1, 2, 3, 4]
+
+
+async def test_a_snapshot_keeps_to_the_wire_limits(backend: IndexBackend) -> None:
+    # 300 roots (a REPORT each in a snapshot) and a chain longer than one REPORT may carry:
+    # the snapshot is cut into batches a receiver takes, and they rebuild the worker.
+    roots = list(range(1, 301))
+    await apply(backend, "w", *(report(HBM, [k]) for k in roots[:150]))
+    await apply(backend, "w", *(report(HBM, [k]) for k in roots[150:]))
+    chain = list(range(1000, 1000 + MAX_HASHES_PER_REQUEST + 16))
+    await apply(backend, "w", report(DRAM, chain[:MAX_HASHES_PER_REQUEST]))
+    await apply(backend, "w", report(DRAM, chain[MAX_HASHES_PER_REQUEST:], parent=chain[-17]))
+    batches = [batch async for batch in backend.snapshot()]
+    rebuilt = MemoryBackend()
+    for batch in batches:
+        validate_batch(batch)  # as the receiving indexer checks it
+        await rebuilt.apply(batch)
+    assert (await rebuilt.stats()).workers == (await backend.stats()).workers
+    assert rebuilt.index.parent(chain[-16]) == chain[-17]
+    tail = chain[-40:]
+    assert await rebuilt.match_prefix(tail, 0) == await backend.match_prefix(tail, 0)
 
 
 async def test_prefixes_through_fragmented_placements(backend: IndexBackend) -> None:

@@ -49,6 +49,11 @@ def test_namespaces_never_share_keys(namespace: dict[str, str | None]) -> None:
     assert block_keys(TOKENS, 16, lora_name="a", cache_salt="b") != block_keys(
         TOKENS, 16, lora_name="ab"
     )
+    # A salt (a request's own string) never reaches into another namespace, whatever bytes
+    # it holds: each name is length-prefixed.
+    assert block_keys(TOKENS, 16, lora_name="a\x01b") != block_keys(
+        TOKENS, 16, lora_name="a", cache_salt="b\x00"
+    )
 
 
 def test_an_empty_lora_name_or_salt_is_none() -> None:
