@@ -288,6 +288,26 @@ async def test_engine_killed_mid_stream_ends_with_one_engine_error() -> None:
         await close_fleet(fleet)
 
 
+async def test_a_streaming_request_stops_counting_as_prefill_at_its_first_token() -> None:
+    """Once its client has the first token, the router no longer charges the engine with the
+    request's prefill (it would read as a prefill queue there for the whole decode), only
+    with the request itself, until it ends."""
+    fleet = await make_fleet(2, time_scale=1.0)
+    try:
+        stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=2000))
+        first = await stream.read()
+        assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+        router = fleet.app.controller.router
+        holder = fleet.app.gateway.relay.holding["long"]
+        assert not router.inflight.is_prefilling("long")
+        load = router.inflight.of(holder)
+        assert (load.requests, load.prefilling, load.prefill_tokens) == (1, 0, 0)
+        stream.cancel()
+        await eventually(lambda: len(router.inflight) == 0)
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_abort_goes_to_the_engine_holding_the_request() -> None:
     """Only there: another client's request of the same id, sent straight to the other
     engine, keeps running."""

@@ -1089,6 +1089,23 @@ async def test_second_failure_before_the_first_token_is_the_engines_own() -> Non
         await close_fleet(fleet)
 
 
+async def test_a_request_is_retried_once_however_many_engines_remain() -> None:
+    """Three engines, the first two failing before the first token: the second failure is
+    the client's answer (naming its engine), the third engine is never asked."""
+    faults = GenerateFaults(["unavailable", "unavailable"])
+    engines = [await start_scripted_engine(f"e{i}", faults) for i in range(3)]
+    fleet = await scripted_fleet(*engines)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "failed the request: UNAVAILABLE: scripted: not now" in (err.value.details() or "")
+        assert calls(engines, "r") == 2
+        assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_an_in_band_overload_the_client_gets_counts_as_overloaded() -> None:
     """Both engines accept the request and end it with a retryable EngineError OVERLOADED:
     the client gets the second one, and the gateway counts the request as one an engine

@@ -370,6 +370,32 @@ def test_a_softmax_temperature_weighs_engines_by_their_share_of_the_cost_spread(
     assert min(even.values()) >= 250, even
 
 
+def test_engines_within_tie_tokens_of_the_best_cost_are_ties() -> None:
+    """`tie_tokens` (64): an engine whose cost is 30 tokens above the best one's is a tie and
+    shares its requests; one 100 tokens above is not (`tie_ratio` 0)."""
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(0)
+    engines = [cand("best"), cand("near", waiting_tokens=30), cand("far", waiting_tokens=100)]
+    decisions = [router.explain(request(), engines, rng, 0) for _ in range(200)]
+    totals = {r.engine_id: r.total or 0.0 for r in decisions[0].costs}
+    assert totals["near"] - totals["best"] == 30 and totals["far"] - totals["best"] == 100
+    assert Counter(d.engine_id for d in decisions).keys() == {"best", "near"}
+    assert {d.reason for d in decisions} == {Reason.TIE}
+
+
+@pytest.mark.parametrize("name", ["least_loaded", "dynamo_cost", "llmd_longest_prefix"])
+def test_equal_engines_share_the_requests_at_random(name: str) -> None:
+    """Of engines the policy rates alike (as loaded; as cheap; as long a prefix), each is
+    picked at random, never always the first listed; a worse one never."""
+    policy = make_policy(name)
+    rng = random.Random(0)
+    engines = [cand("a", 2, running_requests=1), cand("b", 2, running_requests=1), cand("c")]
+    if name == "least_loaded":  # c the busiest
+        engines[2] = cand("c", running_requests=2)
+    picks = Counter(policy.choose(request(), engines, rng, 0).engine_id for _ in range(100))
+    assert picks.keys() == {"a", "b"}, picks
+
+
 @pytest.mark.parametrize("engines", [3, 8])
 @pytest.mark.parametrize(("prefix_blocks", "tail_blocks"), [(2, 6), (4, 1), (8, 1), (16, 1)])
 @pytest.mark.parametrize("caches", ["unknown", "roomy"])
@@ -535,6 +561,9 @@ def test_busy_engines_are_filtered_unless_all_are_busy() -> None:
     assert {r.engine_id for r in d.costs if r.busy} == {"full", "queued"}
     d = router.explain(request(), [full, queued], rng, 0)
     assert (d.engine_id, d.reason) == ("full", Reason.ALL_BUSY)
+    # Busy from the threshold on: exactly 95% full is busy.
+    assert busy.is_busy(cand("edge", used_kv_blocks=95, total_kv_blocks=100))
+    assert not busy.is_busy(cand("under", used_kv_blocks=94, total_kv_blocks=100))
 
 
 def test_busy_engines_are_skipped_only_while_few_of_them_are_busy() -> None:
@@ -618,6 +647,12 @@ def test_the_routers_own_in_flight_requests_make_an_engine_busy() -> None:
         router.route(request("b"), [cand("e")], rng, 0, reject_when_all_busy=True)
     router.first_token("a")  # no longer queued there
     assert router.route(request("b"), [cand("e")], rng, 0, reject_when_all_busy=True)
+    # So too for the hop of a disaggregated request: "a" waits on the prefill engine p.
+    disagg = Router(make_policy("kvplane"), busy=BusyThresholds(queued_requests=1))
+    roles = [cand("p")], [cand("d")]
+    disagg.route_disaggregated(request("a"), *roles, rng, 0, reject_when_all_busy=True)
+    with pytest.raises(AllEnginesBusyError, match=r"^every prefill engine is busy"):
+        disagg.route_disaggregated(request("b"), *roles, rng, 0, reject_when_all_busy=True)
 
 
 def test_disaggregated_rejection_judges_each_role_the_request_needs_now() -> None:
@@ -725,6 +760,35 @@ def test_sglang_cache_aware_branches() -> None:
         ).engine_id
         == "a"
     )
+
+
+def test_sglang_cache_aware_thresholds_are_its_documented_ones() -> None:
+    """A match over 30% of the prompt goes to its worker, one of exactly 30% does not; the
+    load is imbalanced when max - min > 64 and max > 1.5 x min: 210 vs 140 in flight (70
+    apart, exactly 1.5x) is not, 211 vs 140 is."""
+    rng = random.Random(0)
+    policy = SglangCacheAware()
+    policy.observe(request("w", blocks=10), "a", 0)
+    policy.observe(request("o", blocks=2, keys_from=900), "b", 0)  # b's tree is smaller
+    a, b = cand("a"), cand("b")
+
+    def prompt_matching(blocks: int) -> RouteRequest:
+        return RouteRequest("p", 10 * BS, BS, (*range(blocks), *range(500, 510 - blocks)))
+
+    assert policy.choose(prompt_matching(4), [b, a], rng, 0).engine_id == "a"  # 40%
+    d = policy.choose(prompt_matching(3), [a, b], rng, 0)  # 30%: the smallest tree
+    assert (d.engine_id, d.reason) == ("b", Reason.LOAD)
+
+    def loaded(a_requests: int, b_requests: int) -> list[Candidate]:
+        return [
+            Candidate("a", inflight=InFlight(requests=a_requests)),
+            Candidate("b", inflight=InFlight(requests=b_requests)),
+        ]
+
+    balanced = policy.choose(request(blocks=10), loaded(210, 140), rng, 0)
+    assert (balanced.engine_id, balanced.reason) == ("a", Reason.CACHE)
+    imbalanced = policy.choose(request(blocks=10), loaded(211, 140), rng, 0)
+    assert (imbalanced.engine_id, imbalanced.reason) == ("b", Reason.BALANCE)
 
 
 def test_active_blocks_are_refcounted_from_route_to_finish() -> None:
@@ -895,6 +959,9 @@ def test_dynamo_cost_terms_on_a_worked_example() -> None:
     rows = {r.engine_id: r for r in heavy.explain(z, [cand("a", 3), cand("b")], rng, 0).costs}
     assert rows["a"].total == pytest.approx(4.0 * 261 / BS + 5)
     assert rows["b"].total == pytest.approx(4.0 * 645 / BS + 5)
+    heavy.route(request("w", blocks=4), [cand("a")], rng, 0)  # 517 tokens to prefill on a
+    rows = {r.engine_id: r for r in heavy.explain(z, [cand("a", 3), cand("b")], rng, 0).costs}
+    assert rows["a"].queue_cost == pytest.approx(4.0 * 517 / BS)  # weighed as its prefill
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -915,8 +982,12 @@ def test_llmd_longest_prefix_weights_host_blocks_at_0_8() -> None:
     policy = LlmdLongestPrefix()
     rng = random.Random(0)
     req = request(blocks=10)
-    assert policy.choose(req, [cand("host", 0, 5), cand("dev", 5)], rng, 0).engine_id == "dev"
+    d = policy.choose(req, [cand("host", 0, 5), cand("dev", 5)], rng, 0)
+    assert (d.engine_id, d.reason) == ("dev", Reason.CACHE)  # 5 > 4: no tie
     assert policy.choose(req, [cand("host", 0, 5), cand("dev", 3)], rng, 0).engine_id == "host"
+    # Ten host blocks weigh 8: less than nine device blocks, more than seven.
+    assert policy.choose(req, [cand("host", 0, 10), cand("dev", 9)], rng, 0).engine_id == "dev"
+    assert policy.choose(req, [cand("host", 0, 10), cand("dev", 7)], rng, 0).engine_id == "host"
 
 
 @pytest.mark.parametrize("name", ["kvplane", "dynamo_cost", "llmd_longest_prefix"])
