@@ -1733,6 +1733,37 @@ async def test_removals_of_one_pool_queued_at_close_go_at_once(tmp_path: Path) -
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".port")]  # none left to remove
 
 
+@pytest.mark.timeout(120)
+async def test_a_hung_controllers_removal_at_close_leaves_the_engines_their_time_to_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the close a RemoveEngine the controller does not answer is given up no later
+    than `_CLOSE_EXIT_S` before the close's end, whatever its own bound (here an hour), so
+    the engine still gets that time to exit on its SIGTERM; it is stopped, not killed, and
+    its port file is kept for the next planner to take it out. Before, the removal was
+    waited for its own bound whatever the close's time left."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_CLOSE_REMOVE_S", 3600.0)
+    monkeypatch.setattr(actuator_module, "_CLOSE_EXIT_S", 30.0)
+    controller = ControllerRecording()
+    async with serving_admin(controller) as port:
+        # Half a second for the drain (answered at once) and the removal.
+        stop_within_s = actuator_module._EXIT_MARGIN_S + 30.0 + 0.5
+        actuator = local_processes(port, tmp_path, stop_within_s)
+        try:
+            engine = await actuator.start("default")
+            process = actuator._processes[engine]
+            controller.remove_s = 3600.0  # hung
+            await actuator.close()
+        finally:
+            await actuator.close()
+    assert controller.asked == [("drain", engine), ("remove", engine)]
+    assert process.returncode != -signal.SIGKILL
+    assert actuator.num_alive() == 0
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
+
+
 def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
     """By default the close ends `_EXIT_MARGIN_S` before `kvplane up` kills the planner, and
     its drain, the answers' wait and a hung controller's RemoveEngine leave the engines
