@@ -7,6 +7,9 @@ Anything else escaping is a bug and is logged with a traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class KvplaneError(Exception):
     """A known, user-facing error: its message is shown as it is."""
@@ -26,3 +29,13 @@ class CommandLineError(ConfigError):
         super().__init__(message)
         self.param_hint = param_hint
         self.problem = problem
+
+
+@contextmanager
+def config_in(where: str) -> Iterator[None]:
+    """A ConfigError raised in the block, said of `where` (a file): `invalid config in WHERE:
+    ...`."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config in {where}: {exc}") from None

@@ -233,6 +233,16 @@ async def create_server(
     return server, bound
 
 
+def read_server_files(config: ServerConfig) -> None:
+    """Read the files `create_server` reads for `config` (its TLS certificate, key and CA
+    files, its auth token file), as it reads them; a ConfigError naming the setting of the
+    first that is missing or cannot be used: for a check before the server starts."""
+    if config.tls is not None:
+        server_credentials(config.tls)
+    if config.auth is not None:
+        TokenFile(config.auth.token_file, "auth.token_file")
+
+
 def check_bindable(listen: str, host: str, port: int) -> None:
     """Refuse a port another process holds, or one this user may not bind, in one line, by
     binding it and closing it at once (so `kvplane up` also checks its members' ports with it

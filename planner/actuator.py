@@ -329,10 +329,8 @@ class LocalProcesses:
         await self._admin.drain(address, within_s)
 
     async def stop(self, address: str, remove_within_s: float = ADMIN_TIMEOUT_S) -> None:
-        """Out of the controller (its RemoveEngine waited for `remove_within_s`), then
-        `_terminate`d; once the planner closes, for `_CLOSE_REMOVE_S` at most."""
-        if self._close_by is not None:
-            remove_within_s = min(remove_within_s, _CLOSE_REMOVE_S)
+        """Out of the controller (its RemoveEngine waited for `remove_within_s`, less once
+        the planner closes: `_forget`), then `_terminate`d."""
         process = await self._forget(address, remove_within_s)
         if process is not None:
             self._terminate(process)
@@ -355,7 +353,13 @@ class LocalProcesses:
     async def _forget(
         self, address: str, remove_within_s: float = ADMIN_TIMEOUT_S
     ) -> asyncio.subprocess.Process | None:
-        """Take `address` out of the controller and of the engines started; its process."""
+        """Take `address` out of the controller and of the engines started; its process.
+        Once the planner closes, its RemoveEngine is waited for `_CLOSE_REMOVE_S` at most, and
+        not past `_CLOSE_EXIT_S` before the close's end (a hung controller): the engine's
+        exit has that time left."""
+        if self._close_by is not None:
+            left_s = self._close_by - asyncio.get_running_loop().time() - _CLOSE_EXIT_S
+            remove_within_s = max(0.0, min(remove_within_s, _CLOSE_REMOVE_S, left_s))
         await self._remove(address, self._port_files.pop(address, None), remove_within_s)
         self._logs.pop(address, None)
         self._exits_said.discard(address)

@@ -34,8 +34,8 @@ def run(ctx: typer.Context, config: PlannerConfigOption = None) -> None:
     Deployment per pool (`live.kubernetes`), registered with the controller the config's
     `live:` section names. Ctrl-C stops the planner and the local engines it started (pods
     keep serving)."""
-    from kvplane.up.preflight import check_pool_engines
     from planner.config import PlannerConfig
+    from planner.engine_args import check_pool_engines
     from planner.live import run_live
 
     if config is None:

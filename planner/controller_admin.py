@@ -8,8 +8,11 @@ are registered again, those it lists as draining are returned with the blocks it
 places on each engine (the one listing, ListWorkers), and those the planner drained that it
 routes to again (the drain was not taken) are drained again. Every call is bounded by
 `ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain (at the
-planner's close, `drain_all`: until `DRAIN_ANSWER_S` past the drain's deadline). `restarted`
-returns when the controller is a new process (its instance id changed): the planner then
+planner's close, `drain_all`: until `DRAIN_ANSWER_S` past the drain's deadline). A leader's
+(`left_s`) end by its renew deadline too, as its Kubernetes API calls do (planner.term_bound),
+the drain's first answer included: a hung controller holds none past its term. `restarted`'s
+wait on the controller's identity, which changes nothing, is left to the term's end to cancel.
+`restarted` returns when the controller is a new process (its instance id changed): the planner then
 registers its engines again at once, not at its next tick. Every registration carries the
 `owner` that `owner_of` gives its address (none when ""), so that the actuator finds its
 engines among the controller's (`registered_by`) after a restart of its own; a controller
@@ -42,6 +45,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.term_bound import TimeLeft, bounded_s
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +123,11 @@ class ControllerAdmin:
         controller: str,
         channels: ClientChannels = INSECURE,
         owner_of: Callable[[str], str] = lambda address: "",
+        left_s: TimeLeft | None = None,
     ) -> None:
         self._controller = controller
+        # A leader's term (its calls end by its renew deadline, `bounded_s`), or None.
+        self._left_s = left_s
         self._channels = channels
         self._owner_of = owner_of
         # The admin API and, on the same server, the gateway: GetEngineInfo names the
@@ -187,7 +194,9 @@ class ControllerAdmin:
         anyone. A controller older than CheckAccess (UNIMPLEMENTED) is not refused here:
         its RegisterEngine will say whether the token is right."""
         try:
-            await self._stub.CheckAccess(apb.CheckAccessRequest(), timeout=ADMIN_TIMEOUT_S)
+            await self._stub.CheckAccess(
+                apb.CheckAccessRequest(), timeout=self._timeout_s(ADMIN_TIMEOUT_S)
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -200,13 +209,13 @@ class ControllerAdmin:
         request = apb.RegisterEngineRequest(address=address, owner=self._owner_of(address))
         try:
             try:
-                await self._stub.RegisterEngine(request, timeout=ADMIN_TIMEOUT_S)
+                await self._stub.RegisterEngine(request, timeout=self._timeout_s(ADMIN_TIMEOUT_S))
             except grpc.aio.AioRpcError as exc:
                 if not (request.owner and _refused_owner(exc)):
                     raise
                 log.debug("controller %s has no RegisterEngine owner", self._controller)
                 request.ClearField("owner")
-                await self._stub.RegisterEngine(request, timeout=ADMIN_TIMEOUT_S)
+                await self._stub.RegisterEngine(request, timeout=self._timeout_s(ADMIN_TIMEOUT_S))
         except grpc.aio.AioRpcError as exc:
             if not (existing_ok and exc.code() is grpc.StatusCode.ALREADY_EXISTS):
                 raise
@@ -325,8 +334,9 @@ class ControllerAdmin:
         self, request: apb.DrainEngineRequest, answer_within_s: float | None = None
     ) -> None:
         """Log the drain's events; given up (a warning) if the controller has not answered
-        within `answer_within_s` (None: waited for)."""
+        within `answer_within_s` (None: waited for), nor past a leader's term."""
         try:
+            answer_within_s = self._timeout_s(answer_within_s)
             async with asyncio.timeout(answer_within_s) as answer_by:
                 async for event in self._stub.DrainEngine(request):
                     answer_by.reschedule(None)
@@ -345,7 +355,9 @@ class ControllerAdmin:
         False: the engine is stopped all the same (the controller then lists it, unreachable,
         until it is removed by hand), and a caller that can retry keeps what names it."""
         try:
-            await self._stub.RemoveEngine(apb.EngineRef(engine=address), timeout=within_s)
+            await self._stub.RemoveEngine(
+                apb.EngineRef(engine=address), timeout=self._timeout_s(within_s)
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("controller: RemoveEngine of %s: %s", address, self.describe(exc))
@@ -398,6 +410,20 @@ class ControllerAdmin:
     def _gateway(self) -> pb_grpc.OpenEngineAsyncStub:
         return self._dialled.stub[1]
 
+    def _timeout_s(self, timeout_s: float | None) -> float | None:
+        """A call's `timeout_s` (None: unbounded), no longer than what is left of a leader's
+        term; past the term, the call is not to be sent: DEADLINE_EXCEEDED, as one that ran
+        out of time (gRPC sends a call whatever its timeout)."""
+        within_s = bounded_s(timeout_s, self._left_s)
+        if within_s is not None and within_s <= 0 and self._left_s is not None:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "not sent: past the leader's renew deadline",
+            )
+        return within_s
+
     def describe(self, exc: grpc.aio.AioRpcError) -> str:
         """A failed admin call in one line, with the setting (TLS, token) it most likely
         lacks; a server without the admin API is said to be another kind of server (not
@@ -413,8 +439,10 @@ class ControllerAdmin:
     async def _list(self) -> apb.ListWorkersResponse:
         """ListWorkers, every tick's call: one the controller lets time out has the calls
         after it made on a new connection (`_dial_afresh_after`)."""
+        # Past a leader's term: not sent, and no new connection.
+        timeout_s = self._timeout_s(ADMIN_TIMEOUT_S)
         try:
-            return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)
+            return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             self._dial_afresh_after(exc)
             raise

@@ -1,11 +1,13 @@
 """The `kvplane engine serve` arguments a planner starts its local engines with: `live.engine_args`,
 then the pool's own `engine_args`, then the actuator's `--listen` and `--port-file`
-(`serve_args`). `pool_engine_configs` reads them when the planner config loads (`kvplane
-planner run`, a `kvplane up` planner member: kvplane.up.preflight, which also reads the files
-the configs so read name) as `kvplane engine serve` itself reads them
+(`serve_args`). `pool_engine_configs` reads them as `kvplane engine serve` itself reads them
 (`engine.cli.engine_config_of_args`: its options, the engine's config model, the model
-directory), so that a typo or a wrong value stops the planner at once, one line naming the
-setting, rather than failing every engine it starts (each start retried after a backoff)."""
+directory), and `read_pool_engine_files` also the files the configs so read name, as the
+engines read them as they start (`engine.start_files`), when the planner config loads
+(`check_pool_engines`, `kvplane planner run`; a `kvplane up` planner member:
+kvplane.up.preflight), so that a typo, a wrong value or a missing file stops the planner at
+once, one line naming the setting, rather than failing every engine it starts (each start
+retried after a backoff)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import typer
 
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, config_in
 from planner.config import PlannerConfig
 
 if TYPE_CHECKING:
@@ -62,6 +64,28 @@ def pool_engine_configs(config: PlannerConfig) -> list[PoolEngines]:
             raise ConfigError(engine_args_problem(setting, str(exc))) from None
         engines[tuple(args)] = PoolEngines(setting, engine, config_file)
     return list(engines.values())
+
+
+def check_pool_engines(config: PlannerConfig, where: str) -> None:
+    """`kvplane planner run`'s check as it loads, before any engine starts: the arguments of
+    each pool's local engines and the files their --config names (`read_pool_engine_files`);
+    a ConfigError (`invalid config in WHERE: live.engine_args ...: PROBLEM`)."""
+    with config_in(where):
+        read_pool_engine_files(config)
+
+
+def read_pool_engine_files(config: PlannerConfig) -> None:
+    """The arguments of each pool's local engines, read as `kvplane engine serve` reads them
+    (`pool_engine_configs`), and the files their --config names, as those engines read them
+    as they start; a ConfigError (`live.engine_args ...: PROBLEM`)."""
+    from engine.start_files import read_start_files  # torch-free, as engine.cli
+
+    for engines in pool_engine_configs(config):
+        try:
+            read_start_files(engines.config)
+        except ConfigError as exc:
+            problem = f"invalid config in {engines.config_file}: {exc}"
+            raise ConfigError(engine_args_problem(engines.setting, problem)) from None
 
 
 def engine_args_problem(setting: str, problem: str) -> str:

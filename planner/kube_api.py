@@ -16,7 +16,7 @@ message) or a server that cannot be reached, is one `KubeApiError` whose message
 A call ends within `timeout_s`, retries included, however slowly the server answers (a server
 that trickles its answer would otherwise hold it forever: the socket's timeout is per read);
 one of a client `within` a bound ends by then too, and is not sent past it (a leader's
-calls, at its renew deadline: planner/leader_election.py).
+calls, at its renew deadline: planner/leader_election.py; the rule, planner/term_bound.py).
 As client-go does, an answer that carries `Retry-After` is tried again after that long: a 429
 (API Priority and Fairness refused the request unprocessed) for every verb, a 5xx for reads
 only. A write that got a 5xx may have been made (a 504 Timeout: storage may commit it after
@@ -36,7 +36,7 @@ import json
 import ssl
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.token_file import TokenFile
 from planner.config import API_TIMEOUT_S
+from planner.term_bound import TimeLeft, bounded_s
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # The annotation by which the ReplicaSet picks the pods a scale-down deletes (lowest first).
@@ -190,11 +191,11 @@ class KubeApi:
         self,
         connection: KubeConnection,
         timeout_s: float = REQUEST_TIMEOUT_S,
-        left_s: Callable[[], float] | None = None,
+        left_s: TimeLeft | None = None,
     ) -> None:
         self.connection = connection
         self.timeout_s = timeout_s
-        self._left_s = left_s  # `within`'s bound
+        self.left_s = left_s  # `within`'s bound
         url = urllib.parse.urlsplit(connection.server)
         if url.scheme not in {"http", "https"} or not url.hostname:
             raise ConfigError(f"live.kubernetes.api_server {connection.server!r}: not a URL")
@@ -210,7 +211,7 @@ class KubeApi:
             except (OSError, ssl.SSLError) as exc:
                 raise ConfigError(f"live.kubernetes.ca_file {ca_file}: {exc}") from exc
 
-    def within(self, left_s: Callable[[], float]) -> KubeApi:
+    def within(self, left_s: TimeLeft) -> KubeApi:
         """This client, its calls also ending within `left_s()` (seconds, read as each call
         begins), none sent or retried past that: a leader's, which must not act once its
         term may have ended (`left_s`: the time to its renew deadline)."""
@@ -291,7 +292,7 @@ class KubeApi:
         """`method` on `path`, with `sent` as its JSON body (a merge patch for PATCH, the whole
         object for POST and PUT); the answer's JSON object."""
         what = f"{method} {self.connection.server}{path.split('?', maxsplit=1)[0]}"
-        limit_s = self.timeout_s if self._left_s is None else min(self.timeout_s, self._left_s())
+        limit_s = bounded_s(self.timeout_s, self.left_s)
         deadline = time.monotonic() + limit_s
         body = None if sent is None else json.dumps(sent).encode()
         for attempt in range(_ATTEMPTS):

@@ -181,7 +181,10 @@ class KubernetesDeployments:
         self._engine_port = engine_port
         self._start_timeout_s = start_timeout_s
         self._poll_s = poll_s
-        self._admin = ControllerAdmin(controller, channels, owner_of=self._owner_of)
+        # A leader's calls to the controller end by its term's end as its API calls do.
+        self._admin = ControllerAdmin(
+            controller, channels, owner_of=self._owner_of, left_s=api.left_s
+        )
         self._selectors: dict[str, str] = {}  # by pool, from its scale
         self._engines: dict[str, _Engine] = {}  # by address
         self._waiting = collections.Counter[str]()  # starts of a pool waiting for a pod

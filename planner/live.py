@@ -245,9 +245,11 @@ class LivePlanner:
         self._starts: set[asyncio.Task[None]] = set()
         # The actuator's work under way beside the ticks (with `_starts` and its own looks at
         # the fleet, `_adopted`): removals (their pool by task, in the order begun: a pool's
-        # go one after another, `_removals_done`).
+        # go one after another, `_removals_done`, until the planner stops acting: then those
+        # it finishes go at once, `_finishing`).
         self._looked = False  # the first look at the fleet was waited for
         self._removals: dict[asyncio.Task[None], str] = {}
+        self._finishing = asyncio.Event()
         # Held by a tick and by a reconciliation between ticks: one must not register an
         # engine again while the other takes it out of the controller.
         self._acting = asyncio.Lock()
@@ -388,10 +390,18 @@ class LivePlanner:
         await self.actuator.close()
 
     async def _stop_acting(self, *, finish_removals: bool) -> None:
-        """Starts under way cancelled; removals finished, or cancelled too."""
+        """Starts under way cancelled; removals finished, or cancelled too. Those finished
+        go at once, not one after another in each pool: at the close, local engines' removals
+        (each RemoveEngine bounded) all share the planner's time to stop, which a hung
+        controller would otherwise use up a removal at a time; a Deployment's still take
+        turns under its pool's lock (`KubernetesDeployments`)."""
         for task in [*self._starts, *(self._removals if not finish_removals else ())]:
             task.cancel()
-        await asyncio.gather(*self._starts, *self._removals, return_exceptions=True)
+        self._finishing.set()
+        try:
+            await asyncio.gather(*self._starts, *self._removals, return_exceptions=True)
+        finally:
+            self._finishing.clear()
 
     # ---------------------------------------------------------------- observing
 
@@ -734,15 +744,25 @@ class LivePlanner:
 
     async def _removals_done(self, pool: str, before: asyncio.Task[None] | None = None) -> None:
         """Until the removals of `pool` under way (those begun before `before`, if given) are
-        done: one Deployment's changes are made one after another, while other pools' go on."""
+        done: one Deployment's changes are made one after another, while other pools' go on;
+        or, for a removal (`before`), until the planner stops acting (`_stop_acting`)."""
         earlier = []
         for task, of in self._removals.items():
             if task is before:
                 break
             if of == pool:
                 earlier.append(task)
-        if earlier:  # not gather: a start cancelled (the planner closing) cancels no removal
-            await asyncio.wait(earlier)
+        if not earlier:
+            return
+        # Not gather: a start cancelled (the planner closing) cancels no removal.
+        waits: list[asyncio.Future[object]] = [asyncio.ensure_future(asyncio.wait(earlier))]
+        if before is not None:
+            waits.append(asyncio.ensure_future(self._finishing.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def _forget(self, engine: _Engine) -> None:
         """Stop observing `engine` (the actuator still has it). Cancelled midway (a standby

@@ -34,6 +34,7 @@ from engine.server.kv_transfer import (
     check_fit,
 )
 from engine.server.metrics import ImportOutcome
+from engine.start_files import peer_channels
 from kvplane.channels import ClientChannels, Redialling
 from kvplane.config import join_host_port, parse_dial_target
 from kvplane.errors import KvplaneError
@@ -135,14 +136,11 @@ class KvSessionPuller:
     def from_config(
         cls, config: KvTransferConfig, *, block_size: int, kv_layout: str, kv_block_bytes: int
     ) -> KvSessionPuller:
-        channels = ClientChannels.load(config.peer_tls, "kv_transfer.peer_tls").with_token_file(
-            config.peer_token_file, "kv_transfer.peer_token_file"
-        )
         return cls(
             block_size=block_size,
             kv_layout=kv_layout,
             kv_block_bytes=kv_block_bytes,
-            channels=channels,
+            channels=peer_channels(config),
             timeout_s=config.pull_timeout_s,
             max_held_bytes=config.max_held_kv_bytes,
         )

@@ -8,69 +8,48 @@ and no member is started only to be stopped again when a later one fails on it.
 What is read only once a member runs (a checkpoint's weights) is left to the member, as is the
 builtin model and its tokenizer, which kvplane builds on first use.
 
-`kvplane planner run` makes the part of a planner's that concerns its local engines as it
-loads (`check_pool_engines`): its own channels and Kubernetes client it makes as it starts."""
+What a server reads as it starts is its own to say (`kvplane.server.read_server_files`, an
+engine's `engine.start_files`, a planner's local engines' `planner.engine_args`, which
+`kvplane planner run` also reads as it loads); what this module adds is the members'
+channels, a controller's tokenizers and an index's Redis files."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from controller.config import ControllerConfig
 from controller.tokenizers import BUILTIN, ModelTokenizers
 from engine.config import EngineConfig
+from engine.start_files import read_start_files
 from indexer.backends import REDIS_SCHEMES
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, RedisBackendConfig
 from indexer.redis_client import RedisOptions
 from kvplane.channels import ClientChannels
 from kvplane.config import ServerConfig
-from kvplane.errors import ConfigError
-from kvplane.server_tls import server_credentials
-from kvplane.token_file import TokenFile
+from kvplane.errors import config_in
+from kvplane.server import read_server_files
 from planner.config import PlannerConfig
-from planner.engine_args import engine_args_problem, pool_engine_configs
+from planner.engine_args import read_pool_engine_files
 
 
 def check_member_files(config: ServerConfig | PlannerConfig, where: str) -> None:
     """Read the files the member of `config` reads as it starts; a ConfigError
     (`invalid config in WHERE: ...`) for the first that is missing or cannot be used."""
-    with _config_in(where):
+    with config_in(where):
         _read_files(config)
-
-
-def check_pool_engines(config: PlannerConfig, where: str) -> None:
-    """`kvplane planner run`'s check as it loads, before any engine starts: the arguments of
-    each pool's local engines and the files their --config names, read as up reads a planner
-    member's; a ConfigError (`invalid config in WHERE: live.engine_args ...: PROBLEM`)."""
-    with _config_in(where):
-        _pool_engine_files(config)
-
-
-@contextmanager
-def _config_in(where: str) -> Iterator[None]:
-    try:
-        yield
-    except ConfigError as exc:
-        raise ConfigError(f"invalid config in {where}: {exc}") from None
 
 
 def _read_files(config: ServerConfig | PlannerConfig) -> None:
     if isinstance(config, PlannerConfig):
         _planner_files(config)
         return
-    if config.tls is not None:  # kvplane.server.start_server's
-        server_credentials(config.tls)
-    if config.auth is not None:
-        TokenFile(config.auth.token_file, "auth.token_file")
+    if isinstance(config, EngineConfig):
+        read_start_files(config)
+        return
+    read_server_files(config)
     if isinstance(config, ControllerConfig):
         _controller_files(config)
-    elif isinstance(config, EngineConfig):
-        kv_transfer = config.kv_transfer  # a DECODE engine's (engine.server.kv_pull)
-        ClientChannels.load(kv_transfer.peer_tls, "kv_transfer.peer_tls").with_token_file(
-            kv_transfer.peer_token_file, "kv_transfer.peer_token_file"
-        )
     elif isinstance(config, IndexerConfig):
         for source in config.sources:  # indexer.service's
             if isinstance(source, OpenEngineSourceConfig):
@@ -92,18 +71,7 @@ def _planner_files(config: PlannerConfig) -> None:
         # The planner member runs here, in this environment: outside a pod, in-cluster
         # defaults it is left to (its service-account files) fail it as they would here.
         kube_api(live.kubernetes, os.environ)
-    _pool_engine_files(config)
-
-
-def _pool_engine_files(config: PlannerConfig) -> None:
-    """The arguments of each pool's local engines, read as `kvplane engine serve` reads them
-    (planner.engine_args), and the files their --config names, as those engines read them."""
-    for engines in pool_engine_configs(config):
-        try:
-            _read_files(engines.config)
-        except ConfigError as exc:
-            problem = f"invalid config in {engines.config_file}: {exc}"
-            raise ConfigError(engine_args_problem(engines.setting, problem)) from None
+    read_pool_engine_files(config)
 
 
 def _controller_files(config: ControllerConfig) -> None:

@@ -4,6 +4,8 @@ run` refuses a bad file with a ConfigError (which `kvplane`'s main prints as one
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,3 +270,45 @@ def test_planner_run_refuses_engine_args_the_engine_refuses_before_starting_one(
         f"invalid config in {path}: {problem.replace('{tmp}', str(tmp_path))}"
     )
     assert not work.exists()  # refused before the engines' folder is made
+
+
+def test_planner_run_reads_its_engines_files_by_the_engines_list_not_kvplane_ups(
+    tmp_path: Path,
+) -> None:
+    """The files a planner's local engines read as they start (their TLS files here) are the
+    engine's own list (`engine.start_files`), which `kvplane planner run` reads as it loads
+    without `kvplane up`'s preflight of a fleet's members (nor torch): `up` depends on the
+    planner and the engine, not the planner on `up`. Before, the planner's command imported
+    that preflight for it."""
+    missing = tmp_path / "missing.pem"
+    engine = tmp_path / "engine.yaml"
+    engine.write_text(f"model: sim\ntls: {{cert_file: '{missing}', key_file: '{missing}'}}\n")
+    path = tmp_path / "planner.yaml"
+    path.write_text(
+        f"pools: [{{name: default}}]\n"
+        f"live: {{controller: '127.0.0.1:1', workdir: '{tmp_path / 'work'}', "
+        f"engine_args: [--config, '{engine}']}}\n"
+    )
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from kvplane.cli import app\n"
+        f"result = CliRunner().invoke(app, ['planner', 'run', '--config', {str(path)!r}])\n"
+        "print(result.exit_code, result.exception)\n"
+        "print(sorted(m for m in ('kvplane.up.preflight', 'torch') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    said, imported = result.stdout.strip().splitlines()
+    assert said == (
+        f"1 invalid config in {path}: live.engine_args, the arguments of `kvplane engine"
+        f" serve`: invalid config in {engine}: tls: cannot read cert_file {missing}: No such"
+        " file or directory"
+    )
+    assert imported == "[]"

@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Never
 
 import grpc
 import pytest
 
+from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import (
     LeaderElectionConfig,
@@ -30,6 +32,7 @@ from planner.config import (
     ScalingConfig,
     SlaTargets,
 )
+from planner.controller_admin import NOT_RECONCILED
 from planner.core.decisions import Decision, Reason, ScalePool
 from planner.core.observations import EngineState, Observations
 from planner.core.planner import Planner
@@ -39,9 +42,10 @@ from planner.leader_election import LeaderElector
 from planner.live import LivePlanner
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
+from tests.partial_servicers import PartialAdmin
 from tests.planner.fake_kube import FakeKube, Fault
 from tests.planner.test_planner_kubernetes import DEPLOYMENT, Cluster, cluster_with
-from tests.planner.test_planner_live import scrape, value
+from tests.planner.test_planner_live import scrape, serving_admin, value
 from tests.polling import eventually
 
 LEASE = "kvplane-planner"
@@ -241,6 +245,66 @@ async def test_a_leaders_api_calls_end_at_its_renew_deadline_none_sent_after(
     with pytest.raises(KubeApiError, match="not sent: past its deadline"):
         await in_daemon_thread(leader_api.patch_scale, DEPLOYMENT, 0, "")
     assert scale_patches() == 3 and cluster.kube.deployments[DEPLOYMENT].replicas == 1
+
+
+class ControllerHung(PartialAdmin):
+    """A controller that accepts the connection and answers nothing: each call it gets is
+    counted, then held."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def _hang(self) -> Never:
+        self.calls += 1
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+    async def ListWorkers(
+        self, request: apb.ListWorkersRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.ListWorkersResponse:
+        await self._hang()
+
+    async def RemoveEngine(
+        self, request: apb.EngineRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.WorkerInfo:
+        await self._hang()
+
+
+@pytest.mark.timeout(60)
+async def test_a_leaders_controller_calls_end_at_its_renew_deadline_none_sent_after(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leader's actuator (its client `within` the term, as `kvplane planner run` gives
+    each term's) bounds its calls to the controller as its API calls: a controller that
+    accepts the connection and never answers holds none past the renew deadline (here the
+    admin calls' own bound is an hour), and past the deadline none is sent at all. Before,
+    only the API calls were bounded so: the reconciliation waited on the hung controller
+    for the admin calls' bound (5 s by default), past the margin before a standby may take
+    over."""
+    from planner import controller_admin as controller_admin_module
+
+    monkeypatch.setattr(controller_admin_module, "ADMIN_TIMEOUT_S", 3600.0)
+    caplog.set_level(logging.WARNING, logger="planner.controller_admin")
+    clock = Clock()
+    a = candidate(cluster, "a", clock)
+    assert await a.try_acquire_or_renew()  # leading until 10 s on its clock
+    controller = ControllerHung()
+    async with serving_admin(controller) as port:
+        actuator = cluster.actuator(cluster.api().within(a.left_s), controller=f"127.0.0.1:{port}")
+        try:
+            clock.now = 9.0  # 1 s left
+            engine = "127.0.0.1:1"
+            assert await actuator.sync([engine], {}) == NOT_RECONCILED
+            assert controller.calls == 1
+            (said,) = [r.getMessage() for r in caplog.records]
+            assert said.startswith("controller: DEADLINE_EXCEEDED")
+            clock.now = 10.5  # not renewed: its term is over
+            assert not a.leading
+            assert await actuator.sync([engine], {}) == NOT_RECONCILED
+            await actuator.stop(engine)  # its RemoveEngine fails at once too
+            assert controller.calls == 1  # none sent
+        finally:
+            await actuator.close()
 
 
 # ------------------------------------------------------------------ a warm standby

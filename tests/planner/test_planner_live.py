@@ -1685,6 +1685,85 @@ async def test_the_close_s_time_counts_from_the_planner_s_first_signal(tmp_path:
     assert actuator.num_alive() == 0
 
 
+class ControllerRemovingTogether(ControllerRecording):
+    """As `ControllerRecording`, but it answers no RemoveEngine until `together` of them are
+    under way at once (a controller that takes removals only in a batch plays one that hangs
+    for those asked one at a time)."""
+
+    together = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.removing = 0
+        self.all_asked = asyncio.Event()
+
+    async def RemoveEngine(
+        self, request: apb.EngineRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.WorkerInfo:
+        self.removing += 1
+        if self.removing == self.together:
+            self.all_asked.set()
+        await self.all_asked.wait()
+        return await super().RemoveEngine(request, context)
+
+
+@pytest.mark.timeout(180)
+async def test_removals_of_one_pool_queued_at_close_go_at_once(tmp_path: Path) -> None:
+    """Removals of one pool under way when the planner closes are finished first, each
+    RemoveEngine bounded: one after another, as a pool's removals go while the planner runs,
+    a hung controller would have them use up the planner's time to stop in turn (three of
+    them, all of it). They go at once: here the controller answers only once all three are
+    asked, and every engine is taken out of it and stopped. Before, the first was given up
+    alone, and the others after it, each in turn: none was taken out."""
+    controller = ControllerRemovingTogether()
+    async with serving_admin(controller) as port:
+        actuator = local_processes(port, tmp_path)
+        live = LivePlanner(planner(3, 3), actuator)
+        try:
+            await live.tick()
+            await eventually(lambda: len(live._starts) == 0, 120, "the engines started")
+            engines = sorted(live.engines)
+            assert len(engines) == 3 and set(engines) == controller.registered
+            for engine in list(live.engines.values()):
+                await live._remove(engine)  # queued: each waits for the one before it
+        finally:
+            await live.close()
+    assert not controller.registered  # each taken out of the controller
+    assert actuator.num_alive() == 0 and not actuator.running()
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".port")]  # none left to remove
+
+
+@pytest.mark.timeout(120)
+async def test_a_hung_controllers_removal_at_close_leaves_the_engines_their_time_to_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the close a RemoveEngine the controller does not answer is given up no later
+    than `_CLOSE_EXIT_S` before the close's end, whatever its own bound (here an hour), so
+    the engine still gets that time to exit on its SIGTERM; it is stopped, not killed, and
+    its port file is kept for the next planner to take it out. Before, the removal was
+    waited for its own bound whatever the close's time left."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_CLOSE_REMOVE_S", 3600.0)
+    monkeypatch.setattr(actuator_module, "_CLOSE_EXIT_S", 30.0)
+    controller = ControllerRecording()
+    async with serving_admin(controller) as port:
+        # Half a second for the drain (answered at once) and the removal.
+        stop_within_s = actuator_module._EXIT_MARGIN_S + 30.0 + 0.5
+        actuator = local_processes(port, tmp_path, stop_within_s)
+        try:
+            engine = await actuator.start("default")
+            process = actuator._processes[engine]
+            controller.remove_s = 3600.0  # hung
+            await actuator.close()
+        finally:
+            await actuator.close()
+    assert controller.asked == [("drain", engine), ("remove", engine)]
+    assert process.returncode != -signal.SIGKILL
+    assert actuator.num_alive() == 0
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
+
+
 def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
     """By default the close ends `_EXIT_MARGIN_S` before `kvplane up` kills the planner, and
     its drain, the answers' wait and a hung controller's RemoveEngine leave the engines
