@@ -406,3 +406,36 @@ def test_usage_counts_the_prefix_hits_of_the_first_admission_only() -> None:
                 usage[out.request_id] = out.usage.cached_prompt_tokens
     assert preempted > 0
     assert usage == {"short": 0, "long": 0}
+
+
+def test_a_failed_step_preempts_a_sequence_that_hit_a_single_block_it_never_wrote() -> None:
+    """Admitted in the same step as the sequence computing its one-block prefix, a sequence
+    counts that block computed; the step's pass fails: it must compute the block again."""
+    bm = BlockManager(16, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    prefix = (1, 2, 3, 4)
+    computing, hitting = (
+        Sequence(i, EngineRequest(f"r{i}", (*prefix, 5 + i), SamplingParams()), 0, i, 0.0)
+        for i in range(2)
+    )
+    scheduler.add(computing)
+    scheduler.add(hitting)
+    out = scheduler.schedule(now_s=0.0)
+    assert [w.num_new_tokens for w in out.scheduled] == [5, 1]  # the second hit the prefix
+    assert scheduler.discard_step() == [hitting]
+    assert hitting.num_computed_tokens == 0 and hitting.num_cached_tokens is None
+    assert scheduler.running == [computing]
+    bm.check_invariants()
+
+
+def test_aging_raises_priority_a_whole_level_per_period() -> None:
+    """With `aging_s`, a sequence gains one level per whole `aging_s` waited, not a fraction:
+    after 1.5 periods a priority-0 sequence ties with a priority-1 one that waited 0.6 (and
+    goes first, having arrived first); a fractional rank would put it behind."""
+    bm = BlockManager(16, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, aging_s=1.0), bm)
+    for i, (priority, arrival_s) in enumerate(((0, 0.0), (1, 0.9))):
+        seq = Sequence(i, request(f"p{priority}", 4, 1, priority=priority), 0, i, arrival_s)
+        scheduler.add(seq)
+    (work,) = scheduler.schedule(now_s=1.5).scheduled
+    assert work.sequence.request_id == "p0"
