@@ -23,11 +23,31 @@ from engine.core.block_manager import BlockManager
 from indexer.keys import block_keys
 
 
+def assert_keys_chain_from_the_parent(event: BlockStored) -> None:
+    """What an index that hashes request tokens relies on: a BlockStored's keys are the
+    canonical chain of its tokens from its parent key (from the namespace's root when it has
+    none; the salt, as vLLM sends it, in the extra keys of a request's first block only)."""
+    salt = None
+    if event.extra_keys and event.extra_keys[0] is not None:
+        assert event.parent_key is None, "a salt sent with a block that has a parent"
+        (_, salt) = event.extra_keys[0]
+    assert not any(event.extra_keys[1:])
+    chain = block_keys(
+        event.token_ids,
+        event.block_size,
+        lora_name=event.lora_name,
+        cache_salt=salt,
+        parent=event.parent_key,
+    )
+    assert event.block_keys == tuple(chain)
+
+
 def replay(events: list[KvEvent], cached: set[int] | None = None) -> set[int]:
     cached = set() if cached is None else cached
     for event in events:
         if isinstance(event, BlockStored):
             assert len(event.token_ids) == len(event.block_keys) * event.block_size
+            assert_keys_chain_from_the_parent(event)
             cached.update(event.block_keys)
         elif isinstance(event, BlockRemoved):
             assert set(event.block_keys) <= cached, "removed a key that was never stored"
@@ -160,6 +180,50 @@ def test_lru_evicts_least_recently_freed_and_records_removal() -> None:
     assert removed == [keys_b[1], keys_b[0]]
     assert bm.cached_keys() >= set(keys_a)
     bm.check_invariants()
+
+
+def test_a_preempted_sequence_readmitted_hits_the_blocks_its_outputs_filled() -> None:
+    # Its token list (the same object) grew while it ran; asked about again with no other
+    # list in between, its hits cover the blocks its outputs filled, not only its prompt's.
+    bm = BlockManager(8, 2)
+    tokens = [1, 1, 2, 2, 9]
+    assert bm.count_hit_tokens(tokens) == 0
+    bm.allocate(1, tokens, 5)
+    bm.cache_blocks(1, tokens, 5)
+    tokens += [5, 6]  # two outputs: the block [9, 5] is full
+    bm.append(1, 7)
+    bm.cache_blocks(1, tokens, 7)
+    bm.free(1)  # preempted
+    assert bm.count_hit_tokens(tokens) == 6
+    assert bm.can_allocate(tokens, 7)
+    assert bm.allocate(1, tokens, 7) == 6
+    bm.check_invariants()
+
+
+def test_a_block_that_loses_its_key_is_reused_before_any_cached_block_is_evicted() -> None:
+    # Once a free block holds nothing worth keeping (its LoRA's blocks dropped, or the failed
+    # step that was to write it), it goes to the head of the free list, as a freed block
+    # without a key does: the next allocation takes it, not a cached block's.
+    def drop_lora(bm: BlockManager) -> None:
+        assert bm.drop_lora_blocks("old") == 1
+
+    def fail_step(bm: BlockManager) -> None:
+        bm.discard_scheduled()
+
+    for lose_key, lora in ((drop_lora, "old"), (fail_step, None)):
+        bm = BlockManager(3, 2)
+        bm.allocate(1, [1, 1, 9], 3)
+        bm.cache_blocks(1, [1, 1, 9], 3)
+        bm.free(1)
+        bm.allocate(2, [5, 5, 9], 3, lora_name=lora)
+        bm.cache_blocks(2, [5, 5, 9], 3, scheduled=lora is None)
+        bm.free(2)  # aborted while its step runs, for the failed one
+        lose_key(bm)
+        cached = bm.cached_keys()
+        assert cached == set(block_keys([1, 1], 2))
+        bm.allocate(3, [7, 7, 7], 3)  # two blocks: both free blocks that hold no key
+        assert bm.cached_keys() == cached, lose_key.__name__
+        bm.check_invariants()
 
 
 def test_a_lookup_remembered_across_evictions_serves_only_what_is_cached_now() -> None:
@@ -322,6 +386,42 @@ def test_snapshot_lists_parents_first_and_replays_to_the_cached_set() -> None:
         assert event.parent_key is None or event.parent_key in seen
         seen.update(event.block_keys)
     assert replay(list(snapshot)) == bm.cached_keys() == replay(bm.take_events())
+
+
+def test_a_prefix_recomputed_under_its_cached_descendants_is_announced_run_by_run() -> None:
+    # A prefix's first block evicted while its next ones stay cached: they were computed by a
+    # sequence that bypassed the cache (its first block a private copy), freed after the
+    # first block's holder. A sequence that computes the prefix again stores its first block
+    # and the block after the cached ones: two runs, each under its own parent, and a
+    # snapshot lists the first block before the descendants that outlived it.
+    bm = BlockManager(7, 2)
+    prefix = [1, 1, 2, 2, 3, 3]
+    k0, k1, k2, k3 = block_keys([*prefix, 4, 4], 2)
+    bm.allocate(1, [1, 1, 9], 3)
+    bm.cache_blocks(1, [1, 1, 9], 3)
+    bm.free(1)
+    bm.allocate(2, [*prefix, 9], 7, use_cache=False)
+    bm.cache_blocks(2, [*prefix, 9], 7)
+    bm.free(2)
+    bm.allocate(3, [7] * 9, 9)  # evicts the first block only
+    bm.free(3)
+    assert bm.cached_keys() == {k1, k2}
+    bm.take_events()
+    tokens = [*prefix, 4, 4, 9]
+    assert bm.allocate(4, tokens, 9) == 0
+    bm.cache_blocks(4, tokens, 9)
+    stored = bm.take_events()
+    assert [(e.block_keys, e.parent_key) for e in stored if isinstance(e, BlockStored)] == [
+        ((k0,), None),
+        ((k3,), k2),
+    ]
+    replay(stored)
+    seen: set[int] = set()
+    for event in bm.snapshot():
+        assert event.parent_key is None or event.parent_key in seen
+        seen.update(event.block_keys)
+    assert seen == {k0, k1, k2, k3}
+    bm.check_invariants()
 
 
 # ------------------------------------------------------------------------------ state machine

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.core.api import (
@@ -22,7 +22,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.engine_core import EngineCore
 from engine.core.errors import PromptTooLongError
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.sim_runner import SimRunner, VirtualClock
 
 
@@ -262,6 +262,15 @@ def test_the_kv_cache_check_refuses_only_what_cannot_produce_its_shortest_output
         )
 
 
+# A sequence whose KV fills the whole pool exactly, short of the block a KV session holds:
+# it waits for the session's release, rather than end early.
+@example(
+    requests=[(5, 1, 0, 0, True), (20, 13, 0, 1, False)],
+    num_blocks=8,
+    budget=48,
+    max_num_seqs=6,
+    hold_steps=40,
+)
 @settings(max_examples=200, deadline=None)
 @given(
     requests=st.lists(
@@ -318,5 +327,115 @@ def test_any_workload_finishes_with_the_same_tokens_as_an_unconstrained_engine(
         if len(reference[rid]) == len(constrained[rid]):
             assert constrained[rid] == reference[rid]
         else:  # only a sequence too big for the whole pool may end early ("KV cache full")
-            assert -(-(num_prompt + max_tokens) // 4) > num_blocks
+            assert -(-(num_prompt + max_tokens - 1) // 4) > num_blocks  # its KV: all but the last
             assert constrained[rid] == reference[rid][: len(constrained[rid])]
+
+
+def rank(seq: Sequence) -> tuple[int, int]:
+    """The scheduler's order without aging: larger priority first, then FCFS."""
+    return (-seq.priority, seq.arrival_order)
+
+
+# A victim and a later arrival that waited while it ran: the victim goes first.
+@example(requests=[(12, 20, 0, 0)] * 3, num_blocks=8, budget=40, max_num_seqs=5)
+@settings(max_examples=80, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 24), st.integers(1, 24), st.integers(0, 1), st.integers(0, 3)),
+        min_size=2,
+        max_size=7,
+    ),
+    num_blocks=st.integers(8, 16),
+    budget=st.integers(2, 40),
+    max_num_seqs=st.integers(1, 5),
+)
+def test_each_step_preempts_admits_and_batches_in_the_schedulers_order(
+    requests: list[tuple[int, int, int, int]], num_blocks: int, budget: int, max_num_seqs: int
+) -> None:
+    """Step by step, as vLLM: a step never schedules more tokens than the budget nor runs
+    more sequences than the seats; when the pool is short, the victims are the running
+    sequences of the lowest priority, the latest arrived first (every sequence that keeps
+    running ranks above them); a step that preempts admits no one (the victims wait at the
+    front of their queue); and admission takes the waiting sequences in order."""
+    core = make_core(num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs)
+    # Some arrive while others run, so that newcomers and victims meet in the queue.
+    pending = sorted(enumerate(requests), key=lambda r: r[1][3])
+    for step in range(10_000):
+        while pending and pending[0][1][3] <= step:
+            i, (num_prompt, max_tokens, priority, _) = pending.pop(0)
+            core.add_request(request(f"r{i}", num_prompt, max_tokens, priority=priority, base=i))
+        if not core.has_work() and not pending:
+            break
+        running, waiting = list(core.scheduler.running), core.scheduler.waiting()
+        preemptions = {s: s.num_preemptions for s in running}
+        result = core.step()
+        assert result.stats is None or result.stats.num_scheduled_tokens <= budget
+        assert core.scheduler.num_running <= max_num_seqs
+        now_running = set(core.scheduler.running)
+        victims = [s for s in running if s.num_preemptions > preemptions[s]]
+        for victim in victims:
+            assert victim not in now_running, "a victim admitted again in the step"
+            for survivor in now_running:
+                assert rank(survivor) < rank(victim), f"{victim.request_id} preempted first"
+        admitted = [s for s in waiting if s in now_running]
+        assert not (victims and admitted), "admitted in a step that preempted"
+        still_waiting = [s for s in waiting if s.status is SequenceStatus.WAITING]
+        for seq in admitted:
+            for other in still_waiting:
+                assert rank(seq) < rank(other), f"{seq.request_id} overtook {other.request_id}"
+    assert not core.has_work() and not pending
+
+
+def test_usage_counts_the_prefix_hits_of_the_first_admission_only() -> None:
+    """A preempted sequence is admitted again with its own computed blocks as prefix hits;
+    its request's usage (and the routing benchmark's hit count) still reports what the cache
+    held for it on arrival."""
+    core = make_core(num_blocks=8, budget=40)
+    # Distinct prompts: no hit on arrival. "short" grows into the blocks of "long", preempted
+    # (its prompt's blocks stay cached), and ends: "long" is admitted again, with hits.
+    core.add_request(request("short", 12, 6))
+    core.add_request(request("long", 12, 20, base=1))
+    preempted = 0
+    usage: dict[str, int] = {}
+    while core.has_work():
+        result = core.step()
+        assert result.stats is not None
+        preempted += result.stats.num_preempted
+        for out in result.outputs:
+            if out.usage is not None:
+                usage[out.request_id] = out.usage.cached_prompt_tokens
+    assert preempted > 0
+    assert usage == {"short": 0, "long": 0}
+
+
+def test_a_failed_step_preempts_a_sequence_that_hit_a_single_block_it_never_wrote() -> None:
+    """Admitted in the same step as the sequence computing its one-block prefix, a sequence
+    counts that block computed; the step's pass fails: it must compute the block again."""
+    bm = BlockManager(16, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    prefix = (1, 2, 3, 4)
+    computing, hitting = (
+        Sequence(i, EngineRequest(f"r{i}", (*prefix, 5 + i), SamplingParams()), 0, i, 0.0)
+        for i in range(2)
+    )
+    scheduler.add(computing)
+    scheduler.add(hitting)
+    out = scheduler.schedule(now_s=0.0)
+    assert [w.num_new_tokens for w in out.scheduled] == [5, 1]  # the second hit the prefix
+    assert scheduler.discard_step() == [hitting]
+    assert hitting.num_computed_tokens == 0 and hitting.num_cached_tokens is None
+    assert scheduler.running == [computing]
+    bm.check_invariants()
+
+
+def test_aging_raises_priority_a_whole_level_per_period() -> None:
+    """With `aging_s`, a sequence gains one level per whole `aging_s` waited, not a fraction:
+    after 1.5 periods a priority-0 sequence ties with a priority-1 one that waited 0.6 (and
+    goes first, having arrived first); a fractional rank would put it behind."""
+    bm = BlockManager(16, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, aging_s=1.0), bm)
+    for i, (priority, arrival_s) in enumerate(((0, 0.0), (1, 0.9))):
+        seq = Sequence(i, request(f"p{priority}", 4, 1, priority=priority), 0, i, arrival_s)
+        scheduler.add(seq)
+    (work,) = scheduler.schedule(now_s=1.5).scheduled
+    assert work.sequence.request_id == "p0"
