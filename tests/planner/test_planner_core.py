@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
+from planner.core.actions import drain_order
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import (
     EngineLoad,
@@ -16,9 +17,10 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner, PoolEstimate
-from tests.planner.planner_obs import engine, passes
+from tests.planner.planner_obs import TOTAL_BLOCKS, engine, passes
 
 STARTING, SERVING, DRAINING = EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING
+IDLE_LOAD = EngineLoad(0, 0, 0, 0, TOTAL_BLOCKS)
 
 
 # The rules are tested on the load as measured (no smoothing, no trend): what a tick sees is
@@ -539,3 +541,90 @@ def test_a_standby_taking_over_scales_down_only_after_the_cooldown_from_its_take
     assert tick(planner, 500, *engines) == []  # the second takeover
     assert tick(planner, 559, *engines) == []
     assert tick(planner, 561, *engines) != []
+
+
+def test_a_fleet_sized_right_for_a_while_scales_up_at_once_when_the_load_comes() -> None:
+    """Ticks whose need rounds to the fleet's size are no scale-up: they do not start the
+    scale-up cooldown, so the first tick that needs more engines asks for them at once."""
+    planner = make_planner(itl_ms=1000, scale_up_cooldown_s=30)
+    # 3 engines at 55% KV: need 2.75 -> 3, the fleet's size.
+    sized_right = [engine(f"e{i}", running=10, used_blocks=550) for i in range(3)]
+    for now_s in (0, 5, 10, 15, 20):
+        assert tick(planner, now_s, *sized_right) == []
+    (up,) = tick(planner, 25, busy("e0"), busy("e1"), busy("e2"))
+    assert isinstance(up, ScalePool) and up.num_engines > 3
+
+
+def test_scale_down_keeps_its_headroom_above_the_need() -> None:
+    """4 engines whose need is exactly 3 (KV: 4 x 0.45 / 0.6) stay 4: with the 20% headroom
+    a scale-down keeps, 3 engines would be 3.6 -> 4, so draining one would have the next
+    rise in load scale it up again."""
+    planner = make_planner(itl_ms=1000, scale_down_stabilisation_s=0, scale_down_cooldown_s=0)
+    engines = [engine(f"e{i}", running=10, used_blocks=450) for i in range(4)]
+    for now_s in range(0, 60, 5):
+        assert tick(planner, now_s, *engines) == []
+    need = planner.need("default")
+    assert need is not None and need.engines == pytest.approx(3.0)
+
+
+def test_a_pool_above_its_maximum_keeps_its_only_serving_engine_while_others_start() -> None:
+    """Lowered to one engine while one serves and another starts: neither is drained (the
+    starting one is not serving yet; draining the serving one would leave requests nowhere
+    to go); the excess is drained once the new one serves."""
+    planner = make_planner(max_engines=1)
+    assert tick(planner, 0, idle("a", running=2), idle("b", STARTING)) == []
+    assert tick(planner, 5, idle("a", running=2), idle("b")) == [
+        DrainEngine("b", "default", 5 + 300, Reason.ABOVE_MAX)
+    ]
+
+
+def test_the_engines_drained_first_hold_the_least_work_then_the_least_cached_prefix() -> None:
+    """The drain order: fewest requests (running and queued alike), then least KV in use,
+    then fewest queued prompt tokens, then fewest blocks in the controller's index, then the
+    engine id."""
+    least_prefix = EngineObservation("a-prefix", "default", SERVING, IDLE_LOAD, indexed_blocks=1)
+    more_prefix = EngineObservation("b-prefix", "default", SERVING, IDLE_LOAD, indexed_blocks=9)
+    engines = [
+        engine("queued", queued=2, waiting_tokens=100),
+        engine("running", running=1, used_blocks=100),
+        engine("more-kv", running=1, used_blocks=200),
+        engine("waiting", queued=1, used_blocks=100, waiting_tokens=5_000),
+        more_prefix,
+        least_prefix,
+        engine("z-tie"),
+        engine("y-tie"),
+    ]
+    assert [e.engine_id for e in drain_order(engines)] == [
+        "y-tie",
+        "z-tie",
+        "a-prefix",
+        "b-prefix",
+        "running",
+        "waiting",
+        "more-kv",
+        "queued",
+    ]
+
+
+def test_a_draining_engine_with_requests_only_queued_is_not_removed() -> None:
+    planner = make_planner()
+    queued_only = engine("b", DRAINING, queued=2, waiting_tokens=1_000)
+    assert tick(planner, 0, idle("a"), queued_only) == []
+    assert tick(planner, 5, idle("a"), engine("b", DRAINING)) == [
+        RemoveEngine("b", "default", Reason.DRAINED)
+    ]
+
+
+def test_a_draining_engine_s_queue_is_no_sla_risk_of_its_pool() -> None:
+    """An engine drained (by hand, say) with a long prompt queue takes no new request: its
+    queue, beyond the TTFT target, holds off no scale-down of the serving engines."""
+    planner = scaling_down_at_once()
+    leaving = EngineObservation(
+        "d", "default", DRAINING, EngineLoad(0, 20, 80_000, 0, 1_000_000), EngineRole.AGGREGATED
+    )
+    engines = (idle("a"), idle("b"), idle("c"), leaving)
+    assert tick(planner, 0, *engines) == []
+    assert tick(planner, 5, *engines) == [
+        DrainEngine("a", "default", 5 + 300, Reason.OVERPROVISIONED),
+        DrainEngine("b", "default", 5 + 300, Reason.OVERPROVISIONED),
+    ]

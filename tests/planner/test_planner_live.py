@@ -45,9 +45,21 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner import live as live_module
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
-from planner.controller_admin import DRAIN_ANSWER_S, ControllerAdmin
+from planner.controller_admin import (
+    DRAIN_ANSWER_S,
+    NOT_RECONCILED,
+    ControllerAdmin,
+    Reconciliation,
+)
+from planner.core.actions import removals
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.core.observations import IDLE, EngineObservation, EngineRole, EngineState
+from planner.core.observations import (
+    IDLE,
+    EngineObservation,
+    EngineRole,
+    EngineState,
+    Observations,
+)
 from planner.core.planner import Planner
 from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
@@ -162,6 +174,22 @@ def test_a_getload_with_open_kv_sessions_is_not_a_drained_engine() -> None:
     assert same.active_kv_sessions == 2
     pulled = _load(pb.LoadInfo(running_requests=0, queued_requests=0, active_kv_sessions=0), same)
     assert EngineObservation("p", "prefill", EngineState.DRAINING, pulled).is_drained
+
+
+def test_a_getload_without_a_field_keeps_its_last_value_not_zero() -> None:
+    """An answer that leaves out the KV or waiting-token figures (unavailable in that
+    snapshot) does not make a busy engine look empty: the last reported stand."""
+    full = pb.LoadInfo(
+        running_requests=3,
+        queued_requests=2,
+        waiting_tokens=4_000,
+        used_kv_blocks=80,
+        total_kv_blocks=100,
+    )
+    last = _load(full, IDLE)
+    partial = _load(pb.LoadInfo(running_requests=3, queued_requests=2), last)
+    assert partial == last
+    assert partial.kv_usage == pytest.approx(0.8)
 
 
 @pytest.mark.timeout(180)
@@ -699,6 +727,29 @@ async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_i
         assert registered == set(live.engines) and drain.engine_id not in registered
 
 
+@contextlib.asynccontextmanager
+async def drained_by_hand(setup: Setup, address: str) -> AsyncIterator[None]:
+    """`kvplane admin drain ADDRESS` under way (the controller lists the engine as draining)
+    while in the block; its stream cancelled at the end."""
+    fleet = setup.app.controller.fleet
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+
+        async def drain_by_hand() -> None:
+            request = apb.DrainEngineRequest(engine=address)
+            async for _ in apb_grpc.AdminStub(channel).DrainEngine(request):
+                pass
+
+        drain = asyncio.create_task(drain_by_hand())
+        try:
+            await fleet.wait_for(
+                lambda: fleet.registry.get(address).state is RegistryState.DRAINING, 30
+            )
+            yield
+        finally:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+
+
 @pytest.mark.timeout(180)
 async def test_a_drain_found_at_the_controller_that_never_ends_is_removed_past_its_deadline(
     setup: Setup, caplog: pytest.LogCaptureFixture
@@ -708,24 +759,9 @@ async def test_a_drain_found_at_the_controller_that_never_ends_is_removed_past_i
     aborted): the planner gives it its own drain deadline from when it first saw it, and
     takes it as drained `DRAIN_OVERRUN_S` past that, as it does its own drains; not kept
     draining for good, serving nothing, uncounted, holding its GPU."""
-    fleet = setup.app.controller.fleet
-    async with (
-        two_busy_engines(setup) as (live, _),
-        grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel,
-    ):
+    async with two_busy_engines(setup) as (live, _):
         stuck = sorted(live.engines)[0]
-
-        async def drain_by_hand() -> None:
-            async for _ in apb_grpc.AdminStub(channel).DrainEngine(
-                apb.DrainEngineRequest(engine=stuck)
-            ):
-                pass
-
-        drain = asyncio.create_task(drain_by_hand())
-        try:
-            await fleet.wait_for(
-                lambda: fleet.registry.get(stuck).state is RegistryState.DRAINING, 30
-            )
+        async with drained_by_hand(setup, stuck):
             live.policy = planner(1, 2)  # one engine left is enough: none started meanwhile
             now_s = 1000.0
             live._clock = lambda: now_s
@@ -737,11 +773,22 @@ async def test_a_drain_found_at_the_controller_that_never_ends_is_removed_past_i
             now_s += 1  # live.DRAIN_OVERRUN_S past the deadline
             assert RemoveEngine(stuck, "default", Reason.DRAINED) in await live.tick()
             assert stuck not in live.engines
-        finally:
-            drain.cancel()
-            await asyncio.gather(drain, return_exceptions=True)
     said = f"engine {stuck} still reports requests (1) or KV sessions (0) 60 s past its "
     assert any(r.getMessage().startswith(said) for r in caplog.records)
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_drained_by_hand_while_busy_is_replaced_at_once(setup: Setup) -> None:
+    """A pool of two, one drained by hand while it still runs a request: it leaves, so the
+    pool is below its minimum, and the planner starts an engine in its place at once, not
+    once the drained one is gone (it counts no longer, though still running)."""
+    async with (
+        two_busy_engines(setup) as (live, _),
+        drained_by_hand(setup, sorted(live.engines)[0]),
+    ):
+        assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        states = sorted(e.state.value for e in live.engines.values())
+        assert states == ["draining", "serving", "starting"]
 
 
 @pytest.mark.timeout(180)
@@ -808,10 +855,15 @@ async def test_a_drain_the_engine_did_not_take_is_asked_again(setup: Setup) -> N
 
 @pytest.mark.timeout(180)
 async def test_an_engine_that_dies_while_draining_is_forgotten_not_replaced(
-    setup: Setup,
+    setup: Setup, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """It was leaving: nothing is started in its place. Nor is its loss a failure of its
+    pool: the engine that dies next, soon after it began serving (a crash: `crash_within_s`
+    is an hour here), is the pool's first failure, replaced at once, not backed off."""
+    caplog.set_level(logging.WARNING, "planner.live")
     metrics = PlannerMetrics()
-    async with two_busy_engines(setup, metrics=metrics) as (live, _):
+    backoff = StartBackoff(3600.0, 3600.0, 3600.0)
+    async with two_busy_engines(setup, metrics=metrics, start_backoff=backoff) as (live, _):
         drain = await lower_to_one(live, drain_deadline_s=300)
         process = setup.actuator._processes[drain.engine_id]
         os.kill(process.pid, signal.SIGKILL)
@@ -823,6 +875,13 @@ async def test_an_engine_that_dies_while_draining_is_forgotten_not_replaced(
         assert registered == set(live.engines)
         lost = {"pool": "default", "cause": "exited"}
         assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
+        (survivor,) = live.engines
+        process = setup.actuator._processes[survivor]
+        os.kill(process.pid, signal.SIGKILL)
+        await process.wait()
+        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+        assert not [r for r in caplog.records if "keep failing" in r.getMessage()]
+        assert backoff.wait_s("default", live._clock()) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -1045,15 +1104,25 @@ async def test_an_engine_without_runtime_events_is_not_asked_again(
     ]
 
 
-async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drained() -> None:
+@pytest.mark.parametrize(
+    "unknown_load",
+    [
+        pb.LoadInfo(used_kv_blocks=1, total_kv_blocks=99),  # no request counts
+        pb.LoadInfo(running_requests=0, used_kv_blocks=1, total_kv_blocks=99),  # none queued
+        pb.LoadInfo(queued_requests=0, used_kv_blocks=1, total_kv_blocks=99),  # none running
+    ],
+    ids=["no-counts", "running-only", "queued-only"],
+)
+async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drained(
+    unknown_load: pb.LoadInfo,
+) -> None:
     """GetLoad's counts are optional: absent is unknown, not zero. A drained engine that
-    reports none is not removed (it may still hold requests) until its drain's deadline has
+    reports not both is not removed (it may still hold requests) until its drain's deadline has
     passed, when its Drain (abort_after_deadline) has ended what was left."""
 
     busy_load = pb.LoadInfo(
         running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
     )
-    unknown_load = pb.LoadInfo(used_kv_blocks=1, total_kv_blocks=99)  # no request counts
     now_s = 1000.0
     async with loaded_engines(busy_load, unknown_load) as (live, (busy, unknown)):
         live._clock = lambda: now_s
@@ -1063,6 +1132,59 @@ async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drai
         assert await live.tick() == []  # its requests are unknown: kept
         assert live.engines[unknown].load.used_kv_blocks == 1
         now_s = drain.deadline_s
+        assert await live.tick() == [RemoveEngine(unknown, "default", Reason.DRAINED)]
+        assert sorted(live.engines) == [busy]
+
+
+class RemovesDrained:
+    """A policy that only removes the engines it sees drained (the planner core's rule)."""
+
+    def decide(self, observations: Observations, now_s: float) -> list[Decision]:
+        return removals(observations.engines)
+
+
+async def test_a_drain_by_hand_of_an_engine_that_does_not_report_its_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drain found at the controller (an operator's) of an engine that reports no request
+    counts is not the planner's: it may not abort at its deadline (the planner gave it one
+    from when it saw it), so the engine is taken as drained only `DRAIN_OVERRUN_S` past it;
+    the planner does not ask the controller to drain it again (the operator's to ask), and
+    once the controller routes to it again (the drain was not taken), it serves again."""
+    busy_load = pb.LoadInfo(
+        running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
+    )
+    unknown_load = pb.LoadInfo(used_kv_blocks=1, total_kv_blocks=99)  # no request counts
+    now_s = 1000.0
+    async with loaded_engines(busy_load, unknown_load) as (live, (busy, unknown)):
+        live.policy = RemovesDrained()
+        live._clock = lambda: now_s
+        # What the controller says at each reconciliation (it stands in for `kvplane admin
+        # drain` and for an engine that did not take the drain), and what it was asked.
+        answers = {
+            1000.0: Reconciliation([unknown], [], {}),
+            1100.0: Reconciliation([], [unknown], {}),
+        }
+        answers[1200.0] = answers[1000.0]
+        asked: list[dict[str, float | None]] = []
+
+        async def sync(serving: list[str], draining: dict[str, float | None]) -> Reconciliation:
+            asked.append(dict(draining))
+            return answers.get(now_s, NOT_RECONCILED)
+
+        monkeypatch.setattr(live.actuator, "sync", sync)
+        assert await live.tick() == []
+        assert live.engines[unknown].state is EngineState.DRAINING
+        now_s = 1100.0
+        assert await live.tick() == []
+        assert asked[-1] == {unknown: None}  # the operator's drain: not asked again
+        assert live.engines[unknown].state is EngineState.SERVING  # the drain was not taken
+        now_s = 1200.0
+        assert await live.tick() == []
+        now_s = 1200.0 + 300  # the drain deadline (scaling.drain_deadline_s) it was given
+        assert await live.tick() == []
+        assert unknown in live.engines
+        now_s += 60  # live.DRAIN_OVERRUN_S
         assert await live.tick() == [RemoveEngine(unknown, "default", Reason.DRAINED)]
         assert sorted(live.engines) == [busy]
 
