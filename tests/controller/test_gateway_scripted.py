@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
+from controller.registry import EngineState
 from kvplane.cli import app as kvplane_cli
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -965,6 +966,41 @@ async def test_a_task_goes_to_the_least_loaded_engine_that_has_it() -> None:
         for n in range(3):
             await task_call(fleet.gateway, "embed", f"t{n}", "")
         assert [e.servicer.task_calls for e in engines] == [[], ["embed"] * 3]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_task_an_engine_served_restarts_its_failure_count() -> None:
+    """Outlier ejection counts an engine's failures in a row: a pooling task it served in
+    between restarts the count, as a served Generate does, so that two failures around it
+    do not eject the fleet's one engine with the task (`eject_after_failures: 2`)."""
+    faults = GenerateFaults()
+    embedder = await start_scripted_engine("e0", faults, tasks=frozenset({"embed"}))
+    other = await start_scripted_engine("e1", faults)
+    fleet = await scripted_fleet(
+        embedder, other, router={"policy": "round_robin"}, health={"eject_after_failures": 2}
+    )
+    request_ids = iter(range(100))
+
+    async def generate_on_turn(fault: str | None) -> ScriptedEngine:
+        """A Generate (failing by an engine fault of its own, "invalid", when `fault`), where
+        the round robin sends it: that engine."""
+        faults.pending[:] = [fault] if fault else []
+        request_id = f"g{next(request_ids)}"
+        [r async for r in fleet.gateway.Generate(generate_request(request_id, [1, 2, 3], 2))]
+        return embedder if request_id in embedder.servicer.generate_calls else other
+
+    try:
+        while await generate_on_turn(None) is not other:  # the embedder's turn next
+            pass
+        assert await generate_on_turn("invalid") is embedder  # its first failure
+        await task_call(fleet.gateway, "embed", "t0", "")  # served: the count restarts
+        assert await generate_on_turn(None) is other
+        assert await generate_on_turn("invalid") is embedder  # one failure in a row again
+        record = fleet.app.controller.fleet.registry.get(address(embedder))
+        assert record.state is EngineState.READY
+        await task_call(fleet.gateway, "embed", "t1", "")
+        assert embedder.servicer.task_calls == ["embed"] * 2
     finally:
         await close_fleet(fleet)
 
