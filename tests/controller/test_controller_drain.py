@@ -297,6 +297,27 @@ async def test_a_request_being_routed_when_the_drain_starts_is_in_flight_until_i
     assert responses[-1].WhichOneof("event") == "finished"  # it ran, admitted before the drain
 
 
+async def test_a_drain_aborting_at_its_deadline_ends_a_request_still_being_routed(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `abort_after_deadline`, the drain aborts the requests still being planned too
+    (no engine holds them, so no engine's Abort reaches them): it is COMPLETE while such a
+    request is still being routed, and the request then ends before any engine, each output
+    finished CANCELLED, rather than holding the drain until it gives up."""
+    planning, go_on = hold_planning(fleet, monkeypatch)
+    request = generate_request("early", [*PREFIX, 1])
+    generating = asyncio.ensure_future(collect(fleet.gateway.Generate(request)))
+    await asyncio.wait_for(planning.wait(), 10)
+    drain = fleet.gateway.Drain(
+        pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True)
+    )
+    events = [event async for event in drain]
+    assert (events[-1].state, events[-1].in_flight_requests) == (pb.DRAIN_STATE_COMPLETE, 0)
+    go_on.set()
+    responses = await generating
+    assert [r.finished.reason for r in responses] == [pb.FINISH_REASON_CANCELLED]
+
+
 async def collect(
     call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
 ) -> list[pb.GenerateResponse]:

@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
+from controller.registry import EngineState
 from kvplane.cli import app as kvplane_cli
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -64,11 +65,14 @@ class GenerateFaults:
     - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE;
     - "token_then_error_then_internal": "token_then_error", then the call fails with INTERNAL;
     - "finished_then_internal": the whole stream, then the call fails with INTERNAL;
+    - "finished_then_unavailable": the first sequence's end, then the call fails with
+      UNAVAILABLE (a request for several sequences: the others not ended);
     - "prompt_then_error", "prompt_then_unavailable": as the "token_" ones, after the
       prompt's output (a request asking for prompt logprobs), before any token;
     - on `vllm.Generate` (ScriptedVllm): "prompt_info_then_unavailable", a vLLM server's
       first response (its `prompt_info` alone), then the call fails with UNAVAILABLE;
-      "prompt_info_then_end", that response alone, then the stream ends OK.
+      "prompt_info_then_end", that response alone, then the stream ends OK;
+      "output_then_unavailable", the first output, then the call fails with UNAVAILABLE.
     """
 
     pending: list[str] = field(default_factory=list)
@@ -389,7 +393,7 @@ class ScriptedVllm(PartialVllmGenerate):
     streams it: its first response carries `prompt_info` alone, before any token (the
     bundled engine sends it with its first token); then the sim engine's stream. Each call
     is recorded with the engine's Generate calls, and takes the next of its GenerateFaults
-    ("prompt_info_then_unavailable", "prompt_info_then_end")."""
+    ("prompt_info_then_unavailable", "prompt_info_then_end", "output_then_unavailable")."""
 
     def __init__(self, inner: vpb_grpc.GenerateAsyncStub, engine: ScriptedServicer) -> None:
         self.inner = inner
@@ -412,6 +416,8 @@ class ScriptedVllm(PartialVllmGenerate):
                         return
                     response.ClearField("prompt_info")
                 yield response
+                if fault == "output_then_unavailable" and response.HasField("outputs"):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: gone")
         finally:
             call.cancel()
 
@@ -946,6 +952,59 @@ async def test_classify_and_score_go_to_the_engines_that_support_them() -> None:
         await close_fleet(fleet)
 
 
+async def test_a_task_goes_to_the_least_loaded_engine_that_has_it() -> None:
+    """Of two engines with the task, the one reporting running and queued requests is passed
+    over for the idle one."""
+    engines = [await start_scripted_engine(f"e{i}", tasks=frozenset({"embed"})) for i in range(2)]
+    engines[0].servicer.load = {"running_requests": 4, "queued_requests": 3}
+    fleet = await scripted_fleet(*engines)
+    registry = fleet.app.controller.fleet.registry
+    try:
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address(engines[0])).load.running_requests == 4, 15
+        )
+        for n in range(3):
+            await task_call(fleet.gateway, "embed", f"t{n}", "")
+        assert [e.servicer.task_calls for e in engines] == [[], ["embed"] * 3]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_task_an_engine_served_restarts_its_failure_count() -> None:
+    """Outlier ejection counts an engine's failures in a row: a pooling task it served in
+    between restarts the count, as a served Generate does, so that two failures around it
+    do not eject the fleet's one engine with the task (`eject_after_failures: 2`)."""
+    faults = GenerateFaults()
+    embedder = await start_scripted_engine("e0", faults, tasks=frozenset({"embed"}))
+    other = await start_scripted_engine("e1", faults)
+    fleet = await scripted_fleet(
+        embedder, other, router={"policy": "round_robin"}, health={"eject_after_failures": 2}
+    )
+    request_ids = iter(range(100))
+
+    async def generate_on_turn(fault: str | None) -> ScriptedEngine:
+        """A Generate (failing by an engine fault of its own, "invalid", when `fault`), where
+        the round robin sends it: that engine."""
+        faults.pending[:] = [fault] if fault else []
+        request_id = f"g{next(request_ids)}"
+        [r async for r in fleet.gateway.Generate(generate_request(request_id, [1, 2, 3], 2))]
+        return embedder if request_id in embedder.servicer.generate_calls else other
+
+    try:
+        while await generate_on_turn(None) is not other:  # the embedder's turn next
+            pass
+        assert await generate_on_turn("invalid") is embedder  # its first failure
+        await task_call(fleet.gateway, "embed", "t0", "")  # served: the count restarts
+        assert await generate_on_turn(None) is other
+        assert await generate_on_turn("invalid") is embedder  # one failure in a row again
+        record = fleet.app.controller.fleet.registry.get(address(embedder))
+        assert record.state is EngineState.READY
+        await task_call(fleet.gateway, "embed", "t1", "")
+        assert embedder.servicer.task_calls == ["embed"] * 2
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- Generate: retries and terminal errors ----
 
 
@@ -1055,6 +1114,30 @@ async def test_a_vllm_engine_failing_after_its_prompt_info_is_retried_elsewhere(
         assert metrics.retries._value.get() == 1
         assert metrics.requests.labels("ok")._value.get() == 1
         assert fleet.app.gateway.relay.holding == {}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_vllm_engine_failing_after_its_first_output_passes_the_failure_on() -> None:
+    """vllm.Generate has no in-band error: an engine failing once output was relayed (its
+    sequence not finished) ends the client's stream with the engine's status, naming the
+    engine, not with OK as if the stream were whole; and it is not retried."""
+    fleet, engines = await two_engine_fleet(GenerateFaults(["output_then_unavailable"]), vllm=True)
+    try:
+        stub = vpb_grpc.GenerateStub(fleet.channel)
+        request = vllm_request("v")
+        request.stopping.max_new_tokens = 50
+        reply: list[vpb.GenerateResponse] = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for response in stub.GenerateStream(request):
+                reply.append(response)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "scripted: gone" in (err.value.details() or "")
+        assert any(r.HasField("outputs") for r in reply)
+        assert not any(r.outputs.HasField("finish_info") for r in reply)
+        assert calls(engines, "v") == 1
+        metrics = fleet.app.controller.metrics
+        assert metrics.requests.labels("engine_error")._value.get() == 1
     finally:
         await close_fleet(fleet)
 
@@ -1234,6 +1317,27 @@ async def test_an_engine_failing_after_its_terminal_event_adds_nothing_after_it(
         await close_fleet(fleet)
 
 
+async def test_an_engine_failing_after_one_of_two_sequences_finished_ends_with_an_error() -> None:
+    """A request for two sequences is not over when the first one finishes: an engine call
+    that fails then (the second still running) ends the client's stream with one terminal
+    EngineError of the gateway's, not silently as if both had finished."""
+    fleet, engines = await two_engine_fleet(GenerateFaults(["finished_then_unavailable"]))
+    try:
+        request = generate_request("r", [1, 2, 3], 4)
+        request.sampling.num_sequences = 2
+        reply = [r async for r in fleet.gateway.Generate(request)]
+        finished = [r.finished.output_index for r in reply if r.WhichOneof("event") == "finished"]
+        assert len(finished) == 1
+        assert reply[-1].WhichOneof("event") == "error"
+        assert (reply[-1].error.code, reply[-1].error.retryable) == (pb.ERROR_CODE_INTERNAL, True)
+        assert "UNAVAILABLE" in reply[-1].error.message
+        assert calls(engines, "r") == 1
+        metrics = fleet.app.controller.metrics
+        assert metrics.requests.labels("engine_error")._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- GetLoad ----
 
 
@@ -1266,6 +1370,11 @@ async def test_get_load_sums_the_engines_and_details_each() -> None:
             load.running_requests, load.queued_requests, load.used_kv_blocks,
             load.total_kv_blocks, load.waiting_tokens,
         ) == (7, 3, 11, 150, 78)  # fmt: skip
+        # The KV in tokens too (blocks of 16), summed as the blocks are.
+        assert (load.attributes["used_kv_tokens"], load.attributes["total_kv_tokens"]) == (
+            str(11 * 16),
+            str(150 * 16),
+        )
         assert (
             load.instance_id
             == (await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())).instance_id
