@@ -152,6 +152,34 @@ async def test_an_engine_whose_cache_cannot_hold_the_prompt_is_not_sent_it() -> 
         await close_fleet(fleet)
 
 
+async def test_a_prompt_that_just_fits_an_engines_cache_is_still_sent_it() -> None:
+    """Round robin between an engine whose cache holds 128 tokens (its context said 4096) and
+    a larger one: a prompt of 128 tokens and one output token goes to both, served at once
+    (its KV is the prompt's: the output's one token computes none, as the engine checks
+    it), and one of 129 to the larger alone. A need counting the last token's KV too sent
+    every prompt that just fits the small engine to the larger one."""
+    small = await start_fronted_engine("small", ContextPastItsCache, num_kv_blocks=SMALL)
+    large = await start_sim_engine("large", num_kv_blocks=256)
+    engines: list[Any] = [small, large]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    try:
+        for tokens, served_by in (
+            (SMALL * 16, {fleet.address(small), fleet.address(large)}),
+            (SMALL * 16 + 1, {fleet.address(large)}),
+        ):
+            chosen = set()
+            for i in range(4):
+                reply, route = await generate_routed(
+                    fleet, generate_request(f"r{tokens}-{i}", [i + 1] * tokens, max_tokens=1)
+                )
+                assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+                assert route is not None and route["retried"] is False, route
+                chosen.add(route["engine"])
+            assert chosen == served_by, (tokens, chosen)
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_a_fronted_fleet_is_not_sent_a_prompt_no_engine_of_it_holds() -> None:
     """An upper controller fronting two lower ones, round robin: one of two engines whose
     caches hold 128 tokens each (their context said 4096), one of an engine whose cache holds

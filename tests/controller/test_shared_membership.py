@@ -332,6 +332,22 @@ async def test_a_removal_through_one_replica_survives_redis_restarted_empty_befo
         assert address not in await workers(b)
 
 
+async def test_a_cordon_survives_redis_restarted_empty(redis: RedisServer) -> None:
+    """X registered and cordoned through a, read by b; redis-server restarts empty and each
+    replica writes its membership back: X stays cordoned on both, out of routing. A
+    write-back without the cordons uncordoned it on every replica."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await a.admin.Cordon(apb.EngineRef(engine=address))
+        await b.app.controller.membership.refresh()
+        await restart_empty(redis)
+        await write_back_in_turn(a, b)
+        await b.app.controller.membership.refresh()
+        for replica in (a, b):
+            assert (await workers(replica))[address].cordoned
+            assert not await routes_to(replica, address)
+
+
 async def test_an_uncordon_through_one_replica_survives_redis_restarted_empty_before_the_other_read(
     redis: RedisServer,
 ) -> None:
