@@ -121,6 +121,30 @@ async def test_a_prompt_no_decode_engine_holds_is_refused_at_the_handoff(fleet: 
         await eventually(released)
 
 
+async def test_a_prompt_only_a_cordoned_decode_engine_holds_is_refused_naming_each_lack(
+    fleet: Fleet,
+) -> None:
+    """The large decode engine cordoned: a prompt only its cache holds is refused at the
+    handoff, INVALID_ARGUMENT naming what the small one lacks, its KV session released on
+    the prefill engine; not UNAVAILABLE, "no engine", as if the fleet were down."""
+    fleet.app.controller.fleet.registry.set_cordoned(fleet.address(fleet.engines[2]), True)
+    call = fleet.gateway.Generate(text_request("long-cordoned", LONG_TEXT))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    details = caught.value.details() or ""
+    assert "no decode engine takes the prompt of" in details, details
+    assert f"small max_context_length {SMALL * 16 + 1} <" in details, details
+    async with grpc.aio.insecure_channel(fleet.address(fleet.engines[0])) as channel:
+        prefill = pb_grpc.OpenEngineStub(channel)
+
+        async def released() -> bool:
+            load = await prefill.GetLoad(pb.GetLoadRequest())
+            return load.active_kv_sessions == 0
+
+        await eventually(released)
+
+
 class ContextPastItsCache(Forwarding):
     """GetModelInfo says the model's context, 4096, whatever its KV cache holds (as an engine
     may that does not bound its context by its cache)."""

@@ -463,6 +463,28 @@ async def test_a_change_redis_does_not_take_is_refused_and_changes_nothing(
         await engine.close()
 
 
+async def test_a_registration_redis_reads_but_does_not_write_is_refused_and_changes_nothing(
+    redis: RedisServer,
+) -> None:
+    """Redis answers reads but refuses writes (`min-replicas-to-write` with no replica): the
+    registration is refused, UNAVAILABLE, and the engine is not registered on this replica
+    alone, where the others would never learn of it."""
+    (a,) = await replicas_without_engines(redis, 1)
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await asyncio.to_thread(redis.command, "CONFIG", "SET", "min-replicas-to-write", "1")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "NOREPLICAS" in (err.value.details() or ""), err.value.details()
+        assert await workers(a) == {}
+    finally:
+        await asyncio.to_thread(redis.command, "CONFIG", "SET", "min-replicas-to-write", "0")
+        await close_fleet(a)
+        await engine.close()
+
+
 async def test_admin_calls_landing_on_a_replica_that_has_not_read_the_change_before_them_act_on_it(
     redis: RedisServer,
 ) -> None:
