@@ -37,8 +37,9 @@ WAIT_S = 15.0
 
 
 class SaysHealth(Forwarding):
-    """Health answers `state` with one failing check saying `message` once `state` is set;
-    until then, the sim engine's own answer."""
+    """Health answers `state` with one failing check saying `message` once `state` is set,
+    beside a READY check telling the model's name (information, no error: not part of the
+    engine's error); until then, the sim engine's own answer."""
 
     state: pb.HealthState.ValueType | None = None
     message = ""
@@ -46,8 +47,9 @@ class SaysHealth(Forwarding):
     async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
         if self.state is None:
             return await self.inner.Health(request)
+        model = pb.HealthCheck(name="model", state=pb.HEALTH_STATE_READY, message="sim")
         check = pb.HealthCheck(name="scheduler", state=self.state, message=self.message)
-        return pb.HealthResponse(state=self.state, checks=[check])
+        return pb.HealthResponse(state=self.state, checks=[model, check])
 
 
 async def wait_state(fleet: EngineFleet[Any], address: str, state: EngineState) -> None:

@@ -121,6 +121,30 @@ async def test_a_prompt_no_decode_engine_holds_is_refused_at_the_handoff(fleet: 
         await eventually(released)
 
 
+async def test_a_prompt_only_a_cordoned_decode_engine_holds_is_refused_naming_each_lack(
+    fleet: Fleet,
+) -> None:
+    """The large decode engine cordoned: a prompt only its cache holds is refused at the
+    handoff, INVALID_ARGUMENT naming what the small one lacks, its KV session released on
+    the prefill engine; not UNAVAILABLE, "no engine", as if the fleet were down."""
+    fleet.app.controller.fleet.registry.set_cordoned(fleet.address(fleet.engines[2]), True)
+    call = fleet.gateway.Generate(text_request("long-cordoned", LONG_TEXT))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in call]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    details = caught.value.details() or ""
+    assert "no decode engine takes the prompt of" in details, details
+    assert f"small max_context_length {SMALL * 16 + 1} <" in details, details
+    async with grpc.aio.insecure_channel(fleet.address(fleet.engines[0])) as channel:
+        prefill = pb_grpc.OpenEngineStub(channel)
+
+        async def released() -> bool:
+            load = await prefill.GetLoad(pb.GetLoadRequest())
+            return load.active_kv_sessions == 0
+
+        await eventually(released)
+
+
 class ContextPastItsCache(Forwarding):
     """GetModelInfo says the model's context, 4096, whatever its KV cache holds (as an engine
     may that does not bound its context by its cache)."""
@@ -148,6 +172,34 @@ async def test_an_engine_whose_cache_cannot_hold_the_prompt_is_not_sent_it() -> 
             assert reply[-1].WhichOneof("event") == "finished"
             assert route is not None and route["engine"] == fleet.address(large), route
             assert route["retried"] is False, route
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_prompt_that_just_fits_an_engines_cache_is_still_sent_it() -> None:
+    """Round robin between an engine whose cache holds 128 tokens (its context said 4096) and
+    a larger one: a prompt of 128 tokens and one output token goes to both, served at once
+    (its KV is the prompt's: the output's one token computes none, as the engine checks
+    it), and one of 129 to the larger alone. A need counting the last token's KV too sent
+    every prompt that just fits the small engine to the larger one."""
+    small = await start_fronted_engine("small", ContextPastItsCache, num_kv_blocks=SMALL)
+    large = await start_sim_engine("large", num_kv_blocks=256)
+    engines: list[Any] = [small, large]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    try:
+        for tokens, served_by in (
+            (SMALL * 16, {fleet.address(small), fleet.address(large)}),
+            (SMALL * 16 + 1, {fleet.address(large)}),
+        ):
+            chosen = set()
+            for i in range(4):
+                reply, route = await generate_routed(
+                    fleet, generate_request(f"r{tokens}-{i}", [i + 1] * tokens, max_tokens=1)
+                )
+                assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+                assert route is not None and route["retried"] is False, route
+                chosen.add(route["engine"])
+            assert chosen == served_by, (tokens, chosen)
     finally:
         await close_fleet(fleet)
 

@@ -461,6 +461,38 @@ async def test_candidates_asked_without_their_flag_go_only_to_an_engine_taking_t
         await close_fleet(fleet)
 
 
+class PriorityNotTold(Forwarding):
+    """GetModelInfo leaves `generation.supports_priority` out (an engine that does not tell
+    it: it may take a priority, or not, and says so only by its answer)."""
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        info.generation.ClearField("supports_priority")
+        return info
+
+
+async def test_an_option_an_engine_does_not_tell_is_taken_as_supported() -> None:
+    """Round robin between an engine telling `supports_priority: true` and one that does not
+    tell it: requests with a priority go to both, served (an engine that does not report an
+    option may take any). Taken as unsupported, every one went to the first."""
+    untold = await start_fronted_engine("untold", PriorityNotTold)
+    told = await start_sim_engine("told")
+    engines: list[Any] = [untold, told]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    try:
+        chosen = set()
+        for i in range(4):
+            request = generate_request(f"p{i}", [5, 6, 7, 8], max_tokens=2)
+            request.priority = 1
+            reply, route = await generate_routed(fleet, request)
+            assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+            assert route is not None and route["retried"] is False, route
+            chosen.add(route["engine"])
+        assert chosen == {fleet.address(untold), fleet.address(told)}, chosen
+    finally:
+        await close_fleet(fleet)
+
+
 class PromptLogprobsOf(Forwarding):
     """A decode engine whose GetModelInfo tells other prompt logprobs than the sim engine
     behind it (`limits`: the `prompt_logprobs` capabilities' fields it replaces)."""

@@ -54,6 +54,9 @@ def identity(
         (1, 2, "v1", "requires client revision >= 2"),
         (1, 1, "main", "not an immutable release"),
         (1, 1, "", "not an immutable release"),
+        # A moving release however it is spelled (case, padding).
+        (1, 1, "Main", "not an immutable release"),
+        (1, 1, " latest ", "not an immutable release"),
     ],
 )
 def test_revision_check_fails_closed(

@@ -332,6 +332,22 @@ async def test_a_removal_through_one_replica_survives_redis_restarted_empty_befo
         assert address not in await workers(b)
 
 
+async def test_a_cordon_survives_redis_restarted_empty(redis: RedisServer) -> None:
+    """X registered and cordoned through a, read by b; redis-server restarts empty and each
+    replica writes its membership back: X stays cordoned on both, out of routing. A
+    write-back without the cordons uncordoned it on every replica."""
+    async with replicas_reading_when_told(redis) as (a, b, address):
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await a.admin.Cordon(apb.EngineRef(engine=address))
+        await b.app.controller.membership.refresh()
+        await restart_empty(redis)
+        await write_back_in_turn(a, b)
+        await b.app.controller.membership.refresh()
+        for replica in (a, b):
+            assert (await workers(replica))[address].cordoned
+            assert not await routes_to(replica, address)
+
+
 async def test_an_uncordon_through_one_replica_survives_redis_restarted_empty_before_the_other_read(
     redis: RedisServer,
 ) -> None:
@@ -443,6 +459,28 @@ async def test_a_change_redis_does_not_take_is_refused_and_changes_nothing(
         assert "Redis" in (err.value.details() or "")
         assert await workers(a) == {}
     finally:
+        await close_fleet(a)
+        await engine.close()
+
+
+async def test_a_registration_redis_reads_but_does_not_write_is_refused_and_changes_nothing(
+    redis: RedisServer,
+) -> None:
+    """Redis answers reads but refuses writes (`min-replicas-to-write` with no replica): the
+    registration is refused, UNAVAILABLE, and the engine is not registered on this replica
+    alone, where the others would never learn of it."""
+    (a,) = await replicas_without_engines(redis, 1)
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await asyncio.to_thread(redis.command, "CONFIG", "SET", "min-replicas-to-write", "1")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "NOREPLICAS" in (err.value.details() or ""), err.value.details()
+        assert await workers(a) == {}
+    finally:
+        await asyncio.to_thread(redis.command, "CONFIG", "SET", "min-replicas-to-write", "0")
         await close_fleet(a)
         await engine.close()
 
