@@ -171,6 +171,8 @@ class LocalProcesses:
         # (the event loop's clock), from its first signal (`closing`) or the close's start.
         self._stop_within_s = stop_within_s
         self._close_by: float | None = None
+        # RemoveEngines under way (`_forget`), which the close's time cuts (`_remove_by`).
+        self._removing: set[asyncio.Timeout] = set()
 
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
@@ -355,12 +357,26 @@ class LocalProcesses:
     ) -> asyncio.subprocess.Process | None:
         """Take `address` out of the controller and of the engines started; its process.
         Once the planner closes, its RemoveEngine is waited for `_CLOSE_REMOVE_S` at most, and
-        not past `_CLOSE_EXIT_S` before the close's end (a hung controller): the engine's
-        exit has that time left."""
+        not past `_CLOSE_EXIT_S` before the close's end (a hung controller), one sent before
+        the planner's first signal included (`closing`): the engine's exit has that time
+        left. One so given up is left registered (its port file kept)."""
         if self._close_by is not None:
-            left_s = self._close_by - asyncio.get_running_loop().time() - _CLOSE_EXIT_S
-            remove_within_s = max(0.0, min(remove_within_s, _CLOSE_REMOVE_S, left_s))
-        await self._remove(address, self._port_files.pop(address, None), remove_within_s)
+            remove_within_s = min(remove_within_s, _CLOSE_REMOVE_S)
+        port_file = self._port_files.pop(address, None)
+        try:
+            async with asyncio.timeout_at(self._remove_by()) as cut:
+                self._removing.add(cut)
+                try:
+                    await self._remove(address, port_file, remove_within_s)
+                finally:
+                    self._removing.discard(cut)
+        except TimeoutError:
+            log.warning(
+                "controller: RemoveEngine of %s: not answered %g s before the close's end (the "
+                "engine's time to exit): given up", address, _CLOSE_EXIT_S,
+            )  # fmt: skip
+            if port_file is not None:
+                self._keep_port_file(port_file, address)
         self._logs.pop(address, None)
         self._exits_said.discard(address)
         return self._processes.pop(address, None)
@@ -387,10 +403,18 @@ class LocalProcesses:
 
     def closing(self) -> None:
         """The planner begins to stop (its first SIGTERM/SIGINT): the close's time counts
-        from now, the removals it waits for first included."""
+        from now, the removals it waits for first included (their RemoveEngines under way
+        cut by its end, `_forget`)."""
         if self._close_by is None:
             close_within_s = max(0.0, self._stop_within_s - _EXIT_MARGIN_S)
             self._close_by = asyncio.get_running_loop().time() + close_within_s
+            for cut in self._removing:
+                cut.reschedule(self._remove_by())
+
+    def _remove_by(self) -> float | None:
+        """When a RemoveEngine is given up (the event loop's clock): `_CLOSE_EXIT_S` before
+        the close's end, the engine's time to exit; None before the planner closes."""
+        return None if self._close_by is None else self._close_by - _CLOSE_EXIT_S
 
     async def close(self) -> None:
         """Stop every engine started (the fleet ends with the planner), all at once: one at a

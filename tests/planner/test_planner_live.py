@@ -1764,6 +1764,49 @@ async def test_a_hung_controllers_removal_at_close_leaves_the_engines_their_time
     assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
 
 
+@pytest.mark.timeout(180)
+async def test_a_removal_sent_before_the_first_signal_is_given_up_by_the_close_s_deadline_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RemoveEngine sent before the planner's first signal (a scale-down's) that the
+    controller does not answer is given up, as one sent once the planner closes, no later
+    than `_CLOSE_EXIT_S` before the close's end, whatever its own bound (here a minute, more
+    than the close's time): the engine is then sent SIGTERM with that time left to exit, it
+    is stopped, not killed, and its port file is kept for the next planner to take it out.
+    Before, only the calls sent once the planner closed were bounded so: this one ran to its
+    own bound, past the close's end, and its engine was killed as it was sent SIGTERM."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_CLOSE_EXIT_S", 30.0)
+    caplog.set_level(logging.WARNING, logger="planner.actuator")
+    controller = ControllerRecording()
+    async with serving_admin(controller) as port:
+        stop_within_s = actuator_module._EXIT_MARGIN_S + 30.0 + 0.5
+        actuator = local_processes(port, tmp_path, stop_within_s)
+        removal = None
+        try:
+            engine = await actuator.start("default")
+            process = actuator._processes[engine]
+            controller.remove_s = 3600.0  # hung
+            removal = asyncio.create_task(actuator.stop(engine, remove_within_s=60.0))
+            await eventually(lambda: controller.asked, 60, "the RemoveEngine sent")
+            actuator.closing()  # the planner's first signal (`run_live`)
+            await removal  # the removal under way, finished first
+            await actuator.close()
+        finally:
+            if removal is not None:
+                removal.cancel()
+            await actuator.close()
+    assert controller.asked == [("remove", engine)]
+    assert process.returncode != -signal.SIGKILL
+    assert actuator.num_alive() == 0
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"controller: RemoveEngine of {engine}: not answered 30 s before the close's end"
+        " (the engine's time to exit): given up"
+    ]
+
+
 def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
     """By default the close ends `_EXIT_MARGIN_S` before `kvplane up` kills the planner, and
     its drain, the answers' wait and a hung controller's RemoveEngine leave the engines
