@@ -1807,6 +1807,58 @@ async def test_a_removal_sent_before_the_first_signal_is_given_up_by_the_close_s
     ]
 
 
+class ControllerHungInRegistrations(ControllerRecording):
+    """As `ControllerRecording`, but it answers no RegisterEngine (hung), recording each."""
+
+    async def RegisterEngine(
+        self, request: apb.RegisterEngineRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.WorkerInfo:
+        self.asked.append(("register", request.address))
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+
+@pytest.mark.timeout(180)
+async def test_a_start_cancelled_at_close_is_taken_out_by_the_close_s_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start whose RegisterEngine the controller has not answered when the planner closes
+    is cancelled: its engine is taken out of the controller (which may have taken it) and
+    stopped. That RemoveEngine, not answered either, is given up as the close's others are,
+    `_CLOSE_EXIT_S` before the close's end (one warning saying so), the engine stopped, not
+    killed, its port file kept for the next planner. Before, it was waited for its own bound
+    whatever the close's time left (a gRPC deadline's warning)."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_CLOSE_EXIT_S", 30.0)
+    caplog.set_level(logging.WARNING)
+    controller = ControllerHungInRegistrations()
+    controller.remove_s = 3600.0  # hung
+    async with serving_admin(controller) as port:
+        stop_within_s = actuator_module._EXIT_MARGIN_S + 30.0 + 0.5
+        actuator = local_processes(port, tmp_path, stop_within_s)
+        start = asyncio.create_task(actuator.start("default"))
+        try:
+            await eventually(lambda: controller.asked, 60, "the RegisterEngine sent")
+            ((_, engine),) = controller.asked
+            (process,) = actuator._spawned
+            actuator.closing()  # the planner's first signal (`run_live`)
+            start.cancel()  # as the planner's close cancels the starts under way
+            await asyncio.wait([start])
+            await actuator.close()
+        finally:
+            start.cancel()
+            await actuator.close()
+    assert controller.asked == [("register", engine), ("remove", engine)]
+    assert process.returncode != -signal.SIGKILL
+    assert actuator.num_alive() == 0
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("planner.")] == [
+        f"controller: RemoveEngine of {engine}: not answered 30 s before the close's end"
+        " (the engine's time to exit): given up"
+    ]
+
+
 def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
     """By default the close ends `_EXIT_MARGIN_S` before `kvplane up` kills the planner, and
     its drain, the answers' wait and a hung controller's RemoveEngine leave the engines
