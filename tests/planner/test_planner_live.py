@@ -1650,14 +1650,17 @@ async def test_an_engine_registered_but_not_routed_yet_at_close_is_drained_first
             # Registered (the answer came), the start waits for the controller to route.
             await eventually(lambda: controller.listed, 60, "the start waiting to be routed")
             (engine,) = controller.registered
-            start.cancel()  # as the planner's close cancels the starts under way
-            await asyncio.wait([start])
-            await actuator.close()
         finally:
-            start.cancel()
-            await actuator.close()
+            await close_during(actuator, start)
     assert controller.asked == [("drain", engine), ("remove", engine)]
     assert actuator.num_alive() == 0
+
+
+async def close_during(actuator: LocalProcesses, start: asyncio.Task[str]) -> None:
+    """The planner's close with `start` under way: the start cancelled, then the close."""
+    start.cancel()
+    await asyncio.wait([start])
+    await actuator.close()
 
 
 @pytest.mark.timeout(120)
@@ -1843,12 +1846,8 @@ async def test_a_start_cancelled_at_close_is_taken_out_by_the_close_s_deadline(
             ((_, engine),) = controller.asked
             (process,) = actuator._spawned
             actuator.closing()  # the planner's first signal (`run_live`)
-            start.cancel()  # as the planner's close cancels the starts under way
-            await asyncio.wait([start])
-            await actuator.close()
         finally:
-            start.cancel()
-            await actuator.close()
+            await close_during(actuator, start)
     assert controller.asked == [("register", engine), ("remove", engine)]
     assert process.returncode != -signal.SIGKILL
     assert actuator.num_alive() == 0
