@@ -171,6 +171,8 @@ class LocalProcesses:
         # (the event loop's clock), from its first signal (`closing`) or the close's start.
         self._stop_within_s = stop_within_s
         self._close_by: float | None = None
+        # RemoveEngines under way (`_remove`), which the close's time cuts (`_remove_by`).
+        self._removing: set[asyncio.Timeout] = set()
 
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
@@ -277,8 +279,10 @@ class LocalProcesses:
                 assert address is not None
                 self._serving(address, process, port_file, log_path)
             else:  # the controller may have taken it before the answer came
-                await self._remove(address, port_file)
-                self._terminate(process)
+                try:
+                    await self._remove(address, port_file)
+                finally:  # cancelled again meanwhile: stopped all the same
+                    self._terminate(process)
             raise
         self._serving(address, process, port_file, log_path)
         return address
@@ -353,13 +357,8 @@ class LocalProcesses:
     async def _forget(
         self, address: str, remove_within_s: float = ADMIN_TIMEOUT_S
     ) -> asyncio.subprocess.Process | None:
-        """Take `address` out of the controller and of the engines started; its process.
-        Once the planner closes, its RemoveEngine is waited for `_CLOSE_REMOVE_S` at most, and
-        not past `_CLOSE_EXIT_S` before the close's end (a hung controller): the engine's
-        exit has that time left."""
-        if self._close_by is not None:
-            left_s = self._close_by - asyncio.get_running_loop().time() - _CLOSE_EXIT_S
-            remove_within_s = max(0.0, min(remove_within_s, _CLOSE_REMOVE_S, left_s))
+        """Take `address` out of the controller (`_remove`) and of the engines started; its
+        process."""
         await self._remove(address, self._port_files.pop(address, None), remove_within_s)
         self._logs.pop(address, None)
         self._exits_said.discard(address)
@@ -369,11 +368,29 @@ class LocalProcesses:
         self, address: str | None, port_file: Path | None, within_s: float = ADMIN_TIMEOUT_S
     ) -> None:
         """RemoveEngine of `address`, an engine of this run that stops (None: a start that
-        read no port registered nothing). Its port file goes once the controller no longer
-        lists it; one whose RemoveEngine failed (the controller did not answer) is kept, in the
-        workdir and for the next look (`adopt`) to take it out: a port file left in the
-        workdir names an engine left registered."""
-        removed = address is None or await self._admin.remove(address, within_s)
+        read no port registered nothing), waited for `within_s`. Once the planner closes, for
+        `_CLOSE_REMOVE_S` at most, and not past `_CLOSE_EXIT_S` before the close's end (a
+        hung controller), one sent before the planner's first signal included (`closing`):
+        the engine, sent SIGTERM after it, has that time left to exit. Its port file goes once
+        the controller no longer lists it; one whose RemoveEngine failed (the controller did
+        not answer) is kept, in the workdir and for the next look (`adopt`) to take it out: a
+        port file left in the workdir names an engine left registered."""
+        removed = address is None
+        if address is not None:
+            if self._close_by is not None:
+                within_s = min(within_s, _CLOSE_REMOVE_S)
+            try:
+                async with asyncio.timeout_at(self._remove_by()) as cut:
+                    self._removing.add(cut)
+                    try:
+                        removed = await self._admin.remove(address, within_s)
+                    finally:
+                        self._removing.discard(cut)
+            except TimeoutError:
+                log.warning(
+                    "controller: RemoveEngine of %s: not answered %g s before the close's end "
+                    "(the engine's time to exit): given up", address, _CLOSE_EXIT_S,
+                )  # fmt: skip
         if port_file is not None:
             self._keep_port_file(port_file, None if removed else address)
 
@@ -387,10 +404,18 @@ class LocalProcesses:
 
     def closing(self) -> None:
         """The planner begins to stop (its first SIGTERM/SIGINT): the close's time counts
-        from now, the removals it waits for first included."""
+        from now, the removals it waits for first included (their RemoveEngines under way
+        cut by its end, `_remove`)."""
         if self._close_by is None:
             close_within_s = max(0.0, self._stop_within_s - _EXIT_MARGIN_S)
             self._close_by = asyncio.get_running_loop().time() + close_within_s
+            for cut in self._removing:
+                cut.reschedule(self._remove_by())
+
+    def _remove_by(self) -> float | None:
+        """When a RemoveEngine is given up (the event loop's clock): `_CLOSE_EXIT_S` before
+        the close's end, the engine's time to exit; None before the planner closes."""
+        return None if self._close_by is None else self._close_by - _CLOSE_EXIT_S
 
     async def close(self) -> None:
         """Stop every engine started (the fleet ends with the planner), all at once: one at a

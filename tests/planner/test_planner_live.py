@@ -1773,14 +1773,17 @@ async def test_an_engine_registered_but_not_routed_yet_at_close_is_drained_first
             # Registered (the answer came), the start waits for the controller to route.
             await eventually(lambda: controller.listed, 60, "the start waiting to be routed")
             (engine,) = controller.registered
-            start.cancel()  # as the planner's close cancels the starts under way
-            await asyncio.wait([start])
-            await actuator.close()
         finally:
-            start.cancel()
-            await actuator.close()
+            await close_during(actuator, start)
     assert controller.asked == [("drain", engine), ("remove", engine)]
     assert actuator.num_alive() == 0
+
+
+async def close_during(actuator: LocalProcesses, start: asyncio.Task[str]) -> None:
+    """The planner's close with `start` under way: the start cancelled, then the close."""
+    start.cancel()
+    await asyncio.wait([start])
+    await actuator.close()
 
 
 @pytest.mark.timeout(120)
@@ -1885,6 +1888,97 @@ async def test_a_hung_controllers_removal_at_close_leaves_the_engines_their_time
     assert process.returncode != -signal.SIGKILL
     assert actuator.num_alive() == 0
     assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
+
+
+@pytest.mark.timeout(180)
+async def test_a_removal_sent_before_the_first_signal_is_given_up_by_the_close_s_deadline_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RemoveEngine sent before the planner's first signal (a scale-down's) that the
+    controller does not answer is given up, as one sent once the planner closes, no later
+    than `_CLOSE_EXIT_S` before the close's end, whatever its own bound (here a minute, more
+    than the close's time): the engine is then sent SIGTERM with that time left to exit, it
+    is stopped, not killed, and its port file is kept for the next planner to take it out.
+    Before, only the calls sent once the planner closed were bounded so: this one ran to its
+    own bound, past the close's end, and its engine was killed as it was sent SIGTERM."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_CLOSE_EXIT_S", 30.0)
+    caplog.set_level(logging.WARNING, logger="planner.actuator")
+    controller = ControllerRecording()
+    async with serving_admin(controller) as port:
+        stop_within_s = actuator_module._EXIT_MARGIN_S + 30.0 + 0.5
+        actuator = local_processes(port, tmp_path, stop_within_s)
+        removal = None
+        try:
+            engine = await actuator.start("default")
+            process = actuator._processes[engine]
+            controller.remove_s = 3600.0  # hung
+            removal = asyncio.create_task(actuator.stop(engine, remove_within_s=60.0))
+            await eventually(lambda: controller.asked, 60, "the RemoveEngine sent")
+            actuator.closing()  # the planner's first signal (`run_live`)
+            await removal  # the removal under way, finished first
+            await actuator.close()
+        finally:
+            if removal is not None:
+                removal.cancel()
+            await actuator.close()
+    assert controller.asked == [("remove", engine)]
+    assert process.returncode != -signal.SIGKILL
+    assert actuator.num_alive() == 0
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"controller: RemoveEngine of {engine}: not answered 30 s before the close's end"
+        " (the engine's time to exit): given up"
+    ]
+
+
+class ControllerHungInRegistrations(ControllerRecording):
+    """As `ControllerRecording`, but it answers no RegisterEngine (hung), recording each."""
+
+    async def RegisterEngine(
+        self, request: apb.RegisterEngineRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> apb.WorkerInfo:
+        self.asked.append(("register", request.address))
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+
+@pytest.mark.timeout(180)
+async def test_a_start_cancelled_at_close_is_taken_out_by_the_close_s_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start whose RegisterEngine the controller has not answered when the planner closes
+    is cancelled: its engine is taken out of the controller (which may have taken it) and
+    stopped. That RemoveEngine, not answered either, is given up as the close's others are,
+    `_CLOSE_EXIT_S` before the close's end (one warning saying so), the engine stopped, not
+    killed, its port file kept for the next planner. Before, it was waited for its own bound
+    whatever the close's time left (a gRPC deadline's warning)."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_CLOSE_EXIT_S", 30.0)
+    caplog.set_level(logging.WARNING)
+    controller = ControllerHungInRegistrations()
+    controller.remove_s = 3600.0  # hung
+    async with serving_admin(controller) as port:
+        stop_within_s = actuator_module._EXIT_MARGIN_S + 30.0 + 0.5
+        actuator = local_processes(port, tmp_path, stop_within_s)
+        start = asyncio.create_task(actuator.start("default"))
+        try:
+            await eventually(lambda: controller.asked, 60, "the RegisterEngine sent")
+            ((_, engine),) = controller.asked
+            (process,) = actuator._spawned
+            actuator.closing()  # the planner's first signal (`run_live`)
+        finally:
+            await close_during(actuator, start)
+    assert controller.asked == [("register", engine), ("remove", engine)]
+    assert process.returncode != -signal.SIGKILL
+    assert actuator.num_alive() == 0
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".port")] == ["default-0.port"]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("planner.")] == [
+        f"controller: RemoveEngine of {engine}: not answered 30 s before the close's end"
+        " (the engine's time to exit): given up"
+    ]
 
 
 def test_the_close_leaves_the_engines_time_to_exit_within_up_s_grace() -> None:
