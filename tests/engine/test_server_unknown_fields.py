@@ -106,3 +106,19 @@ async def test_a_drain_with_a_newer_option_leaves_the_engine_serving() -> None:
         assert health.state == pb.HEALTH_STATE_READY
         served = await collect(engine.stub, generate_request([1, 2, 3], model="sim"))
         assert served[-1].WhichOneof("event") == "finished"
+
+
+async def test_a_newer_field_inside_a_repeated_option_is_named_too() -> None:
+    """A stop condition of a newer revision (one entry of a repeated option) is refused as a
+    top-level field is, not served without it."""
+    async with running_engine() as engine:
+        newer = generate_request([1, 2, 3, 4, 5], model="sim")
+        newer.stopping.conditions.add(stop_token_id=7)
+        newer.stopping.conditions.add(stop_token_id=8)
+        with_newer_field(newer.stopping.conditions[1], 43)
+        events, error = await stream_error(engine.stub.Generate(newer))
+        assert events == []
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = error.details() or ""
+        assert "GenerateRequest.stopping.conditions[1] field 43" in details, details
+        assert await idle(engine)

@@ -302,3 +302,30 @@ async def test_a_truncated_prompt_aborted_while_converted_counts_the_tokens_kept
 
 async def _read_all(stream: Any) -> list[pb.GenerateResponse]:
     return [response async for response in stream]
+
+
+async def test_a_stop_string_the_last_allowed_token_completes_is_a_stop_not_the_length(
+    config: EngineConfig,
+) -> None:
+    """The token that reaches max_new_tokens also completes a stop string: the stop string
+    wins (STOP naming it, its text cut), as in vLLM, not LENGTH with the stop string sent."""
+    async with running_engine(config) as engine:
+        steps = [
+            r.outputs.text async for r in engine.vllm.GenerateStream(_request(max_new_tokens=12))
+        ]
+        # The last token whose text is a stop string found nowhere before it.
+        last = max(
+            n
+            for n in range(1, len(steps) + 1)
+            if steps[n - 1].strip()
+            and "".join(steps[:n]).find(steps[n - 1]) == len("".join(steps[: n - 1]))
+        )
+        stop = steps[last - 1]
+        request = _request(max_new_tokens=last)
+        request.stopping.stop_strings.append(stop)
+        unary = await engine.vllm.Generate(request)
+    finish = unary.outputs.finish_info
+    assert finish.finish_reason == pb.FinishInfo.STOP, (steps, stop)
+    assert finish.stop_string == stop
+    assert finish.num_output_tokens == last
+    assert unary.outputs.text == "".join(steps[: last - 1])
