@@ -505,7 +505,9 @@ class EngineService:
         """Validate and accept `request` (raising before acceptance), or refuse while draining.
         `lora`: its adapter, held since its admission (`end_pull`), this call's to let go of:
         the request's once `EngineLoop.submit` took it (the core releases it at its end),
-        released here if anything raises before.
+        released here if anything raises before. Anything raising after it was taken aborts
+        it there: a caller told it failed leaves no work behind (nor, on a PREFILL engine, a
+        session the core would hold past the caller's release of it).
 
         `internal` requests (the health probe) are accepted while draining and past the
         admission bound, and so are those `admitted` before (`end_pull`). `before(core)` runs in
@@ -532,7 +534,11 @@ class EngineService:
         self._finished.pop(request.request_id, None)
         self._in_flight_changed.set()
         if self.metrics is not None and not internal:
-            self.metrics.on_accept(request)
+            try:
+                self.metrics.on_accept(request)
+            except BaseException:  # refused after the engine thread took it: stop it there
+                self.cancel_nowait(request.request_id)
+                raise
         return stream
 
     def _on_stream_done(self, stream: RequestStream) -> None:

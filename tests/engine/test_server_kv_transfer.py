@@ -719,7 +719,7 @@ async def test_a_request_failing_after_its_submission_lets_go_of_its_adapter_onc
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its pull over, the request is submitted, and accepting it fails after the engine
-    thread took it (here: its metrics): the request, which runs on, lets go of its adapter at
+    thread took it (here: its metrics): the request, aborted there, lets go of its adapter at
     its end, and only it. The adapter used to be released there too, twice in all: unloaded
     then, it stayed in the runner (and in its place among max_loras) for good."""
     config = sim_config(role="decode", lora=LoraConfig(enabled=True), metrics_listen="127.0.0.1:0")
@@ -753,6 +753,38 @@ async def test_a_request_failing_after_its_submission_lets_go_of_its_adapter_onc
         await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
         listed = await decoder.stub.ListLoras(pb.ListLorasRequest())
         assert [a.lora_name for a in listed.adapters] == ["a"]
+
+
+async def test_a_prefill_failing_after_its_submission_holds_no_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Accepting a prefill fails after the engine thread took it (here: its metrics): the
+    client is told it failed, and the engine holds no session for it. The request used to run
+    on: the session's release, sent as the failure was answered, reached the core before the
+    prefill ended, so the core then held its blocks for good (no TTL: the session store had
+    forgotten it), shown by GetLoad's active_kv_sessions and used_kv_blocks."""
+    config = sim_config(role="prefill", metrics_listen="127.0.0.1:0")
+    async with engines(config) as (prefiller,):
+        metrics = prefiller.app.service.metrics
+        assert metrics is not None
+
+        def metrics_down(request: object) -> None:
+            raise RuntimeError("metrics down")
+
+        monkeypatch.setattr(metrics, "on_accept", metrics_down)
+        failed = await rpc_error(lambda: collect(prefiller.stub, generate_request(PROMPT)))
+        assert failed.code() == grpc.StatusCode.INTERNAL
+        monkeypatch.undo()
+
+        async def ended() -> bool:  # the request the engine thread took is over
+            load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
+            return load.running_requests == 0 and load.queued_requests == 0
+
+        await eventually(ended, what="the request ended")
+        # The engine serves on, and the next request's session is the only one it holds.
+        await prefill(prefiller)
+        load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
+        assert (load.active_kv_sessions, load.used_kv_blocks) == (1, 2)
 
 
 async def test_a_pulled_session_never_enters_the_cache_under_an_adapter_reloaded_meanwhile(
