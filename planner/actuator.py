@@ -334,10 +334,13 @@ class LocalProcesses:
 
     async def stop(self, address: str, remove_within_s: float = ADMIN_TIMEOUT_S) -> None:
         """Out of the controller (its RemoveEngine waited for `remove_within_s`, less once
-        the planner closes: `_forget`), then `_terminate`d."""
-        process = await self._forget(address, remove_within_s)
-        if process is not None:
-            self._terminate(process)
+        the planner closes: `_remove`), then `_terminate`d: also when the removal raised
+        (the error is the caller's to say), which must leave no engine running."""
+        try:
+            await self._remove(address, self._port_files.pop(address, None), remove_within_s)
+        finally:
+            if (process := self._forget(address)) is not None:
+                self._terminate(process)
 
     def _terminate(self, process: asyncio.subprocess.Process) -> None:
         """SIGTERM sent; its exit is waited for in the background (`close` waits for every
@@ -349,17 +352,18 @@ class LocalProcesses:
 
     async def kill(self, address: str) -> None:
         # SIGKILL: a hung process may never handle SIGTERM (a SIGSTOPped one holds it pending).
-        process = await self._forget(address)
+        try:
+            await self._remove(address, self._port_files.pop(address, None))
+        finally:  # killed also when the removal raised, as `stop` terminates it
+            process = self._forget(address)
+            if process is not None:
+                signal_child(process, signal.SIGKILL)
         if process is not None:
-            signal_child(process, signal.SIGKILL)
             await process.wait()
 
-    async def _forget(
-        self, address: str, remove_within_s: float = ADMIN_TIMEOUT_S
-    ) -> asyncio.subprocess.Process | None:
-        """Take `address` out of the controller (`_remove`) and of the engines started; its
-        process."""
-        await self._remove(address, self._port_files.pop(address, None), remove_within_s)
+    def _forget(self, address: str) -> asyncio.subprocess.Process | None:
+        """Take `address` out of the engines started (`_remove` took it out of the
+        controller); its process."""
         self._logs.pop(address, None)
         self._exits_said.discard(address)
         return self._processes.pop(address, None)
@@ -443,7 +447,12 @@ class LocalProcesses:
             finally:
                 self._close_drain.cancel()
                 self._close_drain = None
-        await asyncio.gather(*(self.stop(address, _CLOSE_REMOVE_S) for address in addresses))
+        stops = [self.stop(address, _CLOSE_REMOVE_S) for address in addresses]
+        for address, failed in zip(
+            addresses, await asyncio.gather(*stops, return_exceptions=True), strict=True
+        ):
+            if isinstance(failed, Exception):  # stopped all the same (`stop`), as the others
+                log.error("stopping engine %s at close failed", address, exc_info=failed)
         stopping = list(self._stopping.values())
         killed = await asyncio.gather(*(_exited(process, close_by) for process in stopping))
         if late := [process.pid for process, k in zip(stopping, killed, strict=True) if k]:

@@ -654,14 +654,21 @@ class KubernetesDeployments:
         raises (the planner counts the failure), and is retried at every later `adopt`; so is
         a RemoveEngine that failed (`_remove`), which is only logged. Under
         its pool's lock, as `adopt`'s look at that pool: the two must not scale the same
-        removal away twice."""
+        removal away twice. One that gets the lock once the leader's term is over does
+        nothing (no call would be sent): the next leader takes the engine over as it finds
+        it, as one whose removal was cut short."""
         known = self._exited.get(address) or self._engines.get(address)
         if known is None:
             self._draining.discard(address)
             await self._admin.remove(address)
             return
         async with self._pool_locks[known.pool]:
-            await self._stop(address, known.pool)
+            if not self._term_over():
+                await self._stop(address, known.pool)
+
+    def _term_over(self) -> bool:
+        """Whether the leader's term this actuator acts in is over (never, unbound)."""
+        return self._api.left_s is not None and self._api.left_s() <= 0
 
     async def _stop(self, address: str, pool: str) -> None:
         await self._remove(address, pool)

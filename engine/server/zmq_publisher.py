@@ -145,25 +145,42 @@ class ZmqKvPublisher:
             log.warning("ZMQ KV publisher dropped batch %d (queue full)", seq)
 
     async def _serve_replay(self) -> None:
+        """Answer replay requests until the ROUTER closes. One whose answer fails (an error
+        building or sending it) is logged with its traceback, and the next is served: no
+        request ends replay."""
         assert self._router is not None
         router = self._router
         while True:
-            frames = await router.recv_multipart()
-            if len(frames) < 2:
-                continue
-            identity, request = frames[0], frames[-1]
-            if len(request) == 8:
-                start_seq = int.from_bytes(request, "big")
-                for seq, seq_bytes, payload in list(self._sent):
-                    if seq >= start_seq:
-                        await router.send_multipart([identity, b"", self.topic, seq_bytes, payload])
-            else:
-                parsed = parse_msgpack_replay_request(request)
-                if parsed is not None:
-                    await router.send_multipart([identity, b"", self._msgpack_reply(parsed)])
-                    continue
-                log.warning("ZMQ replay: ignoring a %d-byte request", len(request))
-            await router.send_multipart([identity, b"", b"", END_OF_REPLAY_SEQ, b""])
+            try:
+                frames = await router.recv_multipart()
+            except zmq.ZMQError:
+                if not router.closed:
+                    log.exception("ZMQ replay: receiving failed; replay requests go unanswered")
+                return
+            try:
+                await self._answer_replay(router, frames)
+            except Exception:
+                if router.closed:
+                    return
+                log.exception("ZMQ replay: answering a request failed; serving the next")
+
+    async def _answer_replay(self, router: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        """Answer one request received on `router` (module docstring)."""
+        if len(frames) < 2:
+            return
+        identity, request = frames[0], frames[-1]
+        if len(request) == 8:
+            start_seq = int.from_bytes(request, "big")
+            for seq, seq_bytes, payload in list(self._sent):
+                if seq >= start_seq:
+                    await router.send_multipart([identity, b"", self.topic, seq_bytes, payload])
+        else:
+            parsed = parse_msgpack_replay_request(request)
+            if parsed is not None:
+                await router.send_multipart([identity, b"", self._msgpack_reply(parsed)])
+                return
+            log.warning("ZMQ replay: ignoring a %d-byte request", len(request))
+        await router.send_multipart([identity, b"", b"", END_OF_REPLAY_SEQ, b""])
 
     def _msgpack_reply(self, request: MsgpackReplayRequest) -> bytes:
         """The one message answering a msgpack replay request (module docstring). No await

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -265,6 +266,53 @@ async def _ask(socket: zmq.asyncio.Socket, request: dict[str, Any]) -> dict[str,
     reply: dict[str, Any] = msgpack.unpackb(frames[0], raw=False)
     assert sorted(reply) == ["next_seq", "publisher_epoch", "replayed_batches", "snapshot"]
     return reply
+
+
+class _SnapshotFailingOnce:
+    """`log`'s snapshot, but the first call raises: no replay request makes the publisher's
+    reply fail (each is checked before it is answered), so the failure is injected here."""
+
+    def __init__(self, log: KvEventLog) -> None:
+        self._log = log
+        self.calls = 0
+
+    def __call__(self) -> KvEventBatchRecord:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("snapshot failed")
+        return self._log.snapshot()
+
+
+@pytest.mark.timeout(30)
+async def test_a_replay_request_whose_reply_fails_is_logged_and_the_next_is_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request whose reply raises (here its snapshot) gets no reply and is logged once,
+    with its traceback; replay goes on: the next request, of either form, is answered."""
+    caplog.set_level(logging.WARNING, logger="engine.server.zmq_publisher")
+    log = KvEventLog(buffer_steps=100)
+    snapshot = _SnapshotFailingOnce(log)
+    publisher = ZmqKvPublisher(
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic="kv@test@sim",
+        hwm=1000,
+        buffer_steps=10,
+        first_sequence_number=log.first_sequence_number,
+        data_parallel_rank=1,
+        snapshot=snapshot,
+    )
+    async with _serving(log, publisher) as (_sub, dealer):
+        log.append([_stored(1, None)])
+        await dealer.send_multipart([b"", msgpack.packb({"start_seq": 0, "force_snapshot": True})])
+        reply = await _ask(dealer, {"start_seq": 0, "force_snapshot": True})
+        assert snapshot.calls == 2 and _snapshot_keys(reply["snapshot"]) == [1]
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert (await dealer.recv_multipart())[2] == (0).to_bytes(8, "big")
+        assert (await dealer.recv_multipart())[2] == END_OF_REPLAY_SEQ
+    (said,) = caplog.records
+    assert said.getMessage() == "ZMQ replay: answering a request failed; serving the next"
+    assert said.exc_info is not None and str(said.exc_info[1]) == "snapshot failed"
 
 
 def _snapshot_keys(payload: bytes) -> list[int]:

@@ -307,6 +307,45 @@ async def test_a_leaders_controller_calls_end_at_its_renew_deadline_none_sent_af
             await actuator.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_removal_that_gets_its_pools_turn_after_the_term_ended_is_skipped(
+    one_pod: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At a leader's end (`end_term`, while it leads), the removals queued in a pool all go,
+    each taking its turn under the pool's lock; one whose turn comes once the term is over
+    (the Lease lost meanwhile) does nothing, as one the term's end cut short: no "stopping
+    ... failed" error nor stop failure for it, the engine registered and its pod serving,
+    for the next leader to take over."""
+    cluster = one_pod
+    caplog.set_level(logging.WARNING)
+    clock, metrics = Clock(), PlannerMetrics()
+    a = candidate(cluster, "a", clock)
+    assert await a.try_acquire_or_renew()  # leading until 10 s on its clock
+    actuator = cluster.actuator(cluster.api().within(a.left_s))
+    core = Planner(PlannerConfig(pools=(PoolConfig(min_engines=1, max_engines=1),)))
+    live = LivePlanner(core, actuator, clock=clock, metrics=metrics, may_act=lambda: a.leading)
+    try:
+        await live.tick()  # adopts the Deployment's pod
+        (engine,) = live.engines.values()
+        await eventually(lambda: cluster.registered() == [engine.engine_id])
+        async with actuator._pool_locks[engine.pool]:  # an earlier removal, under way
+            await live._remove(engine)
+            ending = asyncio.create_task(live.end_term())
+            await asyncio.sleep(0.1)  # the removal waits for the lock
+            assert not ending.done()
+            clock.now = 10.5  # not renewed: its term is over
+        await ending
+        assert cluster.registered() == [engine.engine_id]
+        assert cluster.kube.deployments[DEPLOYMENT].replicas == 1
+        failures = metrics.registry.get_sample_value(
+            "kvplane_planner_actuator_failures_total", {"operation": "stop"}
+        )
+        assert not failures
+        assert not [r for r in caplog.records if r.name.startswith("planner.")]
+    finally:
+        await live.close()
+
+
 # ------------------------------------------------------------------ a warm standby
 
 

@@ -1554,6 +1554,30 @@ async def test_a_hung_engine_is_killed_and_replaced(
     assert actuator.num_alive() == 0
 
 
+@pytest.mark.timeout(120)
+async def test_a_stop_that_raises_at_close_stops_every_engine_and_names_it(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose stop raises at the close (its port file, which the stop drops once the
+    controller no longer lists it, became a folder) is stopped and out of the controller all
+    the same, as the others are: the failure is logged once, naming it, and the close ends."""
+    caplog.set_level(logging.ERROR, logger="planner.actuator")
+    actuator = setup.actuator
+    failing = await actuator.start("default")
+    other = await actuator.start("default")
+    processes = [actuator._processes[failing], actuator._processes[other]]
+    port_file = actuator._port_files[failing]
+    port_file.unlink()
+    port_file.mkdir()
+    await actuator.close()
+    assert [await process.wait() for process in processes] == [0, 0]
+    assert actuator.num_alive() == 0 and actuator.running() == []
+    assert len(setup.app.controller.fleet.registry) == 0
+    (said,) = [r for r in caplog.records if r.name == "planner.actuator"]
+    assert said.getMessage() == f"stopping engine {failing} at close failed"
+    assert said.exc_info is not None and isinstance(said.exc_info[1], IsADirectoryError)
+
+
 def admin_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     """What the planner's admin client logged: not grpc.aio's spurious wake-up errors
     (tests/logged_errors.py), which a loaded machine adds to `caplog`'s records."""
