@@ -744,3 +744,40 @@ async def test_a_remote_index_that_cannot_be_told_is_reported_once_per_engine(
         for engine in engines:
             await engine.close()
         await index_server.stop(None)
+
+
+async def test_at_first_contact_an_engine_is_dropped_once_any_of_its_ranks_lost_its_stream() -> (
+    None
+):
+    """An engine followed rank by rank (one configured source per data-parallel rank, each
+    feeding `<engine>/dp<r>`): ResyncEngine with `only_if_stream_lost` does nothing while every
+    rank's source follows the live process, and drops the engine's workers and resubscribes
+    its sources once one rank's source has lost its stream (the engine may have restarted
+    unseen)."""
+    ranks = {f"{ENGINE}/dp{r}": _Source() for r in range(2)}
+    services, _, _ = index_services(
+        MemoryBackend(PrefixIndex()),
+        default_block_size=16,
+        max_concurrent_prefix_queries=8,
+        source_of=ranks.get,
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for worker_id in ranks:
+                await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+                    _report(worker_id, ENGINE, CANONICAL_KEYS)
+                )
+            index_stub = ipb_grpc.KvIndexStub(channel)
+            first_contact = ipb.ResyncEngineRequest(engine=ENGINE, only_if_stream_lost=True)
+            kept = await index_stub.ResyncEngine(first_contact)
+            assert (list(kept.dropped_worker_ids), kept.sources_resubscribed) == ([], 0)
+            ranks[f"{ENGINE}/dp1"].stream_lost = True
+            dropped = await index_stub.ResyncEngine(first_contact)
+            stats = await index_stub.GetIndexStats(ipb.GetIndexStatsRequest())
+    finally:
+        await server.stop(None)
+    assert sorted(dropped.dropped_worker_ids) == sorted(ranks)
+    assert dropped.sources_resubscribed == 2
+    assert [s.requests for s in ranks.values()] == [[None], [None]]
+    assert list(stats.workers) == []

@@ -5,6 +5,7 @@ probe that finds a target that lost the worker's blocks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -16,11 +17,12 @@ import msgpack
 import pytest
 import zmq.asyncio
 
-from indexer.batch import Component, Tier
-from indexer.bridge import BridgeSettings, build_bridge, follow
+from indexer.batch import Action, ActionType, Batch, Component, Tier
+from indexer.bridge import BridgeSettings, KvIndexerSink, build_bridge, follow
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import KvIndexerServicer, index_services
+from indexer.sources.zmq import ZmqSource
 from indexer.translate import MediumMap
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
@@ -486,12 +488,12 @@ def _removed(seq: int, hashes: list[int]) -> list[bytes]:
     return _frames(seq, msgpack.packb([float(seq), [["BlockRemoved", hashes, "GPU"]], None]))
 
 
-async def test_a_target_that_restarts_empty_while_the_engine_is_idle_is_rebuilt(
-    context: zmq.asyncio.Context,
-) -> None:
-    """No apply fails (nothing is published), yet the probe finds the canary missing and the
-    worker is rebuilt from the publisher's replay."""
-    rig, server = await _rig()
+@contextlib.asynccontextmanager
+async def _probed(
+    context: zmq.asyncio.Context, rig: Rig, server: grpc.aio.Server
+) -> AsyncIterator[tuple[FakeKvPublisher, ZmqSource, KvIndexerSink]]:
+    """A bridge from a new publisher (with a replay endpoint) to `rig`'s target, probing it
+    every PROBE_S, subscribed; the publisher, the bridge and `server` stopped at the end."""
     publisher = FakeKvPublisher(context)
     publisher.start_replay()
     source, sink = await _bridge_run(
@@ -500,17 +502,30 @@ async def test_a_target_that_restarts_empty_while_the_engine_is_idle_is_rebuilt(
     try:
         async with running(follow(source, sink, probe_interval_s=PROBE_S)):
             await publisher.wait_subscribed()
-            await publisher.publish(_stored(0, [11, 12], None))
-            await publisher.publish(_stored(1, [13], 12))
-            await eventually(lambda: _keys(rig.index) == {11, 12, 13}, WAIT_S)
-            await server.stop(None)
-            rig, server = await _rig(listen=rig.target)  # back on the same address, empty
-            await eventually(lambda: _keys(rig.index) == {11, 12, 13}, WAIT_S)
-            best = await _best_prefix(rig.target, [11, 12, 13])
+            yield publisher, source, sink
     finally:
         await publisher.close()
         await sink.close()
         await server.stop(None)
+
+
+async def test_a_target_that_restarts_empty_while_the_engine_is_idle_is_rebuilt(
+    context: zmq.asyncio.Context,
+) -> None:
+    """No apply fails (nothing is published), yet the probe finds the canary missing and the
+    worker is rebuilt from the publisher's replay."""
+    rig, server = await _rig()
+    async with _probed(context, rig, server) as (publisher, source, sink):
+        await publisher.publish(_stored(0, [11, 12], None))
+        await publisher.publish(_stored(1, [13], 12))
+        await eventually(lambda: _keys(rig.index) == {11, 12, 13}, WAIT_S)
+        await server.stop(None)
+        rig, back = await _rig(listen=rig.target)  # back on the same address, empty
+        try:
+            await eventually(lambda: _keys(rig.index) == {11, 12, 13}, WAIT_S)
+            best = await _best_prefix(rig.target, [11, 12, 13])
+        finally:
+            await back.stop(None)
     assert best == 3
     assert sink.num_losses_found == 1 and source.counters.num_resyncs == 1
     assert publisher.replay_requests == [0, 0]  # the start's rebuild, then the resync
@@ -590,28 +605,17 @@ async def test_a_revoked_canary_is_not_taken_for_a_lost_worker(
     """Not even while the target is slow to answer the REVOKE it applied: the probe waits for
     the apply in flight instead of asking for a block the target just dropped."""
     rig, server = await _rig()
-    publisher = FakeKvPublisher(context)
-    publisher.start_replay()
-    source, sink = await _bridge_run(
-        context, rig, publisher, replay_endpoint=publisher.replay_endpoint
-    )
-    try:
-        async with running(follow(source, sink, probe_interval_s=PROBE_S)):
-            await publisher.wait_subscribed()
-            await publisher.publish(_stored(0, [11, 12], None))  # 11 becomes the canary
-            await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S)
-            rig.recorder.apply_delay_s = 20 * PROBE_S
-            await publisher.publish(_removed(1, [11]))  # ... and goes
-            await rig.recorder.wait_for_seq(1)  # applied, its answer delayed
-            rig.recorder.apply_delay_s = 0.0
-            await publisher.publish(_stored(2, [13], None))
-            await eventually(lambda: _keys(rig.index) == {12, 13}, WAIT_S)
-            probes = rig.recorder.num_matches
-            await eventually(lambda: rig.recorder.num_matches >= probes + 3, WAIT_S)
-    finally:
-        await publisher.close()
-        await sink.close()
-        await server.stop(None)
+    async with _probed(context, rig, server) as (publisher, source, sink):
+        await publisher.publish(_stored(0, [11, 12], None))  # 11 becomes the canary
+        await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S)
+        rig.recorder.apply_delay_s = 20 * PROBE_S
+        await publisher.publish(_removed(1, [11]))  # ... and goes
+        await rig.recorder.wait_for_seq(1)  # applied, its answer delayed
+        rig.recorder.apply_delay_s = 0.0
+        await publisher.publish(_stored(2, [13], None))
+        await eventually(lambda: _keys(rig.index) == {12, 13}, WAIT_S)
+        probes = rig.recorder.num_matches
+        await eventually(lambda: rig.recorder.num_matches >= probes + 3, WAIT_S)
     assert sink.num_losses_found == 0 and source.counters.num_resyncs == 0
     assert publisher.replay_requests == [0]  # the start's rebuild only
     # Each batch reached the target once, in order, after one clear. The start's replay races
@@ -679,3 +683,80 @@ async def test_a_clear_the_target_refuses_is_sent_again_at_the_next_clear(
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("refused to clear it" in m and "INTERNAL: refused" in m for m in warned), warned
     assert any("dropping seq 1" in m and "FAILED_PRECONDITION" in m for m in warned), warned
+
+
+async def test_a_bridge_the_indexer_denies_permission_stops(context: zmq.asyncio.Context) -> None:
+    """PERMISSION_DENIED (a proxy or an indexer whose policy does not let this bridge write)
+    would refuse every batch alike, as a wrong token does: the bridge stops with one error
+    instead of running on, dropping each batch as a bad message."""
+    rig, server = await _rig()
+    rig.recorder.refusing = (grpc.StatusCode.PERMISSION_DENIED, lambda _request: True)
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(context, rig, publisher)
+    try:
+        run = asyncio.ensure_future(source.run())
+        await publisher.wait_subscribed()
+        await publisher.send(_frames(0, VECTOR_2))
+        with pytest.raises(ConfigError, match=r"refuses the bridge: PERMISSION_DENIED: refused"):
+            await asyncio.wait_for(run, WAIT_S)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert rig.recorder.received == [] and sink.num_rejected == 0
+
+
+async def test_a_lost_worker_is_found_while_another_worker_holds_the_same_blocks(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Engines of one model give the same prompt the same block hashes: another worker of the
+    target holds 11 and 12 too. The target loses this bridge's worker (its entries evicted):
+    the probe asks about its own worker's placements, not whoever holds the hashes, so the
+    loss is found and the worker rebuilt from the replay."""
+    rig, server = await _rig()
+    other = (Action(ActionType.REPORT, Tier.HBM, (11, 12)),)
+    rig.index.apply(Batch("other-0", other, "10.0.0.8:30000"))
+    async with _probed(context, rig, server) as (publisher, source, sink):
+        await publisher.publish(_stored(0, [11, 12], None))
+        await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S)
+        rig.index.remove_worker("sgl-0")
+        await eventually(lambda: sink.num_losses_found == 1, WAIT_S, "the loss to be found")
+        await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S, "the rebuild")
+    assert source.counters.num_resyncs == 1
+    assert {p.key for p in rig.index.placements("other-0")} == {11, 12}
+
+
+async def test_the_probe_counts_no_hits(context: zmq.asyncio.Context) -> None:
+    """The probe's questions are the bridge's own, not requests routed to the blocks: however
+    many probes ran, the target's hit counts of the delivered blocks stay 0."""
+    rig, server = await _rig()
+    async with _probed(context, rig, server) as (publisher, _source, _sink):
+        await publisher.publish(_stored(0, [11, 12], None))
+        await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S)
+        probes = rig.recorder.num_matches
+        await eventually(lambda: rig.recorder.num_matches >= probes + 3, WAIT_S)
+        async with grpc.aio.insecure_channel(rig.target) as channel:
+            counts = await kv_grpc.KVIndexerStub(channel).GetExternalKvHitCounts(
+                kv.GetExternalKvHitCountsRequest(hashes=[11, 12])
+            )
+    assert [(e.hash, e.hit_count_total) for e in counts.entries if e.hit_count_total] == []
+
+
+async def test_a_batch_the_target_refused_is_not_probed_for(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The target refuses one batch (it changed nothing there): the bridge drops it, and its
+    blocks are not among those it delivered, so the probe does not find them missing and
+    resync a target that lost nothing."""
+    rig, server = await _rig()
+    rig.recorder.refusing = (grpc.StatusCode.INVALID_ARGUMENT, lambda request: request.seq == 1)
+    async with _probed(context, rig, server) as (publisher, source, sink):
+        await publisher.publish(_stored(0, [11, 12], None))
+        await publisher.publish(_stored(1, [13], 12))  # refused
+        await publisher.publish(_stored(2, [14], None))
+        await eventually(lambda: _keys(rig.index) == {11, 12, 14}, WAIT_S)
+        probes = rig.recorder.num_matches
+        await eventually(lambda: rig.recorder.num_matches >= probes + 3, WAIT_S)
+    assert [r.seq for r in rig.recorder.refused] == [1]
+    assert sink.num_rejected == 1
+    assert sink.num_losses_found == 0 and source.counters.num_resyncs == 0

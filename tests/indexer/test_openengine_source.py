@@ -28,7 +28,11 @@ from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.service import build_source
-from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
+from indexer.sources.openengine import (
+    MAX_SEQUENCE_NUMBER,
+    OpenEngineSource,
+    OpenEngineSourceSettings,
+)
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
@@ -675,3 +679,116 @@ async def _generate(stub: pb_grpc.OpenEngineAsyncStub, request_id: str, prompt: 
             cached = response.usage.cached_prompt_tokens
     assert cached is not None
     return cached
+
+
+async def test_a_restarted_engine_replaying_without_a_snapshot_leaves_none_of_its_old_blocks() -> (
+    None
+):
+    """The engine restarted between two subscriptions and, instead of a snapshot, replays its
+    new process's batches from its first (no AllBlocksCleared before them): batch 1 where 3
+    was expected still clears the worker, and so does the replay from 0 that the gap asks
+    for, so none of the old process's blocks (10, 11) stays to attract requests."""
+    engine = ScriptedEngine(
+        [
+            [_batch(1, _stored(10)), _batch(2, _stored(11, parent=10))],
+            [_batch(1, _stored(20))],  # the new process's first batch
+            [_batch(1, _stored(20))],  # its replay from 0, asked for by the gap
+        ]
+    )
+    _, index, target = await _follow(engine, lambda source: source.counters.num_resets == 3)
+    assert [r.start_sequence_number for r in engine.requests] == [0, 3, 0]
+    assert _keys(index, target) == {20: Tier.HBM}
+
+
+async def test_each_advertised_rank_feeds_the_worker_of_its_own_rank_number() -> None:
+    """An engine following only ranks 2 and 3 (its `data_parallel_ranks`) advertises those two:
+    their blocks go to `<target>/dp2` and `<target>/dp3`, the ids a router gives those ranks,
+    not to the workers of ranks 0 and 1 by their place in the list."""
+    context = zmq.asyncio.Context()
+    rank2, rank3 = FakeKvPublisher(context), FakeKvPublisher(context)
+    server, target = await _serve(ZmqOnlyEngine({2: rank2, 3: rank3}))
+    index = PrefixIndex()
+    source = _source(target, index)
+    try:
+        async with running(source.run()):
+            await rank2.wait_subscribed()
+            await rank3.wait_subscribed()
+            await rank2.publish(_zmq_batch(0, 12))
+            await rank3.publish(_zmq_batch(0, 13))
+            await eventually(
+                lambda: [s.last_seq for s in source.zmq_sources] == [0, 0],
+                WAIT_S,
+                "each rank's first batch",
+            )
+    finally:
+        await server.stop(None)
+        await rank2.close()
+        await rank3.close()
+        context.destroy(linger=0)
+    assert _keys(index, f"{target}/dp2") == {12: Tier.HBM}
+    assert _keys(index, f"{target}/dp3") == {13: Tier.HBM}
+    assert _keys(index, f"{target}/dp0") == _keys(index, f"{target}/dp1") == {}
+
+
+async def test_a_gap_after_batches_in_sequence_resubscribes_at_once_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gap; the snapshot subscription it asks for goes on in sequence, then has a gap of
+    its own: the batch in sequence between them ended the run of gaps, so the second gap
+    resubscribes at once too (no reconnect backoff, no "broke sequence again" warning)."""
+    engine = ScriptedEngine(
+        [
+            [_batch(1, _stored(10)), _batch(3, _stored(12))],  # 2 went missing
+            [_batch(3, CLEARED, _stored(10), _stored(12)), _batch(4, _stored(13)), _batch(6)],
+            [_batch(6, CLEARED, _stored(10), _stored(12), _stored(13))],
+        ]
+    )
+    source, index, target = await _follow(
+        engine, lambda source: len(engine.requests) == 3 and source.last_seq == 6
+    )
+    assert [r.start_sequence_number for r in engine.requests] == [0, 0, 0]
+    assert (source.counters.num_gaps, source.counters.num_resyncs) == (2, 2)
+    assert source.counters.num_restarts == 0  # neither resubscription waited a backoff
+    assert not any("broke sequence again" in r.getMessage() for r in caplog.records)
+    assert _keys(index, target) == {10: Tier.HBM, 12: Tier.HBM, 13: Tier.HBM}
+
+
+async def test_a_resync_request_resubscribes_at_once_while_the_engine_is_idle() -> None:
+    """The index lost the worker's entries (`request_resync`) while the engine sends nothing:
+    the open subscription is ended at once and a new one asks for a snapshot (from 0), without
+    waiting for the engine's next batch. A break in the stream's sequence this is not: the
+    clear is the source's own (`on_sequence_break` is not told, neither of the first batch)."""
+    engine = ScriptedEngine([[_batch(1, _stored(10))]])  # then the stream stays open, idle
+    server, target = await _serve(engine)
+    source = _source(target, PrefixIndex())
+    breaks: list[int | None] = []
+    source.on_sequence_break = lambda: breaks.append(source.last_seq)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.last_seq == 1, WAIT_S)
+            source.request_resync()
+            await eventually(lambda: len(engine.requests) == 2, WAIT_S, "a resubscription")
+    finally:
+        engine.hold.set()
+        await server.stop(None)
+    assert [(r.include_snapshot, r.start_sequence_number) for r in engine.requests] == [
+        (True, 0),
+        (True, 0),
+    ]
+    assert source.counters.num_resyncs == 1
+    assert breaks == []
+
+
+async def test_after_the_largest_sequence_number_the_source_starts_over_from_a_snapshot() -> None:
+    """A batch numbered 2^64 - 1 has no next number to resume from: the next subscription
+    asks for a snapshot from 0 (which clears and rebuilds) instead of failing to build its
+    request, every retry, with the worker frozen."""
+    engine = ScriptedEngine(
+        [
+            [_batch(MAX_SEQUENCE_NUMBER, _stored(1))],
+            [_batch(0, CLEARED, _stored(2))],
+        ]
+    )
+    _, index, target = await _follow(engine, lambda source: source.last_seq == 0)
+    assert [r.start_sequence_number for r in engine.requests] == [0, 0]
+    assert _keys(index, target) == {2: Tier.HBM}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from indexer.backend import IndexBackend
-from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
+from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
 from indexer.early_removals import early_removals
 from indexer.index import Placement
 from indexer.memory_backend import MemoryBackend
@@ -437,3 +437,38 @@ async def test_released_removals_leave_the_in_order_index(tmp_path: Path, seed: 
     finally:
         await writer.close()
         server.stop()
+
+
+@pytest.mark.parametrize("changed", ["address", "spec"])
+async def test_a_removal_released_early_keeps_its_batchs_worker_info_for_the_replay(
+    tmp_path: Path, changed: str
+) -> None:
+    """At maxmemory a worker's REPORT under a new address (or cache spec) is buffered, then a
+    removal under the one Redis has: the removal applies at once, and its batch stays
+    buffered without it, so that once Redis takes writes again the worker ends under the
+    address and spec its last batch gave, as in order, not the buffered REPORT's."""
+    old = Batch("w9", (), "10.0.0.1:1", cache_spec=CacheSpec(version=1))
+    new = old._replace(worker_address="10.0.0.2:1") if changed == "address" else old
+    new = new._replace(cache_spec=CacheSpec(version=2)) if changed == "spec" else new
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    async with writer_and_reader(server) as (writer, _reader):
+        await writer.apply(old._replace(actions=(Action(ActionType.REPORT, Tier.HBM, (1, 2)),)))
+        server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        server.command("CONFIG", "SET", "maxmemory", 1)
+        await writer.apply(new._replace(actions=(Action(ActionType.REPORT, Tier.HBM, (3,)),)))
+        await writer.apply(old._replace(actions=(Action(ActionType.REVOKE, Tier.HBM, (1,)),)))
+
+        async def released() -> bool:
+            return await worker_keys(writer, "w9") == {2}
+
+        await eventually(released, 30, "the removal to be applied at maxmemory")
+        server.command("CONFIG", "SET", "maxmemory", 0)
+
+        async def recovered() -> bool:
+            return writer.healthy and writer.num_buffered_batches == 0
+
+        await eventually(recovered, 30, "the writing process to replay its buffer")
+        (last, *_) = [b async for b in writer.snapshot("w9")]
+    assert (last.worker_address, last.cache_spec) == (old.worker_address, old.cache_spec)
+    assert {k for a in last.actions for k in a.hashes} == {2, 3}

@@ -4,6 +4,7 @@ shedding, deadlines, auth, byte-level answers, token matching, stats and dump.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -655,6 +656,26 @@ async def test_match_tokens_takes_an_item_running_past_a_prompt_cut_short(served
     assert list(reply.block_keys) == block_keys([1] * 8, 4, mm_hashes=[None, ["img"]])
 
 
+@contextlib.asynccontextmanager
+async def _serving_indexer(tmp_path: Path, backend_url: str) -> AsyncIterator[grpc.aio.Channel]:
+    """`kvplane indexer serve`'s server (`run_indexer`) on `backend_url`, and a channel to
+    it; stopped by its own graceful stop (SIGTERM) at the end."""
+    port_file = tmp_path / "port"
+    indexer = asyncio.create_task(
+        run_indexer(IndexerConfig(listen="127.0.0.1:0", backend=backend_url), port_file=port_file)
+    )
+    try:
+        async with asyncio.timeout(20):
+            while not port_file.exists():  # noqa: ASYNC110 - a file, no event to await
+                await asyncio.sleep(0.02)
+        target = f"127.0.0.1:{int(port_file.read_text())}"
+        async with grpc.aio.insecure_channel(target) as channel:
+            yield channel
+    finally:
+        signal.raise_signal(signal.SIGTERM)
+        await asyncio.wait_for(indexer, 20)
+
+
 @pytest.mark.parametrize("backend_name", ["memory", "redis"])
 async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(
     tmp_path: Path, request: pytest.FixtureRequest, backend_name: str
@@ -667,27 +688,44 @@ async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(
         redis_server = request.getfixturevalue("redis_server")
         redis_server.flushall()
         backend_url = redis_server.url
-    port_file = tmp_path / "port"
-    indexer = asyncio.create_task(
-        run_indexer(IndexerConfig(listen="127.0.0.1:0", backend=backend_url), port_file=port_file)
-    )
-    try:
-        async with asyncio.timeout(20):
-            while not port_file.exists():  # noqa: ASYNC110 - a file, no event to await
-                await asyncio.sleep(0.02)
-        target = f"127.0.0.1:{int(port_file.read_text())}"
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = kv_grpc.KVIndexerStub(channel)
-            for start in (0, 16_384):
-                chain = range(start, start + 16_384)
-                report = _report(HBM, list(chain))
-                if start:
-                    report.parent_block_hash = start - 1
-                await stub.ApplyExternalKvBatch(_batch(report))
-            query = kv.MatchExternalKvPrefixRequest(hashes=range(1_000_000))
-            assert query.ByteSize() > 4 << 20
-            reply = await stub.MatchExternalKvPrefix(query)
-            assert reply.best_prefix_blocks == 32_768
-    finally:
-        signal.raise_signal(signal.SIGTERM)  # the indexer's own graceful stop
-        await asyncio.wait_for(indexer, 20)
+    async with _serving_indexer(tmp_path, backend_url) as channel:
+        stub = kv_grpc.KVIndexerStub(channel)
+        for start in (0, 16_384):
+            chain = range(start, start + 16_384)
+            report = _report(HBM, list(chain))
+            if start:
+                report.parent_block_hash = start - 1
+            await stub.ApplyExternalKvBatch(_batch(report))
+        query = kv.MatchExternalKvPrefixRequest(hashes=range(1_000_000))
+        assert query.ByteSize() > 4 << 20
+        reply = await stub.MatchExternalKvPrefix(query)
+        assert reply.best_prefix_blocks == 32_768
+
+
+async def test_match_tokens_counts_a_lower_tiers_longer_prefix_by_the_request_block_size(
+    served: Server,
+) -> None:
+    """Reported without block_sizes: 2 blocks in HBM, 3 on SSD (no routing tier: the
+    any-tier prefix alone counts it). Every count of tokens comes from the request's block
+    size, the any-tier prefix's too (3 blocks, 12 tokens)."""
+    tokens = list(range(300, 312))  # 3 full blocks of 4
+    keys = block_keys(tokens, 4)
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, keys[:2]), _report(SSD, keys)))
+    (match,) = (await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens))).matches
+    assert (match.any_tier_blocks, match.any_tier_tokens) == (3, 12)
+    assert (match.matched_blocks, match.matched_tokens) == (2, 8)
+    assert [(t.tier, t.matched_blocks, t.matched_tokens) for t in match.tiers] == [
+        (HBM, 2, 8),
+        (SSD, 3, 12),
+    ]
+
+
+async def test_the_indexers_stats_count_only_the_external_batches_applied(tmp_path: Path) -> None:
+    """`kvplane indexer serve`'s GetIndexStats: an ApplyExternalKvBatch the index refused
+    changed nothing and is not counted among the batches applied."""
+    async with _serving_indexer(tmp_path, "memory") as channel:
+        stub = kv_grpc.KVIndexerStub(channel)
+        await stub.ApplyExternalKvBatch(_batch(_report(HBM, [1, 2])))
+        assert await _code(stub.ApplyExternalKvBatch(_batch(_report(HBM, [])))) == INVALID
+        stats = await api_grpc.KvIndexStub(channel).GetIndexStats(api.GetIndexStatsRequest())
+    assert (stats.num_batches_applied, stats.num_blocks) == (1, 2)
