@@ -740,7 +740,7 @@ class LivePlanner:
         try:
             await (self.actuator.kill if kill else self.actuator.stop)(address)
         except Exception as exc:  # forgotten all the same: its channel is closed
-            self._failed(operation, "stopping %s failed (it may run on): %s", address, exc)
+            self._failed(operation, "stopping %s failed: %s", address, exc)
 
     async def _removals_done(self, pool: str, before: asyncio.Task[None] | None = None) -> None:
         """Until the removals of `pool` under way (those begun before `before`, if given) are

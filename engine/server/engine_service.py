@@ -448,11 +448,13 @@ class EngineService:
             raise RequestAbortedError(f"request {request.request_id!r} was aborted")
         if before is not None and lora is not None:
             before = _unless_superseded(before, lora, lambda: never_imported("superseded"))
-        try:
-            return self.submit(request, before=before, admitted=True, lora=lora)  # now submit's
-        except Exception:
-            never_imported("refused")
-            raise
+        return self.submit(  # `lora` now submit's
+            request,
+            before=before,
+            admitted=True,
+            lora=lora,
+            not_taken=lambda: never_imported("refused"),
+        )
 
     def abandon_pull(self, handle: TaskHandle, error: BaseException) -> None:
         """The pull failed (`error`) or the client left: the request was never submitted."""
@@ -501,11 +503,13 @@ class EngineService:
         admitted: bool = False,
         before: Callable[[EngineCore], object] | None = None,
         lora: LoraSlot | None = None,
+        not_taken: Callable[[], object] | None = None,
     ) -> RequestStream:
         """Validate and accept `request` (raising before acceptance), or refuse while draining.
         `lora`: its adapter, held since its admission (`end_pull`), this call's to let go of:
         the request's once `EngineLoop.submit` took it (the core releases it at its end),
-        released here if anything raises before. Anything raising after it was taken aborts
+        released here if anything raises before, and `not_taken()` called then (`before`
+        never runs). Anything raising after it was taken (`before` runs) aborts
         it there: a caller told it failed leaves no work behind (nor, on a PREFILL engine, a
         session the core would hold past the caller's release of it).
 
@@ -527,6 +531,8 @@ class EngineService:
             )
         except BaseException:
             self._release_lora(lora)  # not taken
+            if not_taken is not None:
+                not_taken()
             raise
         self._live[request.request_id] = stream
         if internal:

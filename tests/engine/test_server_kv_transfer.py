@@ -715,6 +715,39 @@ async def test_a_request_whose_adapter_is_unloaded_during_its_pull_is_served_wit
         assert runner.loras == {}
 
 
+def import_outcomes(metrics: str) -> dict[str, float]:
+    """`kvplane_engine_kv_imports_total` in a /metrics page, by outcome."""
+    return {
+        line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("kvplane_engine_kv_imports_total{")
+    }
+
+
+async def failed_after_its_submission(
+    engine: Engine, request: pb.GenerateRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generate `request` on `engine`, accepting it failing after the engine thread took it
+    (here: its metrics): the client is told INTERNAL. Returns once the request the engine
+    thread took is over."""
+    metrics = engine.app.service.metrics
+    assert metrics is not None
+
+    def metrics_down(request: object) -> None:
+        raise RuntimeError("metrics down")
+
+    monkeypatch.setattr(metrics, "on_accept", metrics_down)
+    failed = await rpc_error(lambda: collect(engine.stub, request))
+    assert failed.code() == grpc.StatusCode.INTERNAL
+    monkeypatch.undo()
+
+    async def ended() -> bool:
+        load = await engine.stub.GetLoad(pb.GetLoadRequest())
+        return load.running_requests == 0 and load.queued_requests == 0
+
+    await eventually(ended, what="the request ended")
+
+
 async def test_a_request_failing_after_its_submission_lets_go_of_its_adapter_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -729,23 +762,10 @@ async def test_a_request_failing_after_its_submission_lets_go_of_its_adapter_onc
         )
         await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
         service = decoder.app.service
-        assert service.metrics is not None
-
-        def metrics_down(request: object) -> None:
-            raise RuntimeError("metrics down")
-
-        monkeypatch.setattr(service.metrics, "on_accept", metrics_down)
         request = with_session(session)
         request.lora_name = "a"
         held.release.set()
-        await rpc_error(lambda: collect(decoder.stub, request))
-        monkeypatch.undo()
-
-        async def ran() -> bool:  # the request the engine thread took ran to its end
-            load = await decoder.stub.GetLoad(pb.GetLoadRequest())
-            return load.running_requests == 0 and load.queued_requests == 0
-
-        await eventually(ran, what="the request ended")
+        await failed_after_its_submission(decoder, request, monkeypatch)
         await decoder.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a"))
         runner = service.engine_loop.core.runner
         assert isinstance(runner, SimRunner)
@@ -753,6 +773,22 @@ async def test_a_request_failing_after_its_submission_lets_go_of_its_adapter_onc
         await decoder.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
         listed = await decoder.stub.ListLoras(pb.ListLorasRequest())
         assert [a.lora_name for a in listed.adapters] == ["a"]
+
+
+async def test_a_decode_failing_after_its_submission_counts_one_import_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its pull over, the request is submitted, and accepting it fails after the engine
+    thread took it (here: its metrics): the client is told it failed, and the pull counts one
+    import outcome, that of its blocks, which the engine thread imported as it took the
+    request. It used to count "refused" too, as if never submitted: two for one pull."""
+    config = sim_config(role="decode", metrics_listen="127.0.0.1:0")
+    async with held_prefill_engine() as (held, session), engines(config) as (decoder,):
+        held.release.set()
+        await failed_after_its_submission(decoder, with_session(session), monkeypatch)
+        text = await metrics_text(decoder)
+        assert 'kvplane_engine_kv_pulls_total{model="sim",outcome="ok"} 1.0' in text
+        assert import_outcomes(text) == {"imported": 1.0}
 
 
 async def test_a_prefill_failing_after_its_submission_holds_no_session(
@@ -765,22 +801,7 @@ async def test_a_prefill_failing_after_its_submission_holds_no_session(
     forgotten it), shown by GetLoad's active_kv_sessions and used_kv_blocks."""
     config = sim_config(role="prefill", metrics_listen="127.0.0.1:0")
     async with engines(config) as (prefiller,):
-        metrics = prefiller.app.service.metrics
-        assert metrics is not None
-
-        def metrics_down(request: object) -> None:
-            raise RuntimeError("metrics down")
-
-        monkeypatch.setattr(metrics, "on_accept", metrics_down)
-        failed = await rpc_error(lambda: collect(prefiller.stub, generate_request(PROMPT)))
-        assert failed.code() == grpc.StatusCode.INTERNAL
-        monkeypatch.undo()
-
-        async def ended() -> bool:  # the request the engine thread took is over
-            load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
-            return load.running_requests == 0 and load.queued_requests == 0
-
-        await eventually(ended, what="the request ended")
+        await failed_after_its_submission(prefiller, generate_request(PROMPT), monkeypatch)
         # The engine serves on, and the next request's session is the only one it holds.
         await prefill(prefiller)
         load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
@@ -1069,10 +1090,5 @@ async def test_every_completed_pull_counts_one_import_outcome(tmp_path: Path) ->
 
         text = await metrics_text(decoder)
         assert 'kvplane_engine_kv_pulls_total{model="sim",outcome="ok"} 3.0' in text
-        counted = {
-            line.split('outcome="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("kvplane_engine_kv_imports_total{")
-        }
-        assert counted == {"superseded": 1.0, "imported": 1.0, "aborted": 1.0}
+        assert import_outcomes(text) == {"superseded": 1.0, "imported": 1.0, "aborted": 1.0}
         assert 'kvplane_engine_held_kv_bytes{model="sim"} 0.0' in text

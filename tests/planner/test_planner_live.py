@@ -1578,6 +1578,35 @@ async def test_a_stop_that_raises_at_close_stops_every_engine_and_names_it(
     assert said.exc_info is not None and isinstance(said.exc_info[1], IsADirectoryError)
 
 
+@pytest.mark.timeout(180)
+async def test_a_removal_whose_stop_raises_stops_the_engine_and_says_so_truly(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A removal while the planner runs whose stop raises (the engine's port file, which the
+    stop drops once the controller no longer lists it, became a folder): the engine is out of
+    the controller and its process ended all the same, and the planner's one error line says
+    the stop failed and why, counted. It used to add "(it may run on)", untrue of a local
+    engine, which the stop terminates whatever its removal did."""
+    caplog.set_level(logging.ERROR, logger="planner.live")
+    fleet = setup.app.controller.fleet
+    async with serving(setup, 1) as (live, [address]):
+        process = setup.actuator._processes[address]
+        port_file = setup.actuator._port_files[address]
+        port_file.unlink()
+        port_file.mkdir()
+        await live._remove(live.engines[address])
+        await asyncio.gather(*live._removals)
+        assert await process.wait() == 0
+        assert address not in {r.address for r in fleet.registry.records()}
+        (said,) = [r for r in caplog.records if r.name == "planner.live"]
+        assert said.getMessage().startswith(f"stopping {address} failed: ")
+        assert "may run on" not in said.getMessage()
+        failures = live.metrics.registry.get_sample_value(
+            "kvplane_planner_actuator_failures_total", {"operation": "stop"}
+        )
+        assert failures == 1
+
+
 def admin_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     """What the planner's admin client logged: not grpc.aio's spurious wake-up errors
     (tests/logged_errors.py), which a loaded machine adds to `caplog`'s records."""
