@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
-from tests.controller.test_admin_cli import PREFIX, cli, cli_json
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_admin_cli import PREFIX, cli, cli_json, wait_for_holder
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,6 +72,75 @@ async def test_workers_table_shows_a_busy_engines_figures_in_their_columns() -> 
         assert cordoned.exit_code == 0, cordoned.output
         header, row = (await cli("workers", *t)).stdout.splitlines()[1:]
         assert _cells(header, row, WORKERS_COLUMNS)["CORDONED"] == "yes"
+    finally:
+        stream.cancel()
+        with contextlib.suppress(Exception):
+            await close_fleet(fleet)
+
+
+ROUTE_COLUMNS = [
+    "ENGINE", "CACHED", "HOST", "DISK", "PREFILL", "QUEUE", "DECODE", "MEMORY", "TOTAL", "BUSY",
+]  # fmt: skip
+
+
+async def test_route_table_shows_each_engines_cost_terms_in_their_columns(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """`route`'s table is its JSON: the chosen engine and why, then per engine its cached
+    tokens and each weighted cost term under its own name (to one decimal)."""
+    [_ async for _ in fleet.gateway.Generate(generate_request("warm", [*PREFIX, 1]))]
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
+    t = ["--tokens-file", str(tokens), "--target", fleet.target]
+    await wait_for_holder(tokens, t[2:])
+    route = await cli_json("route", *t)
+    table = await cli("route", *t)
+    assert table.exit_code == 0, table.output
+    head, header, *rows = table.stdout.splitlines()
+    assert head == (
+        f"-> {route['instance_id']} ({route['engine']}) reason {route['reason']}, policy "
+        f"{route['policy']}, predicted cached {route['predicted_cached_tokens']} of "
+        f"{route['num_prompt_tokens']} tokens"
+    )
+    shown = {cells["ENGINE"]: cells for cells in (_cells(header, r, ROUTE_COLUMNS) for r in rows)}
+    assert set(shown) == {c["instance_id"] for c in route["costs"]}
+    for cost in route["costs"]:
+        cells = shown[cost["instance_id"]]
+        assert cells["CACHED"] == str(cost.get("cached_tokens", 0))
+        terms = ("prefill_cost", "queue_cost", "decode_cost", "memory_cost", "total")
+        assert [cells[c] for c in ROUTE_COLUMNS[4:9]] == [
+            f"{float(cost.get(term, 0)):.1f}" for term in terms
+        ], table.stdout
+        assert cells["BUSY"] == ("busy" if cost.get("busy") else "-")
+    assert {c.get("prefill_cost", 0) for c in route["costs"]} != {0}  # the terms differ
+
+
+async def test_route_table_marks_an_engine_past_its_busy_threshold(tmp_path: Path) -> None:
+    """An engine whose KV usage is past `router.busy_kv_usage` (one running a request, at a
+    threshold of 1%) is BUSY in `route`'s table, as its JSON says; an idle one is not."""
+    engines = [await start_sim_engine(f"e{i}", 1.0, sim={"min_decode_ms": 50.0}) for i in (0, 1)]
+    fleet = await make_fleet(engines=engines, router={"busy_kv_usage": 0.01})
+    long = generate_request("long", PREFIX, max_tokens=100_000)
+    stream = fleet.gateway.Generate(long)
+    try:
+        await anext(aiter(stream))
+        tokens = tmp_path / "tokens.txt"
+        tokens.write_text(" ".join(str(t) for t in range(900, 964)))
+        t = ["--tokens-file", str(tokens), "--target", fleet.target]
+
+        async def one_busy() -> bool:
+            costs = (await cli_json("route", *t))["costs"]
+            return sorted(bool(c.get("busy")) for c in costs) == [False, True]
+
+        await eventually(one_busy)
+        route = await cli_json("route", *t)
+        busy = next(c["instance_id"] for c in route["costs"] if c.get("busy"))
+        table = await cli("route", *t)
+        assert table.exit_code == 0, table.output
+        lines = table.stdout.splitlines()
+        header, *rows = lines[next(i for i, x in enumerate(lines) if x.startswith("ENGINE")) :]
+        shown = {c["ENGINE"]: c["BUSY"] for c in (_cells(header, r, ROUTE_COLUMNS) for r in rows)}
+        assert shown == {"e0": "-", "e1": "-", busy: "busy"}, table.stdout
     finally:
         stream.cancel()
         with contextlib.suppress(Exception):
