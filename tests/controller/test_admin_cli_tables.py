@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import LoraConfig
 from tests.controller.conftest import (
     Fleet,
     close_fleet,
@@ -17,6 +18,7 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.test_admin_cli import PREFIX, cli, cli_json, wait_for_holder
+from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,6 +57,7 @@ async def test_workers_table_shows_a_busy_engines_figures_in_their_columns() -> 
                 worker.get("running_requests") == 1
                 and worker.get("inflight_requests") == 1
                 and worker.get("indexed_blocks", 0) >= len(PREFIX) // 16
+                and "last_kv_event_unix_s" in worker
             )
 
         await eventually(busy)
@@ -68,6 +71,9 @@ async def test_workers_table_shows_a_busy_engines_figures_in_their_columns() -> 
         assert re.fullmatch(r"[1-9][0-9]?/256", cells["KV"]), table.stdout
         assert int(cells["INDEXED"]) >= len(PREFIX) // 16, table.stdout
         assert cells["CORDONED"] == "-"
+        time_of_day = r"\d\d:\d\d:\d\dZ"
+        following = rf"following since {time_of_day} \(last {time_of_day}\)"
+        assert re.fullmatch(following, cells["KV EVENTS"]), table.stdout
         cordoned = await cli("cordon", "e0", *t)
         assert cordoned.exit_code == 0, cordoned.output
         header, row = (await cli("workers", *t)).stdout.splitlines()[1:]
@@ -145,3 +151,25 @@ async def test_route_table_marks_an_engine_past_its_busy_threshold(tmp_path: Pat
         stream.cancel()
         with contextlib.suppress(Exception):
             await close_fleet(fleet)
+
+
+async def test_lora_list_table_names_the_engines_holding_each_adapter(tmp_path: Path) -> None:
+    """Behind a controller, `lora list`'s ENGINES column names the engines holding each
+    adapter, as the JSON's per-engine `adapters` say."""
+    lora = LoraConfig(enabled=True)
+    engines = [await start_sim_engine(f"e{i}", lora=lora) for i in (0, 1)]
+    fleet = await make_fleet(engines=engines)
+    try:
+        t = ["--target", fleet.target]
+        x = str(write_adapter_config(tmp_path / "x"))
+        y = str(write_adapter_config(tmp_path / "y", r=4))
+        assert (await cli("lora", "load", "x", x, "--id", "1", "--engine", "e0", *t)).exit_code == 0
+        assert (await cli("lora", "load", "y", y, "--id", "2", *t)).exit_code == 0
+        listed = await cli("lora", "list", *t)
+        assert listed.exit_code == 0, listed.output
+        header, *rows = listed.stdout.splitlines()
+        columns = ["ID", "NAME", "PATH", "ENGINES"]
+        shown = {c["NAME"]: c["ENGINES"] for c in (_cells(header, r, columns) for r in rows)}
+        assert shown == {"x": "e0", "y": "e0,e1"}, listed.stdout
+    finally:
+        await close_fleet(fleet)
