@@ -1018,8 +1018,11 @@ def abort(
     # JSON entry above say which), whether or not the controller failed the call.
     engines = data.get("engines", ())
     failed = [f"{e['engine']} ({e['outcome']})" for e in engines if e.get("outcome", "ok") != "ok"]
-    if any("truncated" in e for e in engines):  # the outcomes that did not fit: failures first
-        failed.append(f"{sum(e.get('truncated', 0) for e in engines)} more engines")
+    # The outcomes that did not fit come after the failures (controller.outcomes): once one
+    # listed is ok, so is every one left out; else theirs are unknown.
+    left_out = sum(e.get("truncated", 0) for e in engines)
+    if left_out and not any(e.get("outcome") == "ok" for e in engines):
+        failed.append(f"{left_out} more engines")
     if failed:
         raise RpcCallError(
             f"not every request was aborted: {', '.join(failed)} did not abort theirs"

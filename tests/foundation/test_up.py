@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,13 @@ def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> N
         for address, pid in members.values():
             assert _health(address) == health_pb2.HealthCheckResponse.SERVING
             assert _alive(pid)
+        # The controller's metrics address (the live status reads its routing counters
+        # there), announced after its member line.
+        line = proc.stderr.readline()
+        metrics = re.search(r"fleet member controller metrics on (http://\S+/metrics)", line)
+        assert metrics, line
+        with urllib.request.urlopen(metrics.group(1), timeout=10) as reply:
+            assert b"kvplane_controller_route_decisions" in reply.read()
 
         # A long generation through the controller is in flight when Ctrl-C comes.
         events: list[str] = []
