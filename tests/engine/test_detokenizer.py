@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine.core.detokenizer import IncrementalDetokenizer
 
@@ -84,3 +84,35 @@ def test_any_text_streams_back_exactly(text: str) -> None:
     # A text ending in U+FFFD itself reads as an unfinished character: held, as in vLLM.
     assert streamed == full or (full.endswith("\ufffd") and full.startswith(streamed))
     assert all("\ufffd" not in d for d in deltas) or "\ufffd" in full
+
+
+def test_special_tokens_are_kept_when_asked(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("hi there", add_special_tokens=False).ids
+    eos = tokenizer.token_to_id("</s>")
+    assert eos is not None
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(kept.add(t) for t in [*ids, eos]) == "hi there</s>"
+    skipped = IncrementalDetokenizer(tokenizer)
+    assert "".join(skipped.add(t) for t in [*ids, eos]) == "hi there"
+
+
+def test_a_prompt_ending_inside_a_character_does_not_swallow_the_output(
+    tokenizer: Tokenizer,
+) -> None:
+    # The prompt's last tokens are the first bytes of an emoji that the output's first token
+    # completes: the window starts after them, so the output's text is what its own tokens
+    # decode to (the lone byte as U+FFFD, then the rest), not the rest alone.
+    emoji = tokenizer.encode("🎉", add_special_tokens=False).ids
+    prompt = tokenizer.encode("Say", add_special_tokens=False).ids + emoji[:-1]
+    output = [emoji[-1], *tokenizer.encode(" ok", add_special_tokens=False).ids]
+    assert "".join(stream(tokenizer, prompt, output)) == tokenizer.decode(output) == "\ufffd ok"
+
+
+def test_the_first_output_token_keeps_the_space_its_prompt_gives_it() -> None:
+    # A SentencePiece-style (Metaspace) decoder strips the leading space of the first token it
+    # decodes: only the prompt's tokens as left context keep the output's first space.
+    metaspace = Tokenizer(models.WordLevel({"▁hello": 0, "▁world": 1, "[UNK]": 2}, "[UNK]"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    assert metaspace.decode([1]) == "world"
+    assert stream(metaspace, [0], [1, 1]) == [" world", " world"]

@@ -260,3 +260,37 @@ def test_prompt_logprobs_score_each_next_prompt_token() -> None:
         [float(raw[i, t]) for i, t in enumerate(targets)]
     )
     assert [r.candidates[0].token_id for r in result] == raw.argmax(-1).tolist()
+
+
+def test_top_p_stops_at_a_token_whose_mass_reaches_it_exactly() -> None:
+    # Powers of two sum exactly: 0.5 + 0.25 reaches top_p=0.75, so the third token (whose mass
+    # before it is exactly 0.75) is not needed, as in vLLM (which drops tail mass <= 1 - top_p).
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125] + [0.0] * (VOCAB - 4))
+    logits = probs.log().unsqueeze(0)
+    for top_p, kept in ((0.5, [0]), (0.75, [0, 1]), (0.875, [0, 1, 2])):
+        result = filtered_probs(logits, [row(SamplingParams(top_p=top_p))])[0]
+        assert (result > 0).nonzero().squeeze(1).tolist() == kept, top_p
+
+
+def test_min_p_1_keeps_the_most_likely_tokens() -> None:
+    # The threshold is the top probability itself: the tokens at it stay (vLLM drops only those
+    # strictly under it), so the draw never meets an all-masked row.
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0] + [-1.0] * (VOCAB - 4)])
+    params = SamplingParams(min_p=1.0)
+    kept = filtered_probs(logits, [row(params)])[0]
+    assert kept[:4].tolist() == pytest.approx([0.0, 0.5, 0.0, 0.5])
+    assert float(kept.sum()) == pytest.approx(1.0)
+    sampler = Sampler(frozenset(), seed=0)
+    assert set(sample_ids(sampler, logits.expand(200, VOCAB), [row(params)] * 200)) == {1, 3}
+
+
+def test_greedy_takes_the_lowest_id_on_an_exact_tie() -> None:
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0, 3.0, 3.0] + [0.0] * (VOCAB - 6)])
+    sampler = Sampler(frozenset(), seed=0)
+    plain = SamplingParams(temperature=0.0)
+    # Both the plain-argmax shortcut and the full pipeline (logprobs asked for) pick token 2.
+    assert sample_ids(sampler, logits, [row(plain)]) == [2]
+    with_logprobs = SamplingParams(temperature=0.0, logprobs=LogprobRequest())
+    assert sample_ids(sampler, logits, [row(with_logprobs)]) == [2]
+    biased = SamplingParams(temperature=0.0, logit_bias=((0, 3.0),))
+    assert sample_ids(sampler, logits, [row(biased)]) == [0]
