@@ -12,7 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvplane.config import AuthConfig, ServerConfig, TlsConfig
+from kvplane.channels import ClientChannels
+from kvplane.config import AuthConfig, ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
 from kvplane.server import MAX_STATUS_MESSAGE_BYTES, Service, create_server, status_message
 from tests.rotation import replace_file
@@ -55,6 +56,21 @@ async def _call(channel: grpc.aio.Channel, method: str, token: str | None = None
     return result
 
 
+def _asking_for(token_file: Path, token: str, *, protect_reads: bool = False) -> ServerConfig:
+    """A plaintext server's config asking for `token`, written to `token_file`."""
+    token_file.write_text(f"{token}\n")
+    auth = AuthConfig(token_file=token_file, protect_reads=protect_reads)
+    return ServerConfig(listen="127.0.0.1:0", auth=auth)
+
+
+async def _listed_services(channel: grpc.aio.Channel) -> set[str]:
+    """The services the server's reflection lists."""
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    replies = [r async for r in refl.ServerReflectionInfo(iter([request]))]
+    return {s.name for s in replies[0].list_services_response.service}
+
+
 async def test_health_and_reflection_on_port_zero() -> None:
     server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), [ECHO_SERVICE])
     try:
@@ -64,20 +80,13 @@ async def test_health_and_reflection_on_port_zero() -> None:
             for name in ("", ECHO):
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-            request = reflection_pb2.ServerReflectionRequest(list_services="")
-            replies = [r async for r in refl.ServerReflectionInfo(iter([request]))]
-            names = {s.name for s in replies[0].list_services_response.service}
-            assert {ECHO, "grpc.health.v1.Health"} <= names
+            assert {ECHO, "grpc.health.v1.Health"} <= await _listed_services(channel)
     finally:
         await server.stop(None)
 
 
 async def test_bearer_token_guards_mutating_rpcs_only(tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text("s3cret\n")
-    config = ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file))
-    server, port = await create_server(config, [ECHO_SERVICE])
+    server, port = await create_server(_asking_for(tmp_path / "token", "s3cret"), [ECHO_SERVICE])
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             assert await _call(channel, "Read") == b"hi"
@@ -97,10 +106,7 @@ async def test_the_bearer_schemes_case_does_not_matter_the_tokens_does(tmp_path:
     """`authorization: bearer <token>` (RFC 7235: the scheme is case-insensitive; some
     clients and proxies send it so) is taken; a token in another case, or without its
     scheme, is not."""
-    token_file = tmp_path / "token"
-    token_file.write_text("s3cret\n")
-    config = ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file))
-    server, port = await create_server(config, [ECHO_SERVICE])
+    server, port = await create_server(_asking_for(tmp_path / "token", "s3cret"), [ECHO_SERVICE])
     write = f"/{ECHO}/Write"
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -108,7 +114,9 @@ async def test_the_bearer_schemes_case_does_not_matter_the_tokens_does(tmp_path:
             for scheme in ("Bearer", "bearer", "BEARER"):
                 metadata = (("authorization", f"{scheme} s3cret"),)
                 assert await unary(b"hi", metadata=metadata) == b"hi"
-            for value in ("Bearer S3CRET", "s3cret", "Basic s3cret", "Bearer  s3cret", "Bearer"):
+            refused = ("Bearer S3CRET", "s3cret", "Basic s3cret", "Bearer  s3cret", "Bearer")
+            prefixes = ("Bearer s3cret-and-more", "Bearer s3cre", "Bearer ")
+            for value in (*refused, *prefixes):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await unary(b"hi", metadata=(("authorization", value),))
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
@@ -117,11 +125,8 @@ async def test_the_bearer_schemes_case_does_not_matter_the_tokens_does(tmp_path:
 
 
 async def test_protect_reads_guards_every_rpc(tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text("s3cret")
-    auth = AuthConfig(token_file=token_file, protect_reads=True)
     server, port = await create_server(
-        ServerConfig(listen="127.0.0.1:0", auth=auth), [ECHO_SERVICE]
+        _asking_for(tmp_path / "token", "s3cret", protect_reads=True), [ECHO_SERVICE]
     )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -129,6 +134,60 @@ async def test_protect_reads_guards_every_rpc(tmp_path: Path) -> None:
                 await _call(channel, "Read")
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert await _call(channel, "Read", "s3cret") == b"hi"
+            # Health (probes, load balancers) and reflection (grpcurl) need no token.
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=ECHO))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert ECHO in await _listed_services(channel)
+    finally:
+        await server.stop(None)
+
+
+async def test_a_token_rotated_on_disk_is_taken_at_once_and_the_old_one_refused(
+    tmp_path: Path,
+) -> None:
+    """`auth.token_file` replaced (a Secret's update, an operator's `mv`): the next call
+    must carry the new token; the old one is UNAUTHENTICATED, without a restart."""
+    token_file = tmp_path / "token"
+    server, port = await create_server(_asking_for(token_file, "old-token"), [ECHO_SERVICE])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert await _call(channel, "Write", "old-token") == b"hi"
+            replace_file(token_file, b"new-token\n")
+            assert await _call(channel, "Write", "new-token") == b"hi"
+            assert await _call(channel, "WriteStream", "new-token") == b"hihi"
+            for method in ("Write", "WriteStream"):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _call(channel, method, "old-token")
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(None)
+
+
+async def test_a_clients_token_file_is_read_again_as_it_is_rotated(
+    pki: Path, tmp_path: Path
+) -> None:
+    """A client's token file (`engine_token_file`, the planner's, ...) rotated with the
+    server's: its channel's next call carries the new token, over TLS as over plaintext; a
+    call bringing an authorization of its own sends that one in its place."""
+    server_token, client_token = tmp_path / "server-token", tmp_path / "client-token"
+    server_token.write_text("old-token\n")
+    client_token.write_text("old-token\n")
+    tls = TlsConfig(cert_file=pki / "server.pem", key_file=pki / "server.key")
+    config = ServerConfig(listen="127.0.0.1:0", tls=tls, auth=AuthConfig(token_file=server_token))
+    server, port = await create_server(config, [ECHO_SERVICE])
+    channels = ClientChannels.load(ClientTlsConfig(ca_file=pki / "ca.pem")).with_token_file(
+        client_token, "engine_token_file"
+    )
+    try:
+        async with channels.aio_channel(f"localhost:{port}") as channel:
+            assert await _call(channel, "Write") == b"hi"
+            replace_file(server_token, b"new-token\n")
+            replace_file(client_token, b"new-token\n")
+            assert await _call(channel, "Write") == b"hi"
+            assert await _call(channel, "WriteStream") == b"hihi"
+            replace_file(client_token, b"stale-token\n")
+            assert await _call(channel, "Write", "new-token") == b"hi"
     finally:
         await server.stop(None)
 

@@ -36,6 +36,7 @@ def test_an_empty_or_missing_file_keeps_the_last_token_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="kvplane.token_file"):
         path.write_text("")
         assert token.current() == "kept"
+        assert token.current() == "kept"  # the same change: no second warning
         path.unlink()
         assert token.current() == "kept"
     assert [r.getMessage() for r in caplog.records] == [
@@ -53,3 +54,22 @@ def test_a_file_unusable_at_start_is_a_config_error_naming_the_setting(tmp_path:
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match=r"^engine_token_file .*/empty is empty$"):
         TokenFile(tmp_path / "empty", "engine_token_file")
+
+
+def test_a_kubernetes_secrets_symlink_swap_is_followed(tmp_path: Path) -> None:
+    """A Secret mounted as a volume: `token` links to `..data/token`, and an update points
+    `..data` at a new folder (the link `token` itself never changes)."""
+    first, second = tmp_path / "..2026_01", tmp_path / "..2026_02"
+    for folder, value in ((first, "first"), (second, "second")):
+        folder.mkdir()
+        (folder / "token").write_text(f"{value}\n")
+    data = tmp_path / "..data"
+    data.symlink_to(first.name)
+    path = tmp_path / "token"
+    path.symlink_to("..data/token")
+    token = TokenFile(path, "auth.token_file")
+    assert token.current() == "first"
+    swap = tmp_path / "..data_tmp"
+    swap.symlink_to(second.name)
+    swap.replace(data)
+    assert token.current() == "second"

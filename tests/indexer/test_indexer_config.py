@@ -336,6 +336,10 @@ def test_a_hybrid_models_kv_cache_groups_configure_its_sources_spec() -> None:
             {"backend": "redis://app:hunter2@h:1/zero"},
             "backend: backend 'redis://app:***@h:1/zero': the DB must be a number, got 'zero'",
         ),
+        (  # an @ in the password, as redis-py takes it (the host follows the last @)
+            {"backend": "redis://app:x@hunter2@h:1/zero"},
+            "backend: backend 'redis://app:***@h:1/zero': the DB must be a number, got 'zero'",
+        ),
         (
             {"backend": "redis+cluster://:hunter2@h:1/3"},
             "backend: backend 'redis+cluster://:***@h:1/3': a Redis Cluster has DB 0 only",
@@ -347,6 +351,15 @@ def test_a_hybrid_models_kv_cache_groups_configure_its_sources_spec() -> None:
             },
             "redis.tls: a unix:// socket carries no TLS (Redis serves TLS on a TCP port), but"
             " backend is unix:///run/redis.sock?password=***&db=1: remove redis.tls or set"
+            " backend to rediss://HOST:PORT/DB",
+        ),
+        (
+            {
+                "backend": "unix:///run/redis.sock?db=1&password=hunter2",
+                "redis": {"tls": {"ca_file": "ca.pem"}},
+            },
+            "redis.tls: a unix:// socket carries no TLS (Redis serves TLS on a TCP port), but"
+            " backend is unix:///run/redis.sock?db=1&password=***: remove redis.tls or set"
             " backend to rediss://HOST:PORT/DB",
         ),
     ],
