@@ -417,3 +417,28 @@ def test_peers_of_another_version_are_forgotten_once_silent() -> None:
         protocol.receive(message, float(restart))
         protocol.forget_silent_other_versions(float(restart), TIMEOUT_S)
     assert protocol.num_other_versions == TIMEOUT_S + 1  # heard within the timeout
+
+
+def test_a_peer_that_keeps_beating_is_never_silent() -> None:
+    """Every message of a peer counts as hearing from it, not only the first: a peer beating
+    every heartbeat is not taken for a silent one (its requests released) past the timeout."""
+    a, b = (ReplicaProtocol(Router(make_policy("kvplane")), name) for name in ("a", "b"))
+    now = 0.0
+    for reply in b.receive(a.message("hello"), now):
+        a.receive(reply, now)
+    while now < 3 * TIMEOUT_S:
+        now += HEARTBEAT_S
+        b.receive(a.turn(), now)
+        assert b.silent_peers(now, TIMEOUT_S) == []
+    assert list(b.heard) == ["a"]
+
+
+def test_each_event_is_published_once() -> None:
+    """A turn publishes the events queued since the previous one, each once: a replica's
+    messages do not grow with everything it ever routed; a turn with none is a beat."""
+    fleet = Fleet(2)
+    fleet.route(0, "e1", 1, 0)
+    protocol = fleet.replicas[0].protocol
+    kinds = [msgpack.unpackb(protocol.turn())[3:] for _ in range(2)]
+    assert [kind for kind, _ in kinds] == ["events", "beat"]
+    assert [decode_event(item).request_id for item in kinds[0][1]] == ["q1"]

@@ -218,6 +218,44 @@ async def test_a_replica_charges_what_its_peer_routes_until_it_ends(replicas: _R
     )
 
 
+async def test_two_replicas_requests_of_one_id_are_two_requests(replicas: _Replicas) -> None:
+    """Request ids are each replica's own (a client's, a gateway's counter): a peer's request
+    that has the id of one of this replica's is charged beside it, not in its place, and each
+    is released when its own replica ends it."""
+    a = await replicas.start("a")
+    b = await replicas.start("b")
+    await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+    first = _route(a.router, "r1")
+    await eventually(lambda: _requests(b.router) == {first: (1, 1)}, WAIT_S, "a's request")
+    second = _route(b.router, "r1")
+    both = {first: (2, 2)} if second == first else {first: (1, 1), second: (1, 1)}
+    await eventually(
+        lambda: _requests(a.router) == _requests(b.router) == both, WAIT_S, "both requests"
+    )
+    a.router.finish("r1")
+    left = {second: (1, 1)}
+    await eventually(
+        lambda: _requests(a.router) == _requests(b.router) == left, WAIT_S, "b's request left"
+    )
+
+
+async def test_a_replica_that_stops_has_its_requests_released_at_once(
+    replicas: _Replicas,
+) -> None:
+    """A replica that stops (scaled down, rolled) says bye: its peers release its requests in
+    flight at once, not after `replica_timeout_s` of silence (here far longer than the test)."""
+    a = await replicas.start("a")
+    b = await replicas.start("b")
+    for sync in (a, b):
+        sync.timeout_s = 3600.0
+    await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+    engine = _route(a.router, "r1")
+    await eventually(lambda: _requests(b.router) == {engine: (1, 1)}, WAIT_S, "a's request")
+    await a.close()
+    await eventually(lambda: _requests(b.router) == {}, WAIT_S, "a's request released")
+    assert "a" not in b.protocol.heard
+
+
 async def test_a_session_follows_its_engine_through_every_replica(replicas: _Replicas) -> None:
     """Over Redis: a session routed by one replica is routed to the same engine by its peer,
     and by a replica that joins once the session's first request ended on the one that
@@ -343,6 +381,28 @@ async def test_metrics_say_whether_a_replica_hears_its_peers(
     await eventually(
         lambda: sample("kvplane_controller_replica_peer_requests") == 1, WAIT_S, "the snapshot"
     )
+
+
+async def test_peer_requests_metric_counts_the_peers_requests_in_flight(
+    replicas: _Replicas,
+) -> None:
+    """The peers' requests in flight on /metrics go down as they end (not only when their
+    replica leaves)."""
+    a = await replicas.start("a")
+    b = await replicas.start("b")
+    metrics = ControllerMetrics(Registry())
+    metrics.watch_replica_sync(b)
+
+    def peer_requests() -> float | None:
+        return metrics.registry.get_sample_value("kvplane_controller_replica_peer_requests")
+
+    await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+    _route(a.router, "r1")
+    _route(a.router, "r2")
+    await eventually(lambda: peer_requests() == 2, WAIT_S, "a's two requests")
+    a.router.finish("r1")
+    await eventually(lambda: sum(n for n, _ in _requests(b.router).values()) == 1, WAIT_S, "end")
+    assert peer_requests() == 1
 
 
 _KILLED_REPLICA = """

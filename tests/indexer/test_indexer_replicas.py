@@ -435,3 +435,53 @@ async def test_resync_asked_of_the_replica_without_the_lease_is_done_by_the_hold
         f"w0: 0 worker(s) dropped, 0 source(s) resubscribing; handed to {reply.handed_to[0]} "
         "(holding its writer lease)\n"
     )
+
+
+async def test_a_holder_stopped_hands_its_engine_over_at_once(setup: Setup) -> None:
+    """A holder stopped (SIGTERM: scaled down, rolled) gives its writer lease back: its key
+    is gone as the process exits, not a term later, and the other replica takes the engine
+    over at its next renewal (a third of the term) from the replay."""
+    setup.publisher.buffer_steps = None  # the takeover rebuilds from the whole replay
+    first, second = await writer_and_reader(setup, 30.0)
+    lease = [k for k in setup.redis.command("KEYS", "*") if k.endswith(f":l:{WORKER}".encode())]
+    assert len(lease) == 1, lease
+
+    first.stop()
+    assert setup.redis.command("EXISTS", lease[0]) == 0
+    await setup.publish(_stored(300), _removed(100))
+    await second.wait_followed(1)
+    await setup.index_exact("after the stopped holder handed the engine over")
+
+
+async def test_a_resync_only_if_the_stream_is_lost_handed_to_a_following_holder_does_nothing(
+    setup: Setup,
+) -> None:
+    """ResyncEngine with `only_if_stream_lost` (a controller's first contact with the engine)
+    on the replica without the lease is handed to the holder with its condition: the holder,
+    whose stream follows the live publisher, leaves the engine's worker as it is (a block
+    the engine does not hold stays, no resync counted), instead of dropping and rebuilding
+    it as for an unconditional resync."""
+    first, second = await writer_and_reader(setup, 1.5)
+    assert setup.shared is not None
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{second.port}") as channel:
+        await report_block_9(channel)
+        reply = await api_grpc.KvIndexStub(channel).ResyncEngine(
+            api.ResyncEngineRequest(engine="10.0.0.1:8000", only_if_stream_lost=True)
+        )
+    assert len(reply.handed_to) == 1
+    asked = [k for k in setup.redis.command("KEYS", "*") if k.endswith(f":r:{WORKER}".encode())]
+    assert len(asked) == 1, asked
+    await eventually(
+        lambda: setup.redis.command("EXISTS", asked[0]) == 0, WAIT_S, "the holder to find it"
+    )
+    await setup.publish(_stored(300))
+    await eventually(
+        lambda: _holds(setup.shared, 300), WAIT_S, "the holder to write the next batch"
+    )
+    assert 9 in await worker_keys(setup.shared, WORKER)
+    assert first.resyncs() == 0
+
+
+async def _holds(index: IndexBackend | None, block: int) -> bool:
+    assert index is not None
+    return block in await worker_keys(index, WORKER)

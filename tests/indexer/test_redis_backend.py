@@ -556,7 +556,8 @@ async def test_writes_fenced_by_a_writer_lease_land_only_from_its_holder(
     """Two replicas' backends fenced by writer leases (`fence_writes`) and an indexer's,
     unfenced: only the lease's holder writes the worker under the lease (its sources' batches,
     in one group with other workers' batches, and removals); the other's are refused and
-    change nothing; once the holder gives the lease up and the other takes it, the roles swap;
+    change nothing; once the holder gives the lease up and the other takes it, the roles swap
+    (the former holder's late release leaves the new holder's lease alone);
     unconditional applies (seed 004's KVIndexer, from either kind of process) land whoever
     holds it."""
     redis_server.flushall()
@@ -582,6 +583,8 @@ async def test_writes_fenced_by_a_writer_lease_land_only_from_its_holder(
 
         await first.release_lease("w", "first")
         assert await second.hold_lease("w", "second", 30) is LeaseState.TAKEN
+        await first.release_lease("w", "first")  # late (it stops): not its lease any more
+        assert await second.hold_lease("w", "second", 30) is LeaseState.KEPT
         with pytest.raises(LeaseLostError):
             await first.apply(_leased_batch("w", 5))
         assert await first.remove_worker("w") == 0
@@ -597,6 +600,22 @@ async def test_writes_fenced_by_a_writer_lease_land_only_from_its_holder(
     finally:
         for backend in (first, second, indexer):
             await backend.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_renewal_keeps_the_lease_a_whole_term_more(redis_server: RedisServer) -> None:
+    """Each renewal of its holder pushes the lease's expiry a term further (a holder that
+    keeps renewing is never found without it, nor its lease taken by another replica)."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url)
+    try:
+        assert await backend.hold_lease("w", "a/1", 1) is LeaseState.TAKEN
+        assert await backend.hold_lease("w", "a/1", 600) is LeaseState.KEPT
+        keys = [k for k in redis_server.command("KEYS", "*") if k.endswith(b":l:w")]
+        assert len(keys) == 1, keys
+        assert int(redis_server.command("PTTL", keys[0])) > 1000
+    finally:
+        await backend.close()
 
 
 @pytest.mark.timeout(60)
