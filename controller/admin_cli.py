@@ -1202,7 +1202,8 @@ def lora_list(
         for a in d["adapters"]:
             row = [a.get("lora_id"), a.get("lora_name"), a.get("source_path")]
             if "engines" in d:
-                row.append(",".join(holders.get(a.get("lora_name", ""), [])))
+                # Sorted: the engines' outcomes come in the order they answered.
+                row.append(",".join(sorted(holders.get(a.get("lora_name", ""), []))))
             rows.append(row)
         return _table(headers, rows)
 
