@@ -138,7 +138,9 @@ class EngineFleet(Generic[E]):
         await asyncio.sleep(down_s)
         fresh = await start_engine(
             EngineConfig(
-                model="sim", listen=address, instance_id=instance_id, num_kv_blocks=256, **config
+                **{"model": "sim", "num_kv_blocks": 256, **config},
+                listen=address,
+                instance_id=instance_id,
             )
         )
         self.engines[index] = fresh

@@ -364,7 +364,9 @@ async def test_a_session_lost_with_its_prefill_engine_restarted_under_its_instan
     async with stalled_at_the_handoff() as stalled:
         fleet = stalled.fleet
         address = fleet.address(stalled.prefill)
-        restarted = await fleet.restart_engine(address, "p0", role="prefill", max_model_len=4096)
+        restarted = await fleet.restart_engine(
+            address, "p0", role="prefill", num_kv_blocks=1100, max_model_len=4096
+        )
         await eventually(lambda: fleet.answers_as(address, "p0"))
         responses = [r async for r in stalled.call]
         events = [r.WhichOneof("event") for r in responses]
