@@ -128,11 +128,12 @@ class EngineFleet(Generic[E]):
         *,
         down_s: float = 0.0,
         timeout_s: float = 20.0,
+        routed: bool = True,
         **config: Any,
     ) -> EngineApp:
         """Stop the sim engine at `address`, wait `down_s`, start a new process there (an
-        empty cache, `instance_id`; `config`: more EngineConfig fields) and wait until the
-        controller routes to it."""
+        empty cache, `instance_id`; `config`: more EngineConfig fields) and, with `routed`,
+        wait until the controller routes to it."""
         index = next(i for i, e in enumerate(self.engines) if self.address(e) == address)
         await self.engines[index].close()
         await asyncio.sleep(down_s)
@@ -144,6 +145,8 @@ class EngineFleet(Generic[E]):
             )
         )
         self.engines[index] = fresh
+        if not routed:
+            return fresh
         registry = self.app.controller.fleet.registry
         await self.app.controller.fleet.wait_for(
             lambda: (

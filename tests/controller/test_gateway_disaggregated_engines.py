@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller import gateway
+from controller.registry import EngineIdentity
 from engine.config import KvTransferConfig, LoraConfig
 from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
@@ -173,16 +174,19 @@ class StalledAtTheHandoff(NamedTuple):
 
 
 @contextlib.asynccontextmanager
-async def stalled_at_the_handoff(**prefill_config: Any) -> AsyncIterator[StalledAtTheHandoff]:
+async def stalled_at_the_handoff(
+    *, router: dict[str, Any] | None = None, **prefill_config: Any
+) -> AsyncIterator[StalledAtTheHandoff]:
     """A client that stops reading (its flow-control window full, never cancelling) holds
     the gateway before its prompt output (prompt logprobs, more than its window) is through,
     and so before the gateway reads the prefill engine's PrefillReady: the prefill engine's
-    part is over, its KV session open. `prefill_config`: more of its EngineConfig."""
+    part is over, its KV session open. `router`: more of the controller's RouterConfig;
+    `prefill_config`: more of the prefill engine's EngineConfig."""
     prefill = await start_sim_engine(
         "p0", role="prefill", num_kv_blocks=1100, max_model_len=4096, **prefill_config
     )
     decode = await start_sim_engine("d0", role="decode", num_kv_blocks=1100, max_model_len=4096)
-    fleet = await make_fleet(engines=[prefill, decode])
+    fleet = await make_fleet(engines=[prefill, decode], router=router or {})
     try:
         async with grpc.aio.insecure_channel(
             fleet.target,
@@ -377,6 +381,93 @@ async def test_a_session_lost_with_its_prefill_engine_restarted_under_its_instan
         metrics = fleet.app.controller.metrics
         assert metrics.requests.labels("ok")._value.get() == 1
         assert metrics.retries._value.get() == 1
+
+
+@pytest.mark.parametrize("decode_engines_prefill", [False, True])
+async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_goes_then(
+    monkeypatch: pytest.MonkeyPatch, decode_engines_prefill: bool
+) -> None:
+    """As above, but the prefill engine comes back with another config (256 KV blocks, not
+    1100: a rolling config change under the `instance_id` of its config). The controller,
+    once it meets the new process (its KV events break sequence), reads its changed
+    identity and takes it for a new process: out of routing until its next health answer.
+    The controller held there (its following of the new process's KV events waits), the
+    client reads on: the session is lost, and the request runs again where a new request
+    goes at that moment, no prefill engine routable: with decode engines that prefill
+    (`skip_prefill_ratio`), to the decode engine prefilling the prompt itself, the client
+    getting all its tokens; without, nowhere, as a new request is refused UNAVAILABLE "no
+    prefill engine available": the client, having its prompt output, gets one retryable
+    EngineError naming the lost session (the first run's failure), counted engine_error,
+    and sent again once the engine is back in routing, the request succeeds. (What a
+    loaded CI met once in the test above when it restarted the engine with 256 blocks,
+    the client getting that error.)"""
+    router = {"skip_prefill_ratio": 0.5} if decode_engines_prefill else {}
+    async with stalled_at_the_handoff(router=router) as stalled:
+        fleet = stalled.fleet
+        address = fleet.address(stalled.prefill)
+        controller_fleet = fleet.app.controller.fleet
+        registry = controller_fleet.registry
+        follow = controller_fleet._follow_events
+        taking_in, resume = asyncio.Event(), asyncio.Event()
+
+        def new_config(identity: EngineIdentity | None) -> bool:
+            return identity is not None and identity.model_facts[0].total_kv_blocks == 256
+
+        async def held(engine: Any, identity: EngineIdentity) -> None:
+            if engine.address == address and new_config(identity):
+                taking_in.set()
+                await resume.wait()
+            await follow(engine, identity)
+
+        monkeypatch.setattr(controller_fleet, "_follow_events", held)
+        try:
+            restarted = await fleet.restart_engine(
+                address, "p0", role="prefill", num_kv_blocks=256, max_model_len=4096, routed=False
+            )
+            await asyncio.wait_for(taking_in.wait(), 20)  # a bound, not a measurement
+            record = registry.get(address)
+            assert new_config(record.identity) and not record.routable
+            new_request = generate_request("r2", PROMPT, max_tokens=2)
+            if decode_engines_prefill:
+                reply = [r async for r in fleet.gateway.Generate(new_request)]
+                assert reply[-1].WhichOneof("event") == "finished"
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    [r async for r in fleet.gateway.Generate(new_request)]
+                assert (refused.value.code(), refused.value.details()) == (
+                    grpc.StatusCode.UNAVAILABLE,
+                    "no prefill engine available",
+                )
+            responses = [r async for r in stalled.call]
+        finally:
+            resume.set()
+        events = [r.WhichOneof("event") for r in responses]
+        metrics = fleet.app.controller.metrics
+        if decode_engines_prefill:
+            assert events == ["prompt", *["token"] * 50, "finished"]
+            assert "r" in stalled.decode.service._finished
+            assert "r" not in restarted.service._finished
+            ok, retries = metrics.requests.labels("ok")._value.get(), metrics.retries._value.get()
+            assert (ok, retries) == (2, 1)  # the new request and this one; its run again
+        else:
+            assert events == ["prompt", "error"]
+            error = responses[-1].error
+            assert (error.code, error.retryable) == (pb.ERROR_CODE_INTERNAL, True)
+            assert error.message.startswith(
+                f"engine {fleet.address(stalled.decode)} refused the KV session (NOT_FOUND: "
+            )
+            assert error.message.endswith(
+                f"): engine {address}, which held it, no longer holds it (a decode engine took "
+                "it, or the engine restarted)"
+            )
+            assert metrics.requests.labels("engine_error")._value.get() == 1
+            assert metrics.requests.labels("no_engine")._value.get() == 1  # the new request
+            await eventually(lambda: fleet.answers_as(address, "p0"))
+            again = generate_request("r", list(range(1000, 3000)), max_tokens=50)
+            reply = [r async for r in fleet.gateway.Generate(again)]
+            assert [r.WhichOneof("event") for r in reply] == ["token"] * 50 + ["finished"]
+            assert "r" in restarted.service._finished
+        await stalled.assert_nothing_left()
 
 
 async def test_vllm_generate_is_not_serving_while_only_prefill_engines_are_routable() -> None:
