@@ -376,27 +376,35 @@ class LocalProcesses:
         `_CLOSE_REMOVE_S` at most, and not past `_CLOSE_EXIT_S` before the close's end (a
         hung controller), one sent before the planner's first signal included (`closing`):
         the engine, sent SIGTERM after it, has that time left to exit. Its port file goes once
-        the controller no longer lists it; one whose RemoveEngine failed (the controller did
-        not answer) is kept, in the workdir and for the next look (`adopt`) to take it out: a
+        the controller no longer lists it; else (its RemoveEngine failed: the controller did
+        not answer, or the call raised; or the removal raised or was cancelled, whatever it
+        was) it is kept, in the workdir and for the next look (`adopt`) to take it out: a
         port file left in the workdir names an engine left registered."""
         removed = address is None
-        if address is not None:
-            if self._close_by is not None:
-                within_s = min(within_s, _CLOSE_REMOVE_S)
-            try:
-                async with asyncio.timeout_at(self._remove_by()) as cut:
-                    self._removing.add(cut)
-                    try:
-                        removed = await self._admin.remove(address, within_s)
-                    finally:
-                        self._removing.discard(cut)
-            except TimeoutError:
-                log.warning(
-                    "controller: RemoveEngine of %s: not answered %g s before the close's end "
-                    "(the engine's time to exit): given up", address, _CLOSE_EXIT_S,
-                )  # fmt: skip
-        if port_file is not None:
-            self._keep_port_file(port_file, None if removed else address)
+        try:
+            if address is not None:
+                removed = await self._remove_within(address, within_s)
+        finally:
+            if port_file is not None:
+                self._keep_port_file(port_file, None if removed else address)
+
+    async def _remove_within(self, address: str, within_s: float) -> bool:
+        """`_remove`'s RemoveEngine: whether the controller no longer lists `address`."""
+        if self._close_by is not None:
+            within_s = min(within_s, _CLOSE_REMOVE_S)
+        try:
+            async with asyncio.timeout_at(self._remove_by()) as cut:
+                self._removing.add(cut)
+                try:
+                    return await self._admin.remove(address, within_s)
+                finally:
+                    self._removing.discard(cut)
+        except TimeoutError:
+            log.warning(
+                "controller: RemoveEngine of %s: not answered %g s before the close's end "
+                "(the engine's time to exit): given up", address, _CLOSE_EXIT_S,
+            )  # fmt: skip
+            return False
 
     def _keep_port_file(self, port_file: Path, registered: str | None) -> None:
         """Keep `port_file` with the address the controller may list still, or drop it

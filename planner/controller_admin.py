@@ -353,7 +353,9 @@ class ControllerAdmin:
         """RemoveEngine, waited for `within_s`; whether the controller no longer lists
         `address` (one it no longer listed is not an error). Any other failure is logged and
         False: the engine is stopped all the same (the controller then lists it, unreachable,
-        until it is removed by hand), and a caller that can retry keeps what names it."""
+        until it is removed by hand), and a caller that can retry keeps what names it. So is
+        an exception that is no gRPC status (a bug, a channel closed under the call: logged
+        once, with its traceback): the controller may list the engine still."""
         try:
             await self._stub.RemoveEngine(
                 apb.EngineRef(engine=address), timeout=self._timeout_s(within_s)
@@ -362,6 +364,9 @@ class ControllerAdmin:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("controller: RemoveEngine of %s: %s", address, self.describe(exc))
                 return False
+        except Exception:
+            log.exception("controller: RemoveEngine of %s failed", address)
+            return False
         return True
 
     async def remove_listed(

@@ -7,7 +7,9 @@ For asyncio consumers use `asyncio_sink(loop, queue)`: it hands each output to
 `loop.call_soon_threadsafe(queue.put_nowait, output)`, so the event loop never blocks on a
 step (this module itself imports no asyncio: the loop and queue are duck-typed). Commands
 (`abort`, `abort_all`, `call`) return `concurrent.futures.Future`s (`asyncio.wrap_future`); a
-`call` cancelled while it waits for the engine thread never runs.
+`call` cancelled while it waits for the engine thread never runs. `abandon` cancels a request
+nobody reads any more and frees its id at once (the core's abort of it is still queued): a
+request submitted with the id right after is accepted, and the old one's end never reaches it.
 
 Failure handling: a failing step fails every live request (FinishReason.ERROR) and the loop
 carries on; a failing sink aborts its request; a failing `on_step` observer is logged; if the
@@ -118,6 +120,9 @@ class EngineLoop:
         self._cond = threading.Condition(threading.RLock())
         self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
         self._sinks: dict[str, tuple[OutputSink, EngineRequest]] = {}
+        # Requests abandoned (`abandon`) whose end the engine thread has not published yet, by
+        # id: their outputs up to that end reach no sink, whatever took the id since.
+        self._abandoned: dict[str, int] = {}
         self._stopping = False
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -248,6 +253,33 @@ class EngineLoop:
 
         self._enqueue(command, future)
         return future
+
+    def abandon(self, request_id: str) -> None:
+        """Cancel a request nobody reads any more (its client went away, or its acceptance
+        failed after `submit` took it), and free its id at once: a request submitted with the
+        id from now on is accepted, and the abandoned one's last outputs (its CANCELLED end,
+        once the engine thread aborts it) reach no sink, the new request's included. The abort
+        is queued ahead of anything submitted after this, so the core has ended the old
+        request before it takes the new one. A request that ended already is left alone."""
+        with self._cond:
+            if self._sinks.pop(request_id, None) is None:
+                return
+            self._abandoned[request_id] = self._abandoned.get(request_id, 0) + 1
+            self.abort(request_id)  # the lock is reentrant
+
+    def _take_abandoned(self, output: RequestOutput) -> bool:
+        """Whether `output` is an abandoned request's (dropped); under `_cond`. The core ends
+        requests of one id in the order they were submitted, so such an output comes before
+        any of a request that took the id since."""
+        pending = self._abandoned.get(output.request_id)
+        if pending is None:
+            return False
+        if output.usage is not None:  # its end: the id's next outputs are the newer request's
+            if pending == 1:
+                del self._abandoned[output.request_id]
+            else:
+                self._abandoned[output.request_id] = pending - 1
+        return True
 
     def abort_all(self) -> Future[list[str]]:
         future: Future[list[str]] = Future()
@@ -383,6 +415,8 @@ class EngineLoop:
         dropped: list[RequestOutput] = []
         for output in result.outputs:
             with self._cond:
+                if self._take_abandoned(output):
+                    continue
                 live = self._sinks.get(output.request_id)
                 if output.usage is not None:
                     self._sinks.pop(output.request_id, None)

@@ -558,7 +558,10 @@ class EngineService:
         self._in_flight_changed.set()
 
     def cancel_nowait(self, request_id: str) -> None:
-        """The client went away: stop the work (nobody reads the outputs any more)."""
+        """The client went away, or acceptance failed after the engine thread took the request:
+        stop the work (nobody reads the outputs any more). The id is free at once, as the
+        client sees its request over: one submitted with it next is accepted, even before the
+        engine thread has run the abort (`EngineLoop.abandon`)."""
         stream = self._live.pop(request_id, None)
         if stream is None:
             return
@@ -567,7 +570,7 @@ class EngineService:
         self._finished[request_id] = None
         self._in_flight_changed.set()
         if self.engine_loop.running:
-            self.engine_loop.abort(request_id)
+            self.engine_loop.abandon(request_id)
 
     async def abort(self, request_id: str) -> AbortOutcome:
         task = self._live_tasks.get(request_id)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import pytest
@@ -44,6 +45,25 @@ async def collect(queue: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
     while not outputs or outputs[-1].usage is None:
         outputs.append(await asyncio.wait_for(queue.get(), timeout=10))
     return outputs
+
+
+@asynccontextmanager
+async def engine_thread_held(engine: EngineLoop) -> AsyncIterator[None]:
+    """The engine thread busy in one command until the block ends: what is submitted
+    meanwhile waits for it."""
+    in_command, go_on = threading.Event(), threading.Event()
+
+    def long_command(_core: EngineCore) -> None:
+        in_command.set()
+        go_on.wait(10)
+
+    held = engine.call(long_command)
+    assert await asyncio.to_thread(in_command.wait, 10)
+    try:
+        yield
+    finally:
+        go_on.set()
+        await asyncio.wrap_future(held)
 
 
 @pytest.mark.timeout(30)
@@ -115,29 +135,53 @@ async def test_a_request_counts_as_queued_from_its_submit_until_it_runs() -> Non
     engine = EngineLoop(EngineCore(runner, SchedulerConfig(max_num_seqs=1)))
     engine.start()
     loop = asyncio.get_running_loop()
-    in_command, go_on = threading.Event(), threading.Event()
-
-    def long_command(_core: EngineCore) -> None:
-        in_command.set()
-        go_on.wait(10)
-
-    held = engine.call(long_command)
-    assert await asyncio.to_thread(in_command.wait, 10)
     queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
-    engine.submit(
-        EngineRequest("a", (1, 2, 3), SamplingParams(max_tokens=3)), asyncio_sink(loop, queues[0])
-    )
-    engine.submit(
-        EngineRequest("b", (4, 5, 6), SamplingParams(max_tokens=3)), asyncio_sink(loop, queues[1])
-    )
-    assert engine.num_queued() == 2  # submitted while the engine thread is busy
-    with pytest.raises(_Refused):
-        engine.submit(EngineRequest("c", (7,)), asyncio_sink(loop, asyncio.Queue()), admit=_refuse)
-    assert engine.num_queued() == 2 and engine.num_live_requests() == 2
-    go_on.set()
-    await asyncio.wrap_future(held)
+    async with engine_thread_held(engine):
+        engine.submit(
+            EngineRequest("a", (1, 2, 3), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, queues[0]),
+        )
+        engine.submit(
+            EngineRequest("b", (4, 5, 6), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, queues[1]),
+        )
+        assert engine.num_queued() == 2  # submitted while the engine thread is busy
+        with pytest.raises(_Refused):
+            engine.submit(
+                EngineRequest("c", (7,)), asyncio_sink(loop, asyncio.Queue()), admit=_refuse
+            )
+        assert engine.num_queued() == 2 and engine.num_live_requests() == 2
     await asyncio.gather(*(collect(q) for q in queues))
     assert engine.num_queued() == 0
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_an_abandoned_requests_id_is_free_at_once_and_its_end_reaches_no_one() -> None:
+    """`abandon` frees the id before the engine thread runs the abort: two requests abandoned
+    in turn under one id, then a third submitted with it, all while the engine thread is busy.
+    The third runs to its end and its sink gets its outputs alone: the abandoned ones' ends
+    (CANCELLED, published first) reach no sink. Then the core holds nothing."""
+    engine = make_loop()
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue() for _ in range(3)]
+    async with engine_thread_held(engine):
+        for i, queue in enumerate(queues):
+            sampling = SamplingParams(max_tokens=3, num_sequences=2)
+            engine.submit(
+                EngineRequest("same", (1, 2, 3, 4, 5), sampling), asyncio_sink(loop, queue)
+            )
+            if i < 2:
+                engine.abandon("same")
+        with pytest.raises(DuplicateRequestError):  # the third holds the id
+            engine.submit(EngineRequest("same", (1,)), asyncio_sink(loop, asyncio.Queue()))
+    outputs = await collect(queues[2])
+    finished = [o for o in outputs if o.finished]
+    assert [o.finish_reason for o in finished] == [FinishReason.LENGTH] * 2
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 6
+    assert queues[0].empty() and queues[1].empty()
+    assert engine.load().num_running == 0 and engine.num_live_requests() == 0
     engine.stop(timeout_s=10)
 
 

@@ -19,6 +19,7 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
     Engine,
     collect,
+    engine_thread_held,
     generate_request,
     idle,
     rpc_error,
@@ -529,6 +530,86 @@ async def test_a_request_id_stays_taken_until_its_client_has_read_the_end() -> N
 
         await eventually(second_runs, what="the id free once the first client left")
         await eventually(lambda: idle(engine), what="engine idle")
+
+
+async def _queued(engine: Engine) -> int:
+    return (await engine.stub.GetLoad(pb.GetLoadRequest())).queued_requests
+
+
+async def _retry_before_the_engine_thread_moves(
+    engine: Engine, request_id: str
+) -> asyncio.Future[list[pb.GenerateResponse]]:
+    """With the engine thread still held (so the abort of the dead request `request_id`, queued
+    behind the hold, has not run): a retry with the same id is accepted (GetLoad then counts it
+    queued beside the dead one the engine thread has not taken in), and once the engine thread
+    goes on it runs to its end, untouched by the dead request's (CANCELLED) end."""
+    retry = asyncio.ensure_future(
+        collect(engine.stub, generate_request(PROMPT, max_tokens=4, request_id=request_id))
+    )
+
+    async def accepted_or_answered() -> bool:
+        return retry.done() or await _queued(engine) == 2
+
+    await eventually(accepted_or_answered, what="the retry accepted (or refused)")
+    if retry.done():  # answered while the engine thread is held: raises what the client got
+        await retry
+        raise AssertionError("the retry ended while the engine thread was held")
+    return retry
+
+
+async def _ran_to_its_end(engine: Engine, retry: asyncio.Future[list[pb.GenerateResponse]]) -> None:
+    """The retry got its whole answer (4 tokens, LENGTH), and nothing is left running."""
+    responses = await retry
+    assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(r.token.tokens) for r in responses) == 4
+    assert responses[-1].usage.completion_tokens == 4
+    await eventually(lambda: idle(engine), what="engine idle")
+
+
+async def test_a_retry_after_a_late_acceptance_failure_is_accepted_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Accepting a request fails after the engine thread took it (here: its metrics), so the
+    client is told INTERNAL and the request is cancelled; the client retries at once with the
+    same id. The retry used to be refused ALREADY_EXISTS until the engine thread had run the
+    cancel, for a request already dead (the held engine thread keeps that window open here)."""
+    async with running_engine(sim_config(metrics_listen="127.0.0.1:0")) as engine:
+        service = engine.app.service
+        metrics = service.metrics
+        assert metrics is not None
+        async with engine_thread_held(service):
+
+            def metrics_down(request: object) -> None:
+                raise RuntimeError("metrics down")
+
+            monkeypatch.setattr(metrics, "on_accept", metrics_down)
+            failed = await rpc_error(
+                lambda: collect(engine.stub, generate_request(PROMPT, request_id="same"))
+            )
+            assert failed.code() == grpc.StatusCode.INTERNAL
+            monkeypatch.undo()
+            retry = await _retry_before_the_engine_thread_moves(engine, "same")
+        await _ran_to_its_end(engine, retry)
+
+
+async def test_a_retry_after_a_client_cancel_is_accepted_at_once() -> None:
+    """A client cancels its request and retries at once with the same id. The retry used to
+    be refused ALREADY_EXISTS until the engine thread had run the cancel (the held engine
+    thread keeps that window open here), though the id was free as far as the engine's own
+    bookkeeping (in flight, Drain) went."""
+    async with running_engine() as engine:
+        service = engine.app.service
+        async with engine_thread_held(service):
+            first = engine.stub.Generate(generate_request(PROMPT, request_id="same"))
+
+            async def first_accepted() -> bool:
+                return await _queued(engine) == 1
+
+            await eventually(first_accepted, what="the first request accepted")
+            first.cancel()  # the client goes away
+            await eventually(lambda: service.num_in_flight == 0, what="the cancel seen")
+            retry = await _retry_before_the_engine_thread_moves(engine, "same")
+        await _ran_to_its_end(engine, retry)
 
 
 async def test_runner_failure_after_acceptance_is_one_terminal_engine_error() -> None:

@@ -2353,6 +2353,51 @@ async def test_an_engine_stopped_while_the_controller_is_unreachable_is_taken_ou
         await partition.cut()
 
 
+class RemoveEngineOnAClosedChannel:
+    """The planner's admin stub, each call made as it is, but RemoveEngine, made on a
+    channel closed under it: grpc.aio raises UsageError, no gRPC status, nothing sent."""
+
+    def __init__(self, stub: apb_grpc.AdminAsyncStub, closed: grpc.aio.Channel) -> None:
+        self._stub = stub
+        self.RemoveEngine = apb_grpc.AdminStub(closed).RemoveEngine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_whose_removal_raises_is_stopped_and_taken_out_by_the_next_look(
+    setup: Setup, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine stopped whose RemoveEngine raises an exception that is no gRPC status (the
+    call made on a channel closed under it): the engine is stopped, the error said once with
+    its traceback, and its port file kept, so that the next look takes the engine, which the
+    controller lists still, out, then drops the file. The stop used to raise before its
+    port-file bookkeeping: this run never took the engine out of the controller, and the file
+    stayed for a later planner on the workdir."""
+    caplog.set_level(logging.WARNING, logger="planner")
+    actuator, fleet = setup.actuator, setup.app.controller.fleet
+    address = await actuator.start("default")
+    process, port_file = actuator._processes[address], actuator._port_files[address]
+    dialled = actuator._admin._dialled
+    admin, gateway = dialled.stub
+    closed = grpc.aio.insecure_channel(dialled.target)
+    await closed.close()
+    monkeypatch.setattr(dialled, "_stub", (RemoveEngineOnAClosedChannel(admin, closed), gateway))
+    await actuator.stop(address)
+    assert await process.wait() == 0
+    assert port_file.exists()
+    assert [r.address for r in fleet.registry.records()] == [address]
+    (said,) = [r for r in caplog.records if r.name.startswith("planner")]
+    assert said.getMessage() == f"controller: RemoveEngine of {address} failed"
+    assert said.exc_info is not None and isinstance(said.exc_info[1], grpc.aio.UsageError)
+
+    monkeypatch.undo()  # the channel as it was
+    assert await actuator.adopt() == []
+    assert not fleet.registry.records()
+    assert not port_file.exists()
+
+
 @pytest.mark.timeout(60)
 async def test_a_planner_cancelled_as_its_run_ends_is_cancelled(tmp_path: Path) -> None:
     """`run` cancelled as it ends (it waits for its watch of the controller to end: a term
