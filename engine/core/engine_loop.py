@@ -428,8 +428,15 @@ class EngineLoop:
             except Exception:  # e.g. the consumer's event loop is closed: drop the request
                 logger.warning("output sink of %s failed; aborting it", output.request_id)
                 with self._cond:
-                    self._sinks.pop(output.request_id, None)
-                dropped.extend(self.core.abort(output.request_id))
+                    # Not another request's that took the id since (this one was abandoned,
+                    # or ended, while its sink ran).
+                    if self._sinks.get(output.request_id) is live:
+                        del self._sinks[output.request_id]
+                aborted = self.core.abort(output.request_id)
+                with self._cond:  # abandoned while its sink ran: this is the end it waits for
+                    for end in aborted:
+                        self._take_abandoned(end)
+                dropped.extend(aborted)
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()

@@ -186,6 +186,41 @@ async def test_an_abandoned_requests_id_is_free_at_once_and_its_end_reaches_no_o
 
 
 @pytest.mark.timeout(30)
+async def test_a_request_abandoned_as_its_sink_fails_leaves_the_next_one_of_its_id_alone() -> None:
+    """The client of a request goes away (`abandon`) and a retry takes its id while the engine
+    thread hands the request an output, and that hand-over fails (its consumer's event loop
+    closing): the retry still gets every output of its own, to its end, and a request after it
+    with the id too. The failed hand-over used to drop the retry's sink (taken for the failing
+    one's) and end the abandoned request out of `abandon`'s count, so that every output of
+    the retry was dropped as the abandoned one's."""
+    engine = make_loop()
+    engine.start()
+    loop = asyncio.get_running_loop()
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+
+    def leaving(output: RequestOutput) -> None:
+        engine.abandon("same")
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, retried),
+        )
+        raise RuntimeError("Event loop is closed")
+
+    engine.submit(EngineRequest("same", (1, 2, 3, 4, 5), long), leaving)
+    outputs = await collect(retried)
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
 async def test_a_call_cancelled_while_queued_never_runs() -> None:
     """`call` is an executor's: cancelled before the engine thread begins it, `fn` never runs
     (the call after it does); begun, it cannot be cancelled and runs to its end."""
