@@ -11,9 +11,10 @@ step (this module itself imports no asyncio: the loop and queue are duck-typed).
 nobody reads any more and frees its id at once (the core's abort of it is still queued): a
 request submitted with the id right after is accepted, and the old one's end never reaches it.
 
-Failure handling: a failing step fails every live request (FinishReason.ERROR) and the loop
-carries on; a failing sink aborts its request; a failing `on_step` observer is logged; if the
-thread itself dies, every live request still gets a terminal ERROR output.
+Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
+outputs it produced before it failed (the ends of requests it ended), and the loop carries
+on; a failing sink aborts its request; a failing `on_step` observer is logged; if the thread
+itself dies, every live request still gets a terminal ERROR output.
 """
 
 from __future__ import annotations
@@ -399,6 +400,8 @@ class EngineLoop:
             result = self.core.step(on_pass_start)
         except Exception:
             logger.exception("engine step failed; failing every running request")
+            # What it produced before it failed first: the ends of requests it ended included.
+            outputs.extend(self.core.take_failed_step_outputs())
             outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
             return StepResult(outputs, None)
         outputs.extend(result.outputs)

@@ -318,6 +318,55 @@ async def test_a_failing_step_errors_its_requests_and_the_engine_carries_on() ->
     engine.stop(timeout_s=10)
 
 
+class ForgetfulRunner(SimRunner):
+    """A sim runner whose next forward pass that computes the request `forget` returns no
+    result for it (a runner bug, which fails the step: `EngineCore.step`)."""
+
+    forget: str | None = None
+
+    def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        results = super().execute(batch)
+        forgotten = {s.seq_id for s in batch.sequences if s.request_id == self.forget}
+        if forgotten:
+            self.forget = None
+        return [r for r in results if r.seq_id not in forgotten]
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_a_failing_step_ended_before_it_failed_gets_its_end() -> None:
+    """One pass computes two requests: the first ends in it (its one token), then the step
+    fails on the second (the runner returned nothing for it). The first's client gets its
+    end (LENGTH, its token), the second's its ERROR, and the first's id is taken again by a
+    request that runs. The first's end used to be lost with the failed step: its client waited
+    for ever (and, once it left, `abandon` waited for that end for ever too, dropping every
+    output of the next request of the id as the dead one's)."""
+    runner = ForgetfulRunner(block_size=4, num_blocks=64, time_scale=0)
+    engine = EngineLoop(EngineCore(runner))
+    engine.start()
+    loop = asyncio.get_running_loop()
+    ends, fails = asyncio.Queue[RequestOutput](), asyncio.Queue[RequestOutput]()
+    async with engine_thread_held(engine):  # both in the first pass
+        runner.forget = "fails"
+        engine.submit(
+            EngineRequest("ends", (1, 2, 3), SamplingParams(max_tokens=1)), asyncio_sink(loop, ends)
+        )
+        engine.submit(
+            EngineRequest("fails", (4, 5, 6), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, fails),
+        )
+    ended = await collect(ends)
+    assert [o.finish_reason for o in ended if o.finished] == [FinishReason.LENGTH]
+    assert ended[-1].usage is not None and ended[-1].usage.completion_tokens == 1
+    assert (await collect(fails))[-1].finish_reason is FinishReason.ERROR
+    again: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("ends", (1, 2, 3), SamplingParams(max_tokens=2)), asyncio_sink(loop, again)
+    )
+    assert (await collect(again))[-1].finish_reason is FinishReason.LENGTH
+    assert engine.num_live_requests() == 0
+    engine.stop(timeout_s=10)
+
+
 @pytest.mark.timeout(30)
 async def test_a_request_whose_consumer_is_gone_leaves_the_load() -> None:
     """The consumer's event loop closed (its sink raises): the request is aborted, and the
