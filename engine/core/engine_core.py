@@ -180,6 +180,8 @@ class EngineCore:
         self._next_arrival = 0
         self._last_prefill_batch = 0
         self._last_decode_batch = 0
+        # What the last step produced before it raised (`take_failed_step_outputs`).
+        self._failed_step_outputs: list[RequestOutput] = []
 
     @property
     def block_size(self) -> int:
@@ -605,10 +607,29 @@ class EngineCore:
         """Schedule and run one forward pass. `on_pass_start()` runs once the pass is decided,
         before it computes: `load()` then describes the pass in progress (the sequences it
         admitted count running, its batch sizes are this pass's), which `EngineLoop` publishes
-        so that GetLoad never misses a request during the pass that admits it."""
+        so that GetLoad never misses a request during the pass that admits it.
+
+        One that raises has produced outputs maybe (a request it ended among them, whose end
+        is nowhere else): `take_failed_step_outputs` hands them over."""
+        outputs: list[RequestOutput] = []
+        try:
+            return self._step(outputs, on_pass_start)
+        except BaseException:
+            self._failed_step_outputs = outputs
+            raise
+
+    def take_failed_step_outputs(self) -> list[RequestOutput]:
+        """The outputs the last `step` produced before it raised, once: a caller failing the
+        requests left (`abort_all`) hands them over first."""
+        outputs, self._failed_step_outputs = self._failed_step_outputs, []
+        return outputs
+
+    def _step(
+        self, outputs: list[RequestOutput], on_pass_start: Callable[[], object] | None
+    ) -> StepResult:
+        """`step`, its outputs appended to `outputs` as they come."""
         started_s = self.clock()
         sched = self.scheduler.schedule(started_s)
-        outputs: list[RequestOutput] = []
         try:
             for seq in sched.out_of_capacity:
                 out = self._outputs_by_seq[seq.seq_id]

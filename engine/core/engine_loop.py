@@ -11,9 +11,10 @@ step (this module itself imports no asyncio: the loop and queue are duck-typed).
 nobody reads any more and frees its id at once (the core's abort of it is still queued): a
 request submitted with the id right after is accepted, and the old one's end never reaches it.
 
-Failure handling: a failing step fails every live request (FinishReason.ERROR) and the loop
-carries on; a failing sink aborts its request; a failing `on_step` observer is logged; if the
-thread itself dies, every live request still gets a terminal ERROR output.
+Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
+outputs it produced before it failed (the ends of requests it ended), and the loop carries
+on; a failing sink aborts its request; a failing `on_step` observer is logged; if the thread
+itself dies, every live request still gets a terminal ERROR output.
 """
 
 from __future__ import annotations
@@ -399,6 +400,8 @@ class EngineLoop:
             result = self.core.step(on_pass_start)
         except Exception:
             logger.exception("engine step failed; failing every running request")
+            # What it produced before it failed first: the ends of requests it ended included.
+            outputs.extend(self.core.take_failed_step_outputs())
             outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
             return StepResult(outputs, None)
         outputs.extend(result.outputs)
@@ -428,8 +431,15 @@ class EngineLoop:
             except Exception:  # e.g. the consumer's event loop is closed: drop the request
                 logger.warning("output sink of %s failed; aborting it", output.request_id)
                 with self._cond:
-                    self._sinks.pop(output.request_id, None)
-                dropped.extend(self.core.abort(output.request_id))
+                    # Not another request's that took the id since (this one was abandoned,
+                    # or ended, while its sink ran).
+                    if self._sinks.get(output.request_id) is live:
+                        del self._sinks[output.request_id]
+                aborted = self.core.abort(output.request_id)
+                with self._cond:  # abandoned while its sink ran: this is the end it waits for
+                    for end in aborted:
+                        self._take_abandoned(end)
+                dropped.extend(aborted)
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()

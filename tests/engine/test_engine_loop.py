@@ -186,6 +186,41 @@ async def test_an_abandoned_requests_id_is_free_at_once_and_its_end_reaches_no_o
 
 
 @pytest.mark.timeout(30)
+async def test_a_request_abandoned_as_its_sink_fails_leaves_the_next_one_of_its_id_alone() -> None:
+    """The client of a request goes away (`abandon`) and a retry takes its id while the engine
+    thread hands the request an output, and that hand-over fails (its consumer's event loop
+    closing): the retry still gets every output of its own, to its end, and a request after it
+    with the id too. The failed hand-over used to drop the retry's sink (taken for the failing
+    one's) and end the abandoned request out of `abandon`'s count, so that every output of
+    the retry was dropped as the abandoned one's."""
+    engine = make_loop()
+    engine.start()
+    loop = asyncio.get_running_loop()
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+
+    def leaving(output: RequestOutput) -> None:
+        engine.abandon("same")
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, retried),
+        )
+        raise RuntimeError("Event loop is closed")
+
+    engine.submit(EngineRequest("same", (1, 2, 3, 4, 5), long), leaving)
+    outputs = await collect(retried)
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
 async def test_a_call_cancelled_while_queued_never_runs() -> None:
     """`call` is an executor's: cancelled before the engine thread begins it, `fn` never runs
     (the call after it does); begun, it cannot be cancelled and runs to its end."""
@@ -280,6 +315,55 @@ async def test_a_failing_step_errors_its_requests_and_the_engine_carries_on() ->
     )
     outputs = await collect(ok)
     assert outputs[-1].finish_reason is FinishReason.LENGTH
+    engine.stop(timeout_s=10)
+
+
+class ForgetfulRunner(SimRunner):
+    """A sim runner whose next forward pass that computes the request `forget` returns no
+    result for it (a runner bug, which fails the step: `EngineCore.step`)."""
+
+    forget: str | None = None
+
+    def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        results = super().execute(batch)
+        forgotten = {s.seq_id for s in batch.sequences if s.request_id == self.forget}
+        if forgotten:
+            self.forget = None
+        return [r for r in results if r.seq_id not in forgotten]
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_a_failing_step_ended_before_it_failed_gets_its_end() -> None:
+    """One pass computes two requests: the first ends in it (its one token), then the step
+    fails on the second (the runner returned nothing for it). The first's client gets its
+    end (LENGTH, its token), the second's its ERROR, and the first's id is taken again by a
+    request that runs. The first's end used to be lost with the failed step: its client waited
+    for ever (and, once it left, `abandon` waited for that end for ever too, dropping every
+    output of the next request of the id as the dead one's)."""
+    runner = ForgetfulRunner(block_size=4, num_blocks=64, time_scale=0)
+    engine = EngineLoop(EngineCore(runner))
+    engine.start()
+    loop = asyncio.get_running_loop()
+    ends, fails = asyncio.Queue[RequestOutput](), asyncio.Queue[RequestOutput]()
+    async with engine_thread_held(engine):  # both in the first pass
+        runner.forget = "fails"
+        engine.submit(
+            EngineRequest("ends", (1, 2, 3), SamplingParams(max_tokens=1)), asyncio_sink(loop, ends)
+        )
+        engine.submit(
+            EngineRequest("fails", (4, 5, 6), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, fails),
+        )
+    ended = await collect(ends)
+    assert [o.finish_reason for o in ended if o.finished] == [FinishReason.LENGTH]
+    assert ended[-1].usage is not None and ended[-1].usage.completion_tokens == 1
+    assert (await collect(fails))[-1].finish_reason is FinishReason.ERROR
+    again: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("ends", (1, 2, 3), SamplingParams(max_tokens=2)), asyncio_sink(loop, again)
+    )
+    assert (await collect(again))[-1].finish_reason is FinishReason.LENGTH
+    assert engine.num_live_requests() == 0
     engine.stop(timeout_s=10)
 
 
