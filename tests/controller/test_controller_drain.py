@@ -281,7 +281,7 @@ async def test_a_request_being_routed_when_the_drain_starts_is_in_flight_until_i
     planning, go_on = hold_planning(fleet, monkeypatch)
     request = generate_request("early", [*PREFIX, 1])
     generating = asyncio.ensure_future(collect(fleet.gateway.Generate(request)))
-    await asyncio.wait_for(planning.wait(), 10)
+    await asyncio.wait_for(planning.wait(), 30)
     drain = fleet.gateway.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
     started = await drain.read()
     assert isinstance(started, pb.DrainResponse)
@@ -307,7 +307,7 @@ async def test_a_drain_aborting_at_its_deadline_ends_a_request_still_being_route
     planning, go_on = hold_planning(fleet, monkeypatch)
     request = generate_request("early", [*PREFIX, 1])
     generating = asyncio.ensure_future(collect(fleet.gateway.Generate(request)))
-    await asyncio.wait_for(planning.wait(), 10)
+    await asyncio.wait_for(planning.wait(), 30)
     drain = fleet.gateway.Drain(
         pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True)
     )
