@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 async def eventually(
     predicate: Callable[[], Awaitable[object] | object],
-    timeout_s: float = 10.0,
+    timeout_s: float = 30.0,
     what: str = "",
     *,
     every_s: float = 0.02,

@@ -101,7 +101,7 @@ class EngineFleet(Generic[E]):
     def engine_at(self, address: str) -> E:
         return next(e for e in self.engines if self.address(e) == address)
 
-    async def wait_routable(self, count: int, timeout_s: float = 15.0) -> None:
+    async def wait_routable(self, count: int, timeout_s: float = 30.0) -> None:
         registry = self.app.controller.fleet.registry
         await self.app.controller.fleet.wait_for(
             lambda: len(registry.routable()) == count, timeout_s
@@ -127,21 +127,29 @@ class EngineFleet(Generic[E]):
         instance_id: str,
         *,
         down_s: float = 0.0,
-        timeout_s: float = 20.0,
+        timeout_s: float = 30.0,
         routed: bool = True,
         **config: Any,
     ) -> EngineApp:
         """Stop the sim engine at `address`, wait `down_s`, start a new process there (an
-        empty cache, `instance_id`; `config`: more EngineConfig fields) and, with `routed`,
-        wait until the controller routes to it."""
+        empty cache, `instance_id`) and, with `routed`, wait until the controller routes to
+        it under that id. The new process has the old one's config (an engine of this
+        repository's; another's: a sim engine's defaults, as `start_sim_engine`), `config`
+        the fields that differ: a restart that changed its identity (blocks, model length,
+        role...) unasked would be taken for another engine, briefly out of routing. Under
+        the old process's instance id, the controller may take the restart for the same
+        process (the same identity, its KV events only broken): the wait then tells
+        nothing, and the caller waits for what the restart changes."""
         index = next(i for i, e in enumerate(self.engines) if self.address(e) == address)
-        await self.engines[index].close()
+        old = self.engines[index]
+        same: dict[str, Any] = {"model": "sim", "num_kv_blocks": 256, "shutdown_grace_s": 0.5}
+        if isinstance(old, EngineApp):
+            same = old.config.model_dump(exclude_unset=True)
+        await old.close()
         await asyncio.sleep(down_s)
         fresh = await start_engine(
-            EngineConfig(
-                **{"model": "sim", "num_kv_blocks": 256, **config},
-                listen=address,
-                instance_id=instance_id,
+            EngineConfig.model_validate(
+                {**same, **config, "listen": address, "instance_id": instance_id}
             )
         )
         self.engines[index] = fresh

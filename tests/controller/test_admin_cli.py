@@ -83,7 +83,7 @@ async def holder(tokens: Path, target: list[str]) -> str | None:
 async def wait_for_holder(tokens: Path, target: list[str]) -> str:
     """The holder of the prompt in `tokens`, once its engine's KV events reached the index."""
     engine = None
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(60):  # a CLI process a try
         for _ in itertools.count():
             engine = await holder(tokens, target)
             if engine is not None:

@@ -109,7 +109,7 @@ async def test_an_engine_registered_again_while_its_removal_runs_is_taken_once_i
         register = asyncio.ensure_future(
             fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
         )
-        await eventually(lambda: register.done() or found.is_set(), 10, "the registration")
+        await eventually(lambda: register.done() or found.is_set(), 30, "the registration")
         index.resume.set()
         await removal
         await register
@@ -182,7 +182,7 @@ async def test_a_removal_whose_caller_gives_up_still_drops_what_the_engine_left(
         async def dropped() -> bool:
             return holder not in {w.worker_id for w in (await index.stats()).workers}
 
-        await eventually(dropped, 10, "the removed engine's index entries to be dropped")
+        await eventually(dropped, 30, "the removed engine's index entries to be dropped")
         await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
         await fleet.wait_routable(2)
     finally:

@@ -132,7 +132,7 @@ async def test_abort_after_deadline_aborts_only_the_controllers_requests_then_co
         assert [e.WhichOneof("event") for e in events].count("error") == 0
         assert events[-1].state == pb.DRAIN_STATE_COMPLETE
         assert events[-1].in_flight_requests == 0 and in_flight_at_complete == 0
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):  # a bound, not a measurement
             await following[0]
         assert mine_events[-1] in ("finished", "error") and len(mine_events) < LONG
         # The other client's request on the same engine keeps running: more tokens come.
@@ -146,7 +146,7 @@ async def test_abort_after_deadline_aborts_only_the_controllers_requests_then_co
         assert set(theirs_events) == {"token"}
         reply = await pb_grpc.OpenEngineStub(direct).Abort(pb.AbortRequest(request_id="theirs"))
         assert reply.status == pb.ABORT_STATUS_ABORTED
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             await following[1]
 
 
@@ -281,7 +281,7 @@ async def test_a_request_being_routed_when_the_drain_starts_is_in_flight_until_i
     planning, go_on = hold_planning(fleet, monkeypatch)
     request = generate_request("early", [*PREFIX, 1])
     generating = asyncio.ensure_future(collect(fleet.gateway.Generate(request)))
-    await asyncio.wait_for(planning.wait(), 10)
+    await asyncio.wait_for(planning.wait(), 30)
     drain = fleet.gateway.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
     started = await drain.read()
     assert isinstance(started, pb.DrainResponse)
@@ -307,7 +307,7 @@ async def test_a_drain_aborting_at_its_deadline_ends_a_request_still_being_route
     planning, go_on = hold_planning(fleet, monkeypatch)
     request = generate_request("early", [*PREFIX, 1])
     generating = asyncio.ensure_future(collect(fleet.gateway.Generate(request)))
-    await asyncio.wait_for(planning.wait(), 10)
+    await asyncio.wait_for(planning.wait(), 30)
     drain = fleet.gateway.Drain(
         pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True)
     )

@@ -64,7 +64,7 @@ async def test_a_request_routed_before_the_drain_that_reaches_the_engine_after_i
         call = fleet.gateway.Generate(generate_request("routed", [*PROMPT, 1]))
         reading = asyncio.ensure_future(call.read())
         # Routed to the engine, its call held on the way there.
-        await eventually(lambda: held.servicer.arrived == ["routed"], 10, "the call sent")
+        await eventually(lambda: held.servicer.arrived == ["routed"], 30, "the call sent")
 
         listed = await cli_json("workers", "--target", fleet.target)
         row = next(w for w in listed["workers"] if w["address"] == address)

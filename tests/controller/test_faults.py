@@ -548,12 +548,12 @@ async def test_a_remote_indexer_that_stops_costs_cache_knowledge_until_it_is_bac
 
 async def test_a_restarted_engines_old_blocks_attract_no_traffic_with_a_remote_indexer() -> None:
     """`index: {remote: ...}`: after an engine dies, the indexer's source for it waits out
-    its reconnect backoff (30 s here) still holding the old process's blocks. The controller
+    its reconnect backoff (300 s here) still holding the old process's blocks. The controller
     tells the indexer as soon as it sees the new process (ResyncEngine): the old blocks are
     gone before the engine takes traffic, and the source resubscribes at once, so what the
     new process caches is found within seconds, not after the backoff."""
     engines = [await start_sim_engine(f"e{i}") for i in range(2)]
-    indexer = Indexer([f"127.0.0.1:{e.port}" for e in engines], source_backoff_s=30.0)
+    indexer = Indexer([f"127.0.0.1:{e.port}" for e in engines], source_backoff_s=300.0)
     await indexer.start()
     fleet = await make_fleet(engines=engines, index={"remote": indexer.target})
     try:
@@ -578,7 +578,7 @@ async def test_a_restarted_engines_old_blocks_attract_no_traffic_with_a_remote_i
             match = await fleet.admin.Match(query)
             return {m.engine: m.device_blocks for m in match.matches}.get(holder) == 4
 
-        await eventually(found_on_holder, timeout_s=10)
+        await eventually(found_on_holder, timeout_s=60)  # far short of the backoff
     finally:
         await close_fleet(fleet)
         await indexer.stop()
@@ -588,14 +588,14 @@ async def test_an_engine_restarted_while_no_controller_watched_is_resynced_at_fi
     None
 ):
     """`index: {remote: ...}`: an engine restarts while no controller runs; the indexer's
-    source for it waits out its reconnect backoff (30 s), still holding the old process's
+    source for it waits out its reconnect backoff (300 s here), still holding the old process's
     blocks. A controller that starts then meets the engine for the first time and cannot tell
     a new process from the one the indexer followed; it asks the indexer to resync the engine
     if its source lost its stream: the old blocks are gone before the engine takes traffic,
     and the other engine's, whose source follows the live process, are kept."""
     engines = [await start_sim_engine(f"e{i}") for i in range(2)]
     addresses = [f"127.0.0.1:{e.port}" for e in engines]
-    indexer = Indexer(addresses, source_backoff_s=30.0)
+    indexer = Indexer(addresses, source_backoff_s=300.0)
     await indexer.start()
     fleet: Fleet | None = None
     try:
@@ -613,7 +613,7 @@ async def test_an_engine_restarted_while_no_controller_watched_is_resynced_at_fi
             blocks = await indexer.blocks_of()
             return all(blocks.get(a, 0) >= 4 for a in addresses)
 
-        await eventually(indexed, timeout_s=10)
+        await eventually(indexed, timeout_s=30)
         restarted, other = addresses
         await engines[0].close()
         engines[0] = await start_sim_engine("e0-new", port=int(restarted.rsplit(":", 1)[1]))
@@ -636,7 +636,7 @@ async def test_an_engine_restarted_while_no_controller_watched_is_resynced_at_fi
             match = await fleet.admin.Match(query)
             return max(m.device_blocks for m in match.matches) == 4
 
-        await eventually(found, timeout_s=10)
+        await eventually(found, timeout_s=60)  # far short of the backoff
     finally:
         if fleet is not None:
             await close_fleet(fleet)

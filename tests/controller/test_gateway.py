@@ -719,7 +719,7 @@ async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
     planning, go_on = hold_planning(fleet, monkeypatch)
     chosen = record_routes(fleet)
     request = asyncio.ensure_future(generate(fleet, early))
-    await asyncio.wait_for(planning.wait(), 10)
+    await asyncio.wait_for(planning.wait(), 30)
     if target == "request_id":
         reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
     else:
@@ -768,7 +768,7 @@ async def test_a_vllm_request_aborted_before_any_engine_ends_aborted_as_on_an_en
         return [r async for r in stub.GenerateStream(request)]
 
     call = asyncio.ensure_future(responses())
-    await asyncio.wait_for(planning.wait(), 10)
+    await asyncio.wait_for(planning.wait(), 30)
     reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
     assert reply.status == pb.ABORT_STATUS_ABORTED
     go_on.set()
@@ -1069,7 +1069,7 @@ async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) ->
     async with _registered(fleet, _FutureEngine()) as address:
         registry = fleet.app.controller.fleet.registry
         await fleet.app.controller.fleet.wait_for(
-            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 10
+            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 30
         )
         assert "outside the tested range" in registry.get(address).last_error
         for i in range(10):
@@ -1091,12 +1091,12 @@ async def test_an_engine_turned_incompatible_takes_its_models_out_of_the_fleets_
     engine = _FutureEngine(revision=1, models=("future-only",))
     async with _registered(fleet, engine) as address:
         registry = fleet.app.controller.fleet.registry
-        await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, 10)
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, 30)
         info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
         assert sorted(info.supported_models) == ["future-only", "sim"]
         engine.revision = 2
         await fleet.app.controller.fleet.wait_for(
-            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 10
+            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 30
         )
         info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
         assert list(info.supported_models) == ["sim"]

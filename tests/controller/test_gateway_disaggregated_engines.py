@@ -175,18 +175,21 @@ class StalledAtTheHandoff(NamedTuple):
 
 @contextlib.asynccontextmanager
 async def stalled_at_the_handoff(
-    *, router: dict[str, Any] | None = None, **prefill_config: Any
+    *,
+    router: dict[str, Any] | None = None,
+    health: dict[str, Any] | None = None,
+    **prefill_config: Any,
 ) -> AsyncIterator[StalledAtTheHandoff]:
     """A client that stops reading (its flow-control window full, never cancelling) holds
     the gateway before its prompt output (prompt logprobs, more than its window) is through,
     and so before the gateway reads the prefill engine's PrefillReady: the prefill engine's
-    part is over, its KV session open. `router`: more of the controller's RouterConfig;
-    `prefill_config`: more of the prefill engine's EngineConfig."""
+    part is over, its KV session open. `router`, `health`: more of the controller's
+    RouterConfig, HealthConfig; `prefill_config`: more of the prefill engine's EngineConfig."""
     prefill = await start_sim_engine(
         "p0", role="prefill", num_kv_blocks=1100, max_model_len=4096, **prefill_config
     )
     decode = await start_sim_engine("d0", role="decode", num_kv_blocks=1100, max_model_len=4096)
-    fleet = await make_fleet(engines=[prefill, decode], router=router or {})
+    fleet = await make_fleet(engines=[prefill, decode], router=router or {}, health=health or {})
     try:
         async with grpc.aio.insecure_channel(
             fleet.target,
@@ -402,7 +405,12 @@ async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_
     loaded CI met once in the test above when it restarted the engine with 256 blocks,
     the client getting that error.)"""
     router = {"skip_prefill_ratio": 0.5} if decode_engines_prefill else {}
-    async with stalled_at_the_handoff(router=router) as stalled:
+    # Polled hourly: only its KV events tell the controller of the new process. A poll
+    # meeting the old one's shutdown (CANCELLED) had the identity read again before the
+    # events broke sequence: the changed identity was taken for the same process's, and
+    # the restart passed unseen (the controller's race, not this test's subject).
+    hourly = {"poll_interval_s": 3600.0, "load_poll_interval_s": 3600.0}
+    async with stalled_at_the_handoff(router=router, health=hourly) as stalled:
         fleet = stalled.fleet
         address = fleet.address(stalled.prefill)
         controller_fleet = fleet.app.controller.fleet

@@ -1556,7 +1556,7 @@ async def test_abort_of_a_request_its_engine_has_not_accepted_yet_ends_it() -> N
     fleet = await make_fleet(engines=[engine])
     try:
         running = asyncio.ensure_future(
-            asyncio.wait_for(collect(fleet.gateway.Generate(request)), 10)
+            asyncio.wait_for(collect(fleet.gateway.Generate(request)), 30)
         )
 
         async def arrived() -> bool:
@@ -1648,10 +1648,10 @@ async def test_an_abort_follows_a_request_that_moved_to_another_engine_meanwhile
         first = await call.read()  # from the other engine: the request runs there
         assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
         script.answer.set()
-        reply = await asyncio.wait_for(abort, 10)
+        reply = await asyncio.wait_for(abort, 30)
         assert reply.status == pb.ABORT_STATUS_ABORTED
         last = first
-        while (response := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+        while (response := await asyncio.wait_for(call.read(), 30)) is not grpc.aio.EOF:
             assert isinstance(response, pb.GenerateResponse)
             last = response
         assert last.finished.reason == pb.FINISH_REASON_CANCELLED
@@ -1715,7 +1715,7 @@ async def abort_held_as_its_request_ends(
     await eventually(lambda: script.aborts_held == 1)
     script.finish.set()
     responses = []
-    while (response := await asyncio.wait_for(ended.read(), 10)) is not grpc.aio.EOF:
+    while (response := await asyncio.wait_for(ended.read(), 30)) is not grpc.aio.EOF:
         assert isinstance(response, pb.GenerateResponse)
         responses.append(response)
     assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
@@ -1740,7 +1740,7 @@ async def test_an_abort_never_follows_its_id_to_a_later_request() -> None:
         first = await later.read()  # from the other engine: the later request runs there
         assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
         script.answer.set()
-        reply = await asyncio.wait_for(abort, 10)
+        reply = await asyncio.wait_for(abort, 30)
         assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
         assert "r" in relay.running  # the later request was not aborted
         later.cancel()
@@ -1763,7 +1763,7 @@ async def test_an_abort_finding_its_request_ended_leaves_a_later_one_there_charg
         later = fleet.gateway.Generate(generate_request("r", [1, 2, 3], max_tokens=4))
         await eventually(lambda: len(inflight) == 1)  # routed, held before the engine
         script.answer.set()
-        reply = await asyncio.wait_for(abort, 10)
+        reply = await asyncio.wait_for(abort, 30)
         assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
         assert len(inflight) == 1  # the later request is still charged to its engine
         responses = [r async for r in later]

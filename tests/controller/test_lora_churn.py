@@ -105,7 +105,7 @@ async def test_an_unload_before_the_engine_reads_the_request_sends_it_elsewhere(
             def arrived(request_id: str = name) -> bool:
                 return any(request_id in e.servicer.arrived for e in engines)
 
-            await eventually(arrived, 10, f"{name} at an engine")
+            await eventually(arrived, 30, f"{name} at an engine")
             holder = next(e for e in engines if name in e.servicer.arrived)
             await fleet.gateway.UnloadLora(
                 pb.UnloadLoraRequest(lora_name="x"), metadata=on(holder.inner.instance_id)

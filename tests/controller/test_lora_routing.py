@@ -98,7 +98,7 @@ async def test_lora_requests_go_only_to_the_engine_holding_the_adapter(tmp_path:
             registry = fleet.app.controller.fleet.registry
             e0 = registry.get("e0")
             await fleet.app.controller.fleet.wait_for(
-                lambda: (e0.load.running_requests or 0) >= 4, timeout_s=10
+                lambda: (e0.load.running_requests or 0) >= 4, timeout_s=30
             )
             plain = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT), model="sim")
             assert (await fleet.admin.Route(plain)).instance_id == "e1"  # e0 is the busier

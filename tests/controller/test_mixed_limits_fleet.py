@@ -182,7 +182,7 @@ async def test_health_is_starting_while_the_only_engine_starts() -> None:
     try:
         scripted.servicer.state = pb.HEALTH_STATE_STARTING
         registry = fleet.app.controller.fleet.registry
-        await fleet.app.controller.fleet.wait_for(lambda: not registry.routable(), 10.0)
+        await fleet.app.controller.fleet.wait_for(lambda: not registry.routable(), 30.0)
         health = await fleet.gateway.Health(pb.HealthRequest())
         assert health.state == pb.HEALTH_STATE_STARTING
     finally:

@@ -38,7 +38,7 @@ from tests.partial_servicers import PartialKvIndex
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)
 
 TOKENS = list(range(1000, 1070))  # 4 full blocks of 16, then 6 more tokens
 

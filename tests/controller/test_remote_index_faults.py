@@ -287,7 +287,9 @@ async def test_a_call_that_outlives_its_pause_on_a_silent_connection_starts_no_o
     target = await indexer_process(tmp_path, [], processes)
     forwarder = await TcpForwarder.start(target)
     now = [0.0]
-    remote = RemoteIndex(forwarder.address, 2.0, backoff_s=(1.0, 64.0), clock=lambda: now[0])
+    # Calls time out after 6 s: long for an answer on a loaded machine, and for the second
+    # call to be made well before the first times out.
+    remote = RemoteIndex(forwarder.address, 6.0, backoff_s=(1.0, 64.0), clock=lambda: now[0])
     try:
         await remote.match(TOKENS, 16, "", "")
         forwarder.silence()

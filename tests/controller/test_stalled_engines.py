@@ -466,7 +466,9 @@ async def test_a_lora_load_a_stopped_engine_never_answers_holds_up_no_other_for_
         everywhere = asyncio.ensure_future(
             fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter("x", 1)), timeout=20)
         )
-        await asyncio.sleep(0.2)  # (the fleet-wide load holds the LoRA calls now)
+        stopped_calls = fleet.app.controller.fleet._engines[address].lora_calls
+        # The fleet-wide load holds the LoRA calls: its call to the stopped engine is sent.
+        await eventually(stopped_calls.locked, what="the load's call to the stopped engine")
         on_healthy = ((ENGINE_METADATA_KEY, "healthy"),)
         reply = await fleet.gateway.LoadLora(
             pb.LoadLoraRequest(adapter=adapter("y", 2)), metadata=on_healthy, timeout=10

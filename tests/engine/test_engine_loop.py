@@ -367,7 +367,7 @@ async def test_a_request_a_failing_step_ended_before_it_failed_gets_its_end() ->
     engine.stop(timeout_s=10)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 async def test_a_request_whose_consumer_is_gone_leaves_the_load() -> None:
     """The consumer's event loop closed (its sink raises): the request is aborted, and the
     load (GetLoad's) says so at once, not only once other work comes (an idle engine used to
@@ -395,7 +395,7 @@ async def test_a_request_whose_consumer_is_gone_leaves_the_load() -> None:
     engine.stop(timeout_s=10)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 async def test_a_request_waiting_for_blocks_a_session_holds_runs_once_it_is_released() -> None:
     """The engine thread waits (for a command, or a while) instead of stepping in vain while
     a request waits for blocks a KV session holds; the release wakes it. Its preemption, in a

@@ -115,7 +115,7 @@ async def test_prefill_ready_then_decode_with_the_session() -> None:
         assert decoded[-1].usage.cached_prompt_tokens == 8  # the two transferred blocks
         assert alone[-1].usage.cached_prompt_tokens == 0
         # A complete pull released the session: the blocks stay cached, no longer held.
-        await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
+        await eventually(lambda: _no_sessions(prefiller), timeout_s=30, what="the session released")
         again = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert again.code() == grpc.StatusCode.NOT_FOUND
 
@@ -140,7 +140,7 @@ async def test_a_pulled_session_stays_for_a_retry_until_it_is_released() -> None
             assert header.kv_layout == "sim:B4" and header.block_size == 4
             assert [c.block.index for c in chunks[1:]] == [0, 1]
         await stub.ReleaseKvSession(kt.ReleaseKvSessionRequest(session_id=session.session_id))
-        await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
+        await eventually(lambda: _no_sessions(prefiller), timeout_s=30, what="the session released")
         _, error = await stream_error(stub.PullKvSession(pull))
         assert error.code() == grpc.StatusCode.NOT_FOUND
         # Releasing it again is idempotent; only a session never handed over is unknown.
@@ -166,7 +166,7 @@ async def test_a_decode_engine_takes_a_session_another_puller_left_and_releases_
         assert decoded[-1].WhichOneof("event") == "finished"
         assert decoded[-1].usage.cached_prompt_tokens == 8
         await eventually(
-            lambda: _no_sessions(prefiller), timeout_s=5, what="the decode engine's release"
+            lambda: _no_sessions(prefiller), timeout_s=30, what="the decode engine's release"
         )
 
 
@@ -592,7 +592,7 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
         )
         replies = [r async for r in prefiller.stub.Drain(at_once)]
         assert replies[-1].state == pb.DRAIN_STATE_COMPLETE
-        await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
+        await eventually(lambda: _no_sessions(prefiller), timeout_s=30, what="the session released")
 
 
 class _HeldPrefillEngine(PartialKvTransfer):

@@ -167,7 +167,7 @@ class PeerServer:
         self, count: int, without: asyncio.Queue[bytes] | None = None
     ) -> list[asyncio.Queue[bytes]]:
         """The `Events` subscriptions, once `count` are open (`without` not among them)."""
-        async with asyncio.timeout(10), self.subscribed:
+        async with asyncio.timeout(30), self.subscribed:
             await self.subscribed.wait_for(
                 lambda: len(self.subscriptions) == count and without not in self.subscriptions
             )
@@ -517,7 +517,7 @@ def id_of(message: bytes) -> str:
 
 async def until_received(messages: asyncio.Queue[bytes], event: int, received: list[int]) -> None:
     """Read the events of `with_id` messages into `received` until `event` is among them."""
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         while event not in received:
             received.append(int((await messages.get()).partition(b"/")[2]))
 

@@ -648,7 +648,7 @@ async def following(
 
 
 async def until_passes(engine: live_module._Engine, count: int) -> None:
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         for _ in itertools.count():  # until `count` passes arrived
             if len(engine.passes) >= count:
                 break
@@ -955,7 +955,7 @@ class BroadcastingEngine(PartialOpenEngine):
 
     async def until(self, opened: int, open_now: int) -> None:
         """Return once `opened` subscriptions were opened and `open_now` are open."""
-        async with asyncio.timeout(10), self.changed:
+        async with asyncio.timeout(30), self.changed:
             await self.changed.wait_for(
                 lambda: self.opened == opened and len(self.subscriptions) == open_now
             )
@@ -1095,7 +1095,7 @@ async def test_an_engine_without_runtime_events_is_not_asked_again(
             yield pb.SubscribeRuntimeEventsResponse()
 
     async with following(EngineWithoutEvents()) as (engine, follower):
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):
             await follower
     assert subscriptions == 1
     said = [r for r in caplog.records if r.name.startswith("planner.")]  # not grpc's or asyncio's
