@@ -414,8 +414,7 @@ class EngineLoop:
         with self._cond:
             previous, self._load = self._load, load
             self._submitted_in_load = submitted
-        # The ends of the requests whose sink failed (aborted here): reported with the rest.
-        dropped: list[RequestOutput] = []
+        failed: list[str] = []  # requests whose sink failed, dropped as abandoned ones
         for output in result.outputs:
             with self._cond:
                 if self._take_abandoned(output):
@@ -431,15 +430,25 @@ class EngineLoop:
             except Exception:  # e.g. the consumer's event loop is closed: drop the request
                 logger.warning("output sink of %s failed; aborting it", output.request_id)
                 with self._cond:
-                    # Not another request's that took the id since (this one was abandoned,
-                    # or ended, while its sink ran).
+                    # Unless it was abandoned (its abort queued) or ended while its sink ran,
+                    # when the id may be another request's by now: dropped as abandoned, so
+                    # its outputs left in this result and the end of its abort below reach no
+                    # sink, a request that takes the id once it is free included.
                     if self._sinks.get(output.request_id) is live:
                         del self._sinks[output.request_id]
-                aborted = self.core.abort(output.request_id)
-                with self._cond:  # abandoned while its sink ran: this is the end it waits for
-                    for end in aborted:
-                        self._take_abandoned(end)
-                dropped.extend(aborted)
+                        self._abandoned[output.request_id] = (
+                            self._abandoned.get(output.request_id, 0) + 1
+                        )
+                        failed.append(output.request_id)
+        # Aborted once every output of this result is handed over: the core has not taken a
+        # request of those ids since (commands run on this thread only).
+        dropped: list[RequestOutput] = []
+        for request_id in failed:
+            aborted = self.core.abort(request_id)
+            with self._cond:
+                for end in aborted:
+                    self._take_abandoned(end)
+            dropped.extend(aborted)
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()

@@ -222,11 +222,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         """A DECODE engine's request with a KV session: admitted first (everything `submit`
         would refuse is refused before the pull; from then on it is in flight), then pulled,
         then submitted with the blocks imported just before it. None: Abort (or a drain's
-        deadline) ended it first, so the core never had it. Accepted or aborted, the request
-        needs the session no longer: the prefill engine is told to release it."""
+        deadline) ended it first, so the core never had it. Pulled, the request needs the
+        session no longer, whatever comes after (accepted, aborted, or failing after the engine
+        thread took it, which stops it there): the prefill engine is told to release it."""
         handle = self._service.begin_pull(engine_request)
         pull = asyncio.ensure_future(puller.pull(session, engine_request))
-        stream: RequestStream | None = None
         try:
             pulled = await self._service.unless_aborted(handle, pull)
         except BaseException as exc:
@@ -234,20 +234,21 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             self._service.abandon_pull(handle, exc)
             if not isinstance(exc, RequestAbortedError):
                 raise  # the client gone (another puller may take it) or the pull failed
-        else:
+            puller.release(session)
+            return None
+        try:
             decoding = decode_request(engine_request)
-            with contextlib.suppress(RequestAbortedError):  # aborted as the pull ended
-                metrics = self._service.metrics
-                importer = pulled.importer(
-                    decoding,
-                    max_held_bytes=puller.max_held_bytes,
-                    on_outcome=None if metrics is None else metrics.on_kv_import,
-                )
-                stream = self._service.end_pull(
-                    handle, decoding, importer, num_blocks=len(pulled.blocks)
-                )
-        puller.release(session)
-        return stream
+            metrics = self._service.metrics
+            importer = pulled.importer(
+                decoding,
+                max_held_bytes=puller.max_held_bytes,
+                on_outcome=None if metrics is None else metrics.on_kv_import,
+            )
+            return self._service.end_pull(handle, decoding, importer, num_blocks=len(pulled.blocks))
+        except RequestAbortedError:  # aborted as the pull ended
+            return None
+        finally:
+            puller.release(session)
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         return await self._task(request.context, "embedding", PoolingTasks.embed, request, context)

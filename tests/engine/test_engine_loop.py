@@ -23,6 +23,7 @@ from engine.core.api import (
     StepReport,
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
+from engine.core.engine_loop import OutputSink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.core.sim_runner import SimRunner
 from engine.server.metrics import EngineMetrics
@@ -185,6 +186,21 @@ async def test_an_abandoned_requests_id_is_free_at_once_and_its_end_reaches_no_o
     engine.stop(timeout_s=10)
 
 
+def leaving_and_retried(
+    engine: EngineLoop, prompt: tuple[int, ...], retried: OutputSink
+) -> OutputSink:
+    """The sink of a request "same" whose client goes away as it gets its first output
+    (`abandon`) and retries under its id (`prompt`, 3 tokens, outputs to `retried`), the
+    hand-over failing meanwhile (its consumer's event loop closing)."""
+
+    def leaving(output: RequestOutput) -> None:
+        engine.abandon("same")
+        engine.submit(EngineRequest("same", prompt, SamplingParams(max_tokens=3)), retried)
+        raise RuntimeError("Event loop is closed")
+
+    return leaving
+
+
 @pytest.mark.timeout(30)
 async def test_a_request_abandoned_as_its_sink_fails_leaves_the_next_one_of_its_id_alone() -> None:
     """The client of a request goes away (`abandon`) and a retry takes its id while the engine
@@ -198,16 +214,10 @@ async def test_a_request_abandoned_as_its_sink_fails_leaves_the_next_one_of_its_
     loop = asyncio.get_running_loop()
     retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
     long = SamplingParams(max_tokens=100_000, ignore_eos=True)
-
-    def leaving(output: RequestOutput) -> None:
-        engine.abandon("same")
-        engine.submit(
-            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3)),
-            asyncio_sink(loop, retried),
-        )
-        raise RuntimeError("Event loop is closed")
-
-    engine.submit(EngineRequest("same", (1, 2, 3, 4, 5), long), leaving)
+    engine.submit(
+        EngineRequest("same", (1, 2, 3, 4, 5), long),
+        leaving_and_retried(engine, (1, 2, 3), asyncio_sink(loop, retried)),
+    )
     outputs = await collect(retried)
     assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
@@ -216,6 +226,33 @@ async def test_a_request_abandoned_as_its_sink_fails_leaves_the_next_one_of_its_
         EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
     )
     assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_retry_gets_no_output_of_the_failed_request_it_replaced() -> None:
+    """As `test_a_request_abandoned_as_its_sink_fails_leaves_the_next_one_of_its_id_alone`,
+    with two sequences: their outputs of one pass are handed over one after the other, the
+    first's fails (the client gone: abandoned, its retry submitted meanwhile). The retry gets
+    its own tokens alone (the sim's are a function of the prompt): the abandoned request's
+    second output, left in the same pass, used to reach it (the abort of the failing request
+    had ended the abandon's wait for its end before that output was handed over)."""
+    runner = SimRunner(block_size=4, num_blocks=64, time_scale=0)
+    engine = EngineLoop(EngineCore(runner))
+    engine.start()
+    loop = asyncio.get_running_loop()
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    long = SamplingParams(max_tokens=100, num_sequences=2, ignore_eos=True)
+    engine.submit(
+        EngineRequest("same", (1, 2, 3, 4, 5), long),
+        leaving_and_retried(engine, (7, 8, 9), asyncio_sink(loop, retried)),
+    )
+    outputs = await collect(retried)
+    assert [(o.output_index, t) for o in outputs for t in o.new_token_ids] == [
+        (0, t) for t in runner.next_tokens(9, 0, 0, 3)
+    ]
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
     await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
     engine.stop(timeout_s=10)
 

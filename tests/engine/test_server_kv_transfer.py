@@ -19,6 +19,7 @@ from engine.config import KvTransferConfig, LoraConfig
 from engine.core.api import EngineRequest, SamplingParams
 from engine.core.lora import LoraAdapter
 from engine.core.sim_runner import SimRunner
+from engine.server import kv_transfer
 from engine.server.engine_service import AbortOutcome
 from engine.server.errors import RequestAbortedError
 from engine.server.kv_pull import MAX_IDLE_PEERS, PulledSession
@@ -789,6 +790,27 @@ async def test_a_decode_failing_after_its_submission_counts_one_import_outcome(
         text = await metrics_text(decoder)
         assert 'kvplane_engine_kv_pulls_total{model="sim",outcome="ok"} 1.0' in text
         assert import_outcomes(text) == {"imported": 1.0}
+
+
+async def test_a_decode_failing_after_its_submission_releases_its_session_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its pull over, the request is submitted, and accepting it fails after the engine
+    thread took it (here: its metrics): the decode engine still tells the prefill engine to
+    release the session (it needs it no longer), which lets go of it at once. The release used
+    to be skipped, so the prefill engine held the session's blocks until `PULLED_GRACE_S` or
+    its TTL passed (both made long here)."""
+    prefill_config = sim_config(role="prefill", kv_transfer=KvTransferConfig(session_ttl_s=3600))
+    decode_config = sim_config(role="decode", metrics_listen="127.0.0.1:0")
+    with pytest.MonkeyPatch.context() as grace:  # (the helper undoes `monkeypatch`)
+        grace.setattr(kv_transfer, "PULLED_GRACE_S", 3600.0)
+        async with engines(prefill_config, decode_config) as (prefiller, decoder):
+            session = await prefill(prefiller)
+            await failed_after_its_submission(decoder, with_session(session), monkeypatch)
+            await eventually(lambda: _no_sessions(prefiller), what="the session released")
+            # The request was abandoned, not the engine: the next decode takes a session.
+            decoded = await collect(decoder.stub, with_session(await prefill(prefiller)))
+            assert len(tokens(decoded)) == 5
 
 
 async def test_a_prefill_failing_after_its_submission_holds_no_session(
