@@ -424,6 +424,33 @@ def _capacity(record: EngineRecord) -> int | None:
     return identity.total_kv_blocks
 
 
+def _sign_of_new_process(
+    previous: EngineIdentity | None,
+    identity: EngineIdentity,
+    stream_broke: bool,
+    poll_failed: bool,
+    view_moved: bool,
+) -> str | None:
+    """What says that the engine process whose `identity` was just read is not the one read
+    before (`previous`) though GetLoad named no other (`Fleet._fetch_identity`), for the log;
+    None: nothing does. Another identity after its KV events broke sequence or a poll
+    failed; for a controller fronted as an engine, whose identity legitimately moves with
+    its fleet view, only another block size after a poll failed or its view moved."""
+    if previous is None:
+        return None
+    changed = identity != previous
+    if stream_broke and changed:
+        return "its KV events broke sequence"
+    # (A controller is told by its engine name: `fronted_controller_ids` names only the
+    # controllers it fronts in turn, none for one fronting engines only.)
+    fronted = identity.is_controller or previous.is_controller
+    if poll_failed and changed and not fronted:
+        return "a poll failed"
+    if (poll_failed or view_moved) and identity.block_size != previous.block_size:
+        return "a poll failed" if poll_failed else "its fleet view moved"
+    return None
+
+
 class Fleet:
     def __init__(
         self,
@@ -964,6 +991,12 @@ class Fleet:
         restarted = False
         # The KV-event stream broke sequence: the next identity is compared with the last.
         stream_broke = False
+        # A poll failed (any failure, not only a lost connection): the next identity is
+        # compared with the last too. A poll that reached a process shutting down fails
+        # (CANCELLED, say) before the stream of its successor under the same instance id
+        # breaks sequence: read first, that successor's identity would be taken for the old
+        # process's, and the break, compared with it, would show nothing.
+        poll_failed = False
         # The fleet view (`controller.fleet_view`) the identity read last is of: a controller
         # fronted as an engine tells it; None until it does.
         identity_view: str | None = None
@@ -979,8 +1012,10 @@ class Fleet:
                 next_health = 0.0  # a new process's health, once its identity is in
             try:
                 if need_identity:
-                    identity_view = await self._fetch_identity(engine, restarted, stream_broke)
-                    need_identity = restarted = stream_broke = False
+                    identity_view = await self._fetch_identity(
+                        engine, restarted, stream_broke, poll_failed=poll_failed
+                    )
+                    need_identity = restarted = stream_broke = poll_failed = False
                     followed = True
                     load_instance = ""
                 elif self.remote is not None and engine.address in self.remote.restarted:
@@ -1070,7 +1105,7 @@ class Fleet:
                 delay = self.registry.on_poll_failed(address, now, error, failure)
                 said = failure.state.value
                 log.warning("engine %s %s (%s); retry in %.1fs", address, said, error, delay)
-                need_identity = True
+                need_identity = poll_failed = True
                 next_health = 0.0
                 await self._notify()
                 if engine.dialled.renewed():  # an expired client certificate, say
@@ -1084,7 +1119,7 @@ class Fleet:
                 delay = self.registry.on_poll_failed(
                     address, now, f"poll failed: {exc}", PollFailure.ERROR_ANSWER
                 )
-                need_identity = True
+                need_identity = poll_failed = True
             await engine.wait_poll_interval(delay)
 
     async def _end_silent_calls(self, engine: _Engine) -> None:
@@ -1206,11 +1241,18 @@ class Fleet:
         restarted: bool = False,
         stream_broke: bool = False,
         view_moved: bool = False,
+        poll_failed: bool = False,
     ) -> str | None:
         """Read the engine's identity. `restarted`: it is a new process (GetLoad named one,
         or the one followed was rejected). `stream_broke`: its KV events broke sequence,
         which a new process under the same instance id does, and so does one that lost its
         place in the stream; an identity other than the last one read says which.
+        `poll_failed`: a poll failed since the last one read (however: a lost connection, no
+        answer in time, an error answer such as the CANCELLED of a process shutting down),
+        which a restart under the same instance id does too, its stream's break perhaps not
+        seen yet: an identity other than the last one read is a new process as well, but for
+        a controller fronted as an engine (its identity moves with its fleet view), which
+        only another block size makes a new one, as `view_moved` does.
         `view_moved`: a controller fronted as an engine told that its fleet view moved (the
         same process): only another block size makes it a new one, whose blocks go. Returns
         the fleet view a controller told with it (`controller.fleet_view`), else None."""
@@ -1242,12 +1284,9 @@ class Fleet:
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity
         first_contact = previous is None
-        if previous is not None and (
-            (stream_broke and identity != previous)
-            or (view_moved and identity.block_size != previous.block_size)
-        ):
+        sign = _sign_of_new_process(previous, identity, stream_broke, poll_failed, view_moved)
+        if previous is not None and sign is not None:
             same_instance = identity.instance_id == previous.instance_id
-            sign = "its KV events broke sequence" if stream_broke else "its fleet view moved"
             if same_instance:
                 log.info("engine %s changed its identity under its instance id (%s): taken as a "
                          "new process", engine.address, sign)  # fmt: skip

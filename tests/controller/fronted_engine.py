@@ -6,7 +6,8 @@ indexes and routes to it exactly as to any engine."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -68,6 +69,34 @@ class ForwardingLora(Forwarding):
         return await self.inner.ListLoras(request)
 
 
+class CancelsAPoll(Forwarding):
+    """`Forwarding`, GetEngineInfo's trailing metadata passed on too (a controller behind
+    tells whom it fronts and its fleet view there), whose GetLoad, once `then` is set, fails
+    CANCELLED once (a poll that reaches a process, or a proxy, shutting down), `then` being
+    awaited at the identity read that follows before that is passed on (what changed behind
+    meanwhile: the engine restarted, a lower controller's fleet)."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.then: Callable[[], Awaitable[None]] | None = None
+        self._due: Callable[[], Awaitable[None]] | None = None
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        if self.then is not None:
+            self._due, self.then = self.then, None
+            await context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
+        return await self.inner.GetLoad(request)
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        if self._due is not None:
+            due, self._due = self._due, None
+            await due()
+        call = self.inner.GetEngineInfo(request)
+        info = await call
+        context.set_trailing_metadata(tuple(await call.trailing_metadata()))
+        return info
+
+
 S = TypeVar("S", bound=Forwarding)
 
 
@@ -110,3 +139,22 @@ async def start_fronted_engine(
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return FrontedEngine(servicer, server, port, inner, channel)
+
+
+@contextlib.asynccontextmanager
+async def served_in_front_of(
+    target: str, servicer_for: Callable[[pb_grpc.OpenEngineAsyncStub], S]
+) -> AsyncIterator[tuple[S, str]]:
+    """`servicer_for(stub of the server at target)` (a controller's gateway, say) served on a
+    port of its own: the servicer and its address."""
+    channel = grpc.aio.insecure_channel(target)
+    servicer = servicer_for(pb_grpc.OpenEngineStub(channel))
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+        await channel.close()

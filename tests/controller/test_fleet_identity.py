@@ -4,7 +4,9 @@ GetLoad takes no traffic until the old one's blocks are gone; a process replaced
 incompatible build leaves the index at once, and its compatible successor is followed afresh;
 an address found to be another address's engine drops what it indexed for that process; an
 engine restarted under its instance id between two polls is read again when its KV-event
-stream breaks sequence (SubscribeKvEvents, or a ZMQ seq reset)."""
+stream breaks sequence (SubscribeKvEvents, or a ZMQ seq reset); one restarted with another
+config under its instance id as a poll fails is a new process, its stream's break not
+seen yet."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.fronted_engine import CancelsAPoll, Forwarding, start_fronted_engine
 from tests.controller.test_fleet_events import (
     WAIT_S,
     generate,
@@ -40,6 +42,7 @@ from tests.controller.test_fleet_events import (
 )
 from tests.controller.test_fleet_restarts import wait_unreachable
 from tests.controller.test_gateway import PREFIX, holder_of, status_of
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -252,6 +255,43 @@ async def test_a_new_process_named_by_get_load_takes_no_traffic_until_its_identi
         )
     finally:
         engine.servicer.release.set()
+        await close_fleet(fleet)
+
+
+async def test_an_engine_restarted_with_another_config_as_its_poll_fails_is_a_new_process() -> None:
+    """A rolling config change: the engine restarts under the instance id its config sets,
+    with other `num_kv_blocks`. The poll that meets the old process shutting down fails
+    CANCELLED (an error answer, not a lost connection), and the identity read after it
+    reaches the new process before the KV-event stream breaks sequence. The changed identity
+    makes it a new process all the same: the router forgets the old one's sessions (their
+    cache went with it), so a session bound there is routed afresh."""
+    engine = await start_fronted_engine("a", CancelsAPoll)
+    fleet = await make_fleet(engines=[engine], router={"session_metadata_key": "session"})
+    try:
+        address = fleet.address(engine)
+        await generate(fleet, generate_request("warm", [*PREFIX, 1], session="alice"))
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 5]), session_key="alice")
+        bound = await fleet.admin.Route(query)
+        assert (bound.engine, bound.reason) == (address, "session")
+
+        async def restart() -> None:
+            await engine.inner.close()
+            engine.inner = await start_sim_engine("a", port=engine.inner.port, num_kv_blocks=128)
+
+        engine.servicer.then = restart
+        registry = fleet.app.controller.fleet.registry
+
+        async def restarted() -> bool:
+            workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+            [worker] = workers.workers
+            following = worker.kv_events_state == "following"
+            return worker.total_kv_blocks == 128 and worker.routable and following
+
+        await eventually(restarted, WAIT_S)
+        assert registry.get(address).engine_id == "a"
+        route = await fleet.admin.Route(query)
+        assert (route.engine, route.reason) == (address, "only")  # no longer "session"
+    finally:
         await close_fleet(fleet)
 
 

@@ -3,7 +3,7 @@ block size) behind the controller, through real servers: a request is routed to 
 model's engines only, and a request naming no model, which such a fleet would answer with
 whichever model the router picked, is refused until it names one; an adapter loaded on one
 model's engine serves that model only; a controller fronting another follows the models its
-fleet gains and loses."""
+fleet gains and loses, also read after a failed poll, as the same process."""
 
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.fronted_engine import start_fronted_engine
+from tests.controller.fronted_engine import (
+    CancelsAPoll,
+    served_in_front_of,
+    start_fronted_engine,
+)
 from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_gateway_scripted import cli
@@ -510,6 +514,41 @@ async def test_an_upper_controller_follows_the_models_its_fronted_fleet_gains_an
         await served_when_read(upper, record, "a", "still")
         # The same process throughout: no index entries or accounting dropped, no flap.
         assert record.epoch == epoch and record.num_flaps == 0
+
+
+async def test_a_fronted_controller_whose_models_changed_as_a_poll_failed_is_the_same_process() -> (
+    None
+):
+    """The upper controller's poll of the lower one fails (CANCELLED, through a proxy) while
+    an engine of `b` joins the lower fleet: the identity read after the failure shows
+    another model list under the same instance id, which for an engine would be a new
+    process, but a controller's identity moves with its fleet: the same process (no index
+    entries or accounting dropped), `b` served there."""
+    b0 = await start_sim_engine("b0", served_model_name="b")
+    lower = await make_fleet(engines=[await start_sim_engine("a0", served_model_name="a")])
+    upper: Fleet = await make_fleet(engines=[])
+    try:
+        async with served_in_front_of(lower.target, CancelsAPoll) as (proxy, address):
+            await upper.admin.RegisterEngine(
+                apb.RegisterEngineRequest(address=address, kv_events="none")
+            )
+            await upper.wait_routable(1)
+            record = upper.app.controller.fleet.registry.get(address)
+            epoch = record.epoch
+
+            async def b_joins() -> None:
+                await lower.admin.RegisterEngine(
+                    apb.RegisterEngineRequest(address=f"127.0.0.1:{b0.port}", kv_events="none")
+                )
+                await lower.wait_routable(2)
+
+            proxy.then = b_joins
+            await served_when_read(upper, record, "b", "joined")
+            assert record.epoch == epoch
+    finally:
+        await b0.close()
+        await close_fleet(upper)
+        await close_fleet(lower)
 
 
 async def test_a_model_joining_a_fronted_fleet_not_ready_yet_leaves_the_upper_routing_as_it_was(
