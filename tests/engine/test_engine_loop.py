@@ -25,6 +25,7 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.engine_loop import OutputSink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
+from engine.core.lora import AdapterConfig, LoraAdapter, TargetModules
 from engine.core.sim_runner import SimRunner
 from engine.server.metrics import EngineMetrics
 from tests.engine.test_kv_sessions_core import BytesRunner
@@ -253,6 +254,63 @@ async def test_a_retry_gets_no_output_of_the_failed_request_it_replaced() -> Non
         (0, t) for t in runner.next_tokens(9, 0, 0, 3)
     ]
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+class AdapterFreeingFailsOnce(SimRunner):
+    """A runner whose freeing of an adapter's weights fails once (a device error, say): the
+    core's `_finish` of the last request holding an unloaded adapter raises after it forgot
+    the request, so that request's end (CANCELLED, when aborted) is never produced."""
+
+    failed = False
+
+    def remove_lora(self, key: str) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("freeing the adapter's weights failed")
+        super().remove_lora(key)
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes() -> None:
+    """A request is abandoned (its client gone) while the last to hold its adapter, which
+    was unloaded meanwhile: the abort of it fails as the core frees the adapter, after the
+    core forgot the request, so its end never comes. A retry under its id still gets every
+    output of its own, to its end, and so does a request after it. Every later request of
+    the id used to have all its outputs dropped as the abandoned one's, whose end never
+    came: its client waited for ever."""
+    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
+    engine = EngineLoop(EngineCore(runner, max_loras=2))
+    engine.start()
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
+    await asyncio.wrap_future(
+        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
+    )
+    loop = asyncio.get_running_loop()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(EngineRequest("same", (1, 2, 3), long, lora_name="ad"), asyncio_sink(loop, first))
+    await asyncio.wait_for(first.get(), timeout=10)  # running
+    await asyncio.wrap_future(engine.call(lambda core: core.unload_lora("ad")))
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):
+        engine.abandon("same")
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, retried),
+        )
+    outputs = await collect(retried)
+    assert runner.failed  # the abort failed as it freed the adapter
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
     await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
     engine.stop(timeout_s=10)
 
