@@ -13,7 +13,8 @@ request submitted with the id right after is accepted, and the old one's end nev
 
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
 outputs it produced before it failed (the ends of requests it ended), and the loop carries
-on; a failing sink aborts its request; a failing `on_step` observer is logged; if the thread
+on; a failing sink aborts its request; a request whose abort fails in the core ends ERROR
+(an abandoned one's id is free all the same); a failing `on_step` observer is logged; if the thread
 itself dies, every live request still gets a terminal ERROR output.
 """
 
@@ -253,11 +254,21 @@ class EngineLoop:
             self._cond.notify()
 
     def abort(self, request_id: str) -> Future[bool]:
-        """Cancel a request; the future says whether it was still running."""
+        """Cancel a request; the future says whether it was still running. One whose abort
+        fails in the core (which may have forgotten it, its end never emitted) ends ERROR."""
         future: Future[bool] = Future()
 
         def command() -> list[RequestOutput]:
-            outputs = self.core.abort(request_id)
+            try:
+                outputs = self.core.abort(request_id)
+            except Exception as exc:
+                logger.exception("aborting request %s failed", request_id)
+                with self._cond:
+                    live = self._sinks.get(request_id)
+                future.set_result(live is not None)
+                if live is None:
+                    return []
+                return _failed_outputs(live[1], f"aborting the request failed: {exc}")
             future.set_result(bool(outputs))
             return outputs
 

@@ -272,6 +272,28 @@ class AdapterFreeingFailsOnce(SimRunner):
         super().remove_lora(key)
 
 
+async def last_of_an_unloaded_adapter(
+    runner: AdapterFreeingFailsOnce,
+) -> tuple[EngineLoop, asyncio.Queue[RequestOutput]]:
+    """A started engine on `runner` running a long request "same" (outputs to the queue) of
+    adapter "ad", unloaded since: the request's end frees the adapter's weights."""
+    engine = EngineLoop(EngineCore(runner, max_loras=2))
+    engine.start()
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
+    await asyncio.wrap_future(
+        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
+    )
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    sink = asyncio_sink(asyncio.get_running_loop(), first)
+    engine.submit(EngineRequest("same", (1, 2, 3), long, lora_name="ad"), sink)
+    await asyncio.wait_for(first.get(), timeout=10)  # running
+    await asyncio.wrap_future(engine.call(lambda core: core.unload_lora("ad")))
+    return engine, first
+
+
 @pytest.mark.timeout(30)
 async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes() -> None:
     """A request is abandoned (its client gone) while the last to hold its adapter, which
@@ -281,20 +303,8 @@ async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes(
     the id used to have all its outputs dropped as the abandoned one's, whose end never
     came: its client waited for ever."""
     runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
-    engine = EngineLoop(EngineCore(runner, max_loras=2))
-    engine.start()
-    weights = AdapterConfig(
-        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
-    )
-    await asyncio.wrap_future(
-        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
-    )
+    engine, _ = await last_of_an_unloaded_adapter(runner)
     loop = asyncio.get_running_loop()
-    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
-    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    engine.submit(EngineRequest("same", (1, 2, 3), long, lora_name="ad"), asyncio_sink(loop, first))
-    await asyncio.wait_for(first.get(), timeout=10)  # running
-    await asyncio.wrap_future(engine.call(lambda core: core.unload_lora("ad")))
     retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
     async with engine_thread_held(engine):
         engine.abandon("same")
@@ -306,6 +316,28 @@ async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes(
     assert runner.failed  # the abort failed as it freed the adapter
     assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> None:
+    """A request is aborted (its client's Abort) while the last to hold its adapter, which
+    was unloaded meanwhile: the core's abort of it fails as it frees the adapter, after it
+    forgot the request. The abort is answered all the same, the request's stream ends
+    (ERROR), and a request after it under its id runs to its end. The abort's future was
+    never resolved (the Abort call waited for ever), and the request's stream never ended."""
+    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
+    engine, first = await last_of_an_unloaded_adapter(runner)
+    loop = asyncio.get_running_loop()
+    assert await asyncio.wait_for(asyncio.wrap_future(engine.abort("same")), timeout=10)
+    assert runner.failed  # the abort failed as it freed the adapter
+    assert (await collect(first))[-1].finish_reason is FinishReason.ERROR
     after: asyncio.Queue[RequestOutput] = asyncio.Queue()
     engine.submit(
         EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
