@@ -258,52 +258,45 @@ async def test_a_retry_gets_no_output_of_the_failed_request_it_replaced() -> Non
     engine.stop(timeout_s=10)
 
 
-class AdapterFreeingFailsOnce(SimRunner):
-    """A runner whose freeing of an adapter's weights fails once (a device error, say): the
-    core's `_finish` of the last request holding an unloaded adapter raises after it forgot
-    the request, so that request's end (CANCELLED, when aborted) is never produced."""
+class AbortFailsOnce(EngineCore):
+    """A core whose abort of a request fails once after it ended the request (as one whose
+    freeing of the request's resources raises): the request is gone, its end never emitted."""
 
     failed = False
 
-    def remove_lora(self, key: str) -> None:
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        outputs = super().abort(request_id)
         if not self.failed:
             self.failed = True
-            raise RuntimeError("freeing the adapter's weights failed")
-        super().remove_lora(key)
+            raise RuntimeError("freeing the request's resources failed")
+        return outputs
 
 
-async def last_of_an_unloaded_adapter(
-    runner: AdapterFreeingFailsOnce,
-) -> tuple[EngineLoop, asyncio.Queue[RequestOutput]]:
-    """A started engine on `runner` running a long request "same" (outputs to the queue) of
-    adapter "ad", unloaded since: the request's end frees the adapter's weights."""
-    engine = EngineLoop(EngineCore(runner, max_loras=2))
+async def running_with_abort_failing_once() -> tuple[
+    EngineLoop, AbortFailsOnce, asyncio.Queue[RequestOutput]
+]:
+    """A started engine whose core's abort fails once, running a long request "same"
+    (outputs to the queue)."""
+    core = AbortFailsOnce(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    engine = EngineLoop(core)
     engine.start()
-    weights = AdapterConfig(
-        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
-    )
-    await asyncio.wrap_future(
-        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
-    )
     first: asyncio.Queue[RequestOutput] = asyncio.Queue()
     long = SamplingParams(max_tokens=100_000, ignore_eos=True)
-    sink = asyncio_sink(asyncio.get_running_loop(), first)
-    engine.submit(EngineRequest("same", (1, 2, 3), long, lora_name="ad"), sink)
+    engine.submit(
+        EngineRequest("same", (1, 2, 3), long), asyncio_sink(asyncio.get_running_loop(), first)
+    )
     await asyncio.wait_for(first.get(), timeout=10)  # running
-    await asyncio.wrap_future(engine.call(lambda core: core.unload_lora("ad")))
-    return engine, first
+    return engine, core, first
 
 
 @pytest.mark.timeout(30)
 async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes() -> None:
-    """A request is abandoned (its client gone) while the last to hold its adapter, which
-    was unloaded meanwhile: the abort of it fails as the core frees the adapter, after the
-    core forgot the request, so its end never comes. A retry under its id still gets every
+    """A request is abandoned (its client gone), and the core's abort of it fails after it
+    ended the request, so its end never comes. A retry under its id still gets every
     output of its own, to its end, and so does a request after it. Every later request of
     the id used to have all its outputs dropped as the abandoned one's, whose end never
     came: its client waited for ever."""
-    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
-    engine, _ = await last_of_an_unloaded_adapter(runner)
+    engine, core, _ = await running_with_abort_failing_once()
     loop = asyncio.get_running_loop()
     retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
     async with engine_thread_held(engine):
@@ -313,7 +306,7 @@ async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes(
             asyncio_sink(loop, retried),
         )
     outputs = await collect(retried)
-    assert runner.failed  # the abort failed as it freed the adapter
+    assert core.failed
     assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
     after: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -327,16 +320,15 @@ async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes(
 
 @pytest.mark.timeout(30)
 async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> None:
-    """A request is aborted (its client's Abort) while the last to hold its adapter, which
-    was unloaded meanwhile: the core's abort of it fails as it frees the adapter, after it
-    forgot the request. The abort is answered all the same, the request's stream ends
-    (ERROR), and a request after it under its id runs to its end. The abort's future was
-    never resolved (the Abort call waited for ever), and the request's stream never ended."""
-    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
-    engine, first = await last_of_an_unloaded_adapter(runner)
+    """A request is aborted (its client's Abort), and the core's abort of it fails after it
+    ended the request, so its end never comes. The abort is answered all the same, the
+    request's stream ends (ERROR), and a request after it under its id runs to its end. The
+    abort's future was never resolved (the Abort call waited for ever), and the request's
+    stream never ended."""
+    engine, core, first = await running_with_abort_failing_once()
     loop = asyncio.get_running_loop()
     assert await asyncio.wait_for(asyncio.wrap_future(engine.abort("same")), timeout=10)
-    assert runner.failed  # the abort failed as it freed the adapter
+    assert core.failed
     assert (await collect(first))[-1].finish_reason is FinishReason.ERROR
     after: asyncio.Queue[RequestOutput] = asyncio.Queue()
     engine.submit(
@@ -344,6 +336,54 @@ async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> N
     )
     assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
     await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+class AdapterFreeingFailsOnce(SimRunner):
+    """A runner whose freeing of an adapter's weights fails once (a device error, say)."""
+
+    failed = False
+
+    def remove_lora(self, key: str) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("freeing the adapter's weights failed")
+        super().remove_lora(key)
+
+
+@pytest.mark.timeout(30)
+async def test_the_last_request_of_an_unloaded_adapter_ends_though_freeing_it_fails() -> None:
+    """A request of an adapter unloaded while it runs ends, and its end frees the adapter's
+    weights, which fails: the request still gets its end, and a request after it under its
+    id runs. The core forgot the request, then raised before emitting its end (the step
+    failed): its client waited for ever, and its id stayed taken (DuplicateRequestError)."""
+    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
+    engine = EngineLoop(EngineCore(runner, max_loras=2))
+    engine.start()
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
+    await asyncio.wrap_future(
+        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
+    )
+    loop = asyncio.get_running_loop()
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):  # unloaded before it runs a step
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3), lora_name="ad"),
+            asyncio_sink(loop, first),
+        )
+        unloaded = engine.call(lambda core: core.unload_lora("ad"))
+    await asyncio.wrap_future(unloaded)
+    outputs = await collect(first)
+    assert runner.failed
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
     engine.stop(timeout_s=10)
 
 
