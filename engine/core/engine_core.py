@@ -368,7 +368,11 @@ class EngineCore:
             del self._requests[state.request.request_id]
             self._drop_held_import(state.request.request_id)
             if state.lora is not None:
-                self.release_lora(state.lora)
+                try:
+                    self.release_lora(state.lora)
+                except Exception:  # (its weights freed by the runner): the request ends all
+                    # the same, or its end, the request forgotten already, would never come
+                    logger.exception("freeing LoRA slot %s failed", state.lora.key)
         return RequestOutput(
             request_id=state.request.request_id,
             output_index=out.sequence.output_index,

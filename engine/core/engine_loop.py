@@ -13,7 +13,8 @@ request submitted with the id right after is accepted, and the old one's end nev
 
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
 outputs it produced before it failed (the ends of requests it ended), and the loop carries
-on; a failing sink aborts its request; a failing `on_step` observer is logged; if the thread
+on; a failing sink aborts its request; a request whose abort fails in the core ends ERROR
+(an abandoned one's id is free all the same); a failing `on_step` observer is logged; if the thread
 itself dies, every live request still gets a terminal ERROR output.
 """
 
@@ -86,6 +87,13 @@ def _failed_outputs(request: EngineRequest, message: str) -> list[RequestOutput]
     ]
 
 
+class _AbandonSettled(RequestOutput):
+    """Not an output: where `abandon`'s abort of a request ran, among the outputs the engine
+    thread publishes (never handed over). Every output of the abandoned request comes before
+    it, whether or not the core emitted its end; any of a request that took the id since
+    comes after it."""
+
+
 class _Submitted(NamedTuple):
     """Sequences of submitted requests, and their prompt tokens (each sequence's own)."""
 
@@ -121,8 +129,10 @@ class EngineLoop:
         self._cond = threading.Condition(threading.RLock())
         self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
         self._sinks: dict[str, tuple[OutputSink, EngineRequest]] = {}
-        # Requests abandoned (`abandon`) whose end the engine thread has not published yet, by
-        # id: their outputs up to that end reach no sink, whatever took the id since.
+        # Requests abandoned (`abandon`, a failing sink) whose abort the engine thread has not
+        # published yet, by id: their outputs up to it reach no sink, whatever took the id
+        # since. Settled by the abort, not by the request's end, which a core that failed
+        # as it ended the request never emits.
         self._abandoned: dict[str, int] = {}
         self._stopping = False
         self._stopped = False
@@ -244,11 +254,21 @@ class EngineLoop:
             self._cond.notify()
 
     def abort(self, request_id: str) -> Future[bool]:
-        """Cancel a request; the future says whether it was still running."""
+        """Cancel a request; the future says whether it was still running. One whose abort
+        fails in the core (which may have forgotten it, its end never emitted) ends ERROR."""
         future: Future[bool] = Future()
 
         def command() -> list[RequestOutput]:
-            outputs = self.core.abort(request_id)
+            try:
+                outputs = self.core.abort(request_id)
+            except Exception as exc:
+                logger.exception("aborting request %s failed", request_id)
+                with self._cond:
+                    live = self._sinks.get(request_id)
+                future.set_result(live is not None)
+                if live is None:
+                    return []
+                return _failed_outputs(live[1], f"aborting the request failed: {exc}")
             future.set_result(bool(outputs))
             return outputs
 
@@ -261,26 +281,43 @@ class EngineLoop:
         id from now on is accepted, and the abandoned one's last outputs (its CANCELLED end,
         once the engine thread aborts it) reach no sink, the new request's included. The abort
         is queued ahead of anything submitted after this, so the core has ended the old
-        request before it takes the new one. A request that ended already is left alone."""
+        request before it takes the new one; the new one's outputs reach it even if that abort
+        fails and the old one's end never comes (`_AbandonSettled`). A request that ended
+        already is left alone."""
         with self._cond:
             if self._sinks.pop(request_id, None) is None:
                 return
             self._abandoned[request_id] = self._abandoned.get(request_id, 0) + 1
-            self.abort(request_id)  # the lock is reentrant
+
+            def command() -> list[RequestOutput]:
+                try:
+                    outputs = self.core.abort(request_id)
+                except Exception:  # ended or not, its end may never come: settled all the same
+                    logger.exception("aborting abandoned request %s failed", request_id)
+                    outputs = []
+                return [*outputs, _AbandonSettled(request_id, -1)]
+
+            self._commands.append(command)  # ahead of any request submitted from now on
+            self._cond.notify()
 
     def _take_abandoned(self, output: RequestOutput) -> bool:
-        """Whether `output` is an abandoned request's (dropped); under `_cond`. The core ends
-        requests of one id in the order they were submitted, so such an output comes before
-        any of a request that took the id since."""
+        """Whether `output` is an abandoned request's, or the mark of an abandoned request's
+        abort (dropped); under `_cond`. The abort runs before any request that took the id
+        since is added, so such an output comes before any of that request's."""
         pending = self._abandoned.get(output.request_id)
         if pending is None:
-            return False
-        if output.usage is not None:  # its end: the id's next outputs are the newer request's
-            if pending == 1:
-                del self._abandoned[output.request_id]
-            else:
-                self._abandoned[output.request_id] = pending - 1
+            return isinstance(output, _AbandonSettled)  # (an abandon as the engine stopped)
+        if isinstance(output, _AbandonSettled):  # the id's next outputs are a newer request's
+            self._settle_abandoned(output.request_id)
         return True
+
+    def _settle_abandoned(self, request_id: str) -> None:
+        """One abandoned request of `request_id` is over; under `_cond`."""
+        pending = self._abandoned[request_id]
+        if pending == 1:
+            del self._abandoned[request_id]
+        else:
+            self._abandoned[request_id] = pending - 1
 
     def abort_all(self) -> Future[list[str]]:
         future: Future[list[str]] = Future()
@@ -415,6 +452,7 @@ class EngineLoop:
             previous, self._load = self._load, load
             self._submitted_in_load = submitted
         failed: list[str] = []  # requests whose sink failed, dropped as abandoned ones
+        outputs = [o for o in result.outputs if not isinstance(o, _AbandonSettled)]
         for output in result.outputs:
             with self._cond:
                 if self._take_abandoned(output):
@@ -444,15 +482,17 @@ class EngineLoop:
         # request of those ids since (commands run on this thread only).
         dropped: list[RequestOutput] = []
         for request_id in failed:
-            aborted = self.core.abort(request_id)
+            try:
+                dropped.extend(self.core.abort(request_id))
+            except Exception:  # its end may never come: settled all the same
+                logger.exception("aborting request %s failed", request_id)
             with self._cond:
-                for end in aborted:
-                    self._take_abandoned(end)
-            dropped.extend(aborted)
+                self._settle_abandoned(request_id)
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()
-            result = StepResult([*result.outputs, *dropped], result.stats, result.num_preempted)
+        if dropped or len(outputs) != len(result.outputs):
+            result = StepResult([*outputs, *dropped], result.stats, result.num_preempted)
         events = self.core.take_kv_events()
         # A command may change the load alone (releasing a KV session frees blocks).
         changed = bool(

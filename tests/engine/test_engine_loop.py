@@ -25,6 +25,7 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.engine_loop import OutputSink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
+from engine.core.lora import AdapterConfig, LoraAdapter, TargetModules
 from engine.core.sim_runner import SimRunner
 from engine.server.metrics import EngineMetrics
 from tests.engine.test_kv_sessions_core import BytesRunner
@@ -254,6 +255,135 @@ async def test_a_retry_gets_no_output_of_the_failed_request_it_replaced() -> Non
     ]
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
     await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+class AbortFailsOnce(EngineCore):
+    """A core whose abort of a request fails once after it ended the request (as one whose
+    freeing of the request's resources raises): the request is gone, its end never emitted."""
+
+    failed = False
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        outputs = super().abort(request_id)
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("freeing the request's resources failed")
+        return outputs
+
+
+async def running_with_abort_failing_once() -> tuple[
+    EngineLoop, AbortFailsOnce, asyncio.Queue[RequestOutput]
+]:
+    """A started engine whose core's abort fails once, running a long request "same"
+    (outputs to the queue)."""
+    core = AbortFailsOnce(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    engine = EngineLoop(core)
+    engine.start()
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    engine.submit(
+        EngineRequest("same", (1, 2, 3), long), asyncio_sink(asyncio.get_running_loop(), first)
+    )
+    await asyncio.wait_for(first.get(), timeout=10)  # running
+    return engine, core, first
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes() -> None:
+    """A request is abandoned (its client gone), and the core's abort of it fails after it
+    ended the request, so its end never comes. A retry under its id still gets every
+    output of its own, to its end, and so does a request after it. Every later request of
+    the id used to have all its outputs dropped as the abandoned one's, whose end never
+    came: its client waited for ever."""
+    engine, core, _ = await running_with_abort_failing_once()
+    loop = asyncio.get_running_loop()
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):
+        engine.abandon("same")
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3)),
+            asyncio_sink(loop, retried),
+        )
+    outputs = await collect(retried)
+    assert core.failed
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> None:
+    """A request is aborted (its client's Abort), and the core's abort of it fails after it
+    ended the request, so its end never comes. The abort is answered all the same, the
+    request's stream ends (ERROR), and a request after it under its id runs to its end. The
+    abort's future was never resolved (the Abort call waited for ever), and the request's
+    stream never ended."""
+    engine, core, first = await running_with_abort_failing_once()
+    loop = asyncio.get_running_loop()
+    assert await asyncio.wait_for(asyncio.wrap_future(engine.abort("same")), timeout=10)
+    assert core.failed
+    assert (await collect(first))[-1].finish_reason is FinishReason.ERROR
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+class AdapterFreeingFailsOnce(SimRunner):
+    """A runner whose freeing of an adapter's weights fails once (a device error, say)."""
+
+    failed = False
+
+    def remove_lora(self, key: str) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("freeing the adapter's weights failed")
+        super().remove_lora(key)
+
+
+@pytest.mark.timeout(30)
+async def test_the_last_request_of_an_unloaded_adapter_ends_though_freeing_it_fails() -> None:
+    """A request of an adapter unloaded while it runs ends, and its end frees the adapter's
+    weights, which fails: the request still gets its end, and a request after it under its
+    id runs. The core forgot the request, then raised before emitting its end (the step
+    failed): its client waited for ever, and its id stayed taken (DuplicateRequestError)."""
+    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
+    engine = EngineLoop(EngineCore(runner, max_loras=2))
+    engine.start()
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
+    await asyncio.wrap_future(
+        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
+    )
+    loop = asyncio.get_running_loop()
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):  # unloaded before it runs a step
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3), lora_name="ad"),
+            asyncio_sink(loop, first),
+        )
+        unloaded = engine.call(lambda core: core.unload_lora("ad"))
+    await asyncio.wrap_future(unloaded)
+    outputs = await collect(first)
+    assert runner.failed
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
     engine.stop(timeout_s=10)
 
 
