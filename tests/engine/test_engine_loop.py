@@ -272,21 +272,12 @@ class AbortFailsOnce(EngineCore):
         return outputs
 
 
-async def running_with_abort_failing_once() -> tuple[
-    EngineLoop, AbortFailsOnce, asyncio.Queue[RequestOutput]
-]:
-    """A started engine whose core's abort fails once, running a long request "same"
-    (outputs to the queue)."""
+def engine_with_abort_failing_once() -> tuple[EngineLoop, AbortFailsOnce]:
+    """A started engine whose core's abort fails once."""
     core = AbortFailsOnce(SimRunner(block_size=4, num_blocks=256, time_scale=0))
     engine = EngineLoop(core)
     engine.start()
-    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
-    engine.submit(
-        EngineRequest("same", (1, 2, 3), long), asyncio_sink(asyncio.get_running_loop(), first)
-    )
-    await asyncio.wait_for(first.get(), timeout=10)  # running
-    return engine, core, first
+    return engine, core
 
 
 @pytest.mark.timeout(30)
@@ -296,10 +287,16 @@ async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes(
     output of its own, to its end, and so does a request after it. Every later request of
     the id used to have all its outputs dropped as the abandoned one's, whose end never
     came: its client waited for ever."""
-    engine, core, _ = await running_with_abort_failing_once()
+    engine, core = engine_with_abort_failing_once()
     loop = asyncio.get_running_loop()
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
     retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    # Held: the request is in the core (added) when its abort runs, whatever the pace.
     async with engine_thread_held(engine):
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=100_000)),
+            asyncio_sink(loop, first),
+        )
         engine.abandon("same")
         engine.submit(
             EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3)),
@@ -325,9 +322,17 @@ async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> N
     request's stream ends (ERROR), and a request after it under its id runs to its end. The
     abort's future was never resolved (the Abort call waited for ever), and the request's
     stream never ended."""
-    engine, core, first = await running_with_abort_failing_once()
+    engine, core = engine_with_abort_failing_once()
     loop = asyncio.get_running_loop()
-    assert await asyncio.wait_for(asyncio.wrap_future(engine.abort("same")), timeout=10)
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    # Held: the request is in the core (added) when its abort runs, whatever the pace.
+    async with engine_thread_held(engine):
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=100_000)),
+            asyncio_sink(loop, first),
+        )
+        aborted = engine.abort("same")
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
     assert core.failed
     assert (await collect(first))[-1].finish_reason is FinishReason.ERROR
     after: asyncio.Queue[RequestOutput] = asyncio.Queue()
