@@ -272,6 +272,18 @@ class AbortFailsOnce(EngineCore):
         return outputs
 
 
+async def a_request_of_the_id_runs_to_its_end(engine: EngineLoop) -> None:
+    """A request submitted now under the id "same" gets its outputs to its end (LENGTH), and
+    the engine goes idle after it."""
+    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)),
+        asyncio_sink(asyncio.get_running_loop(), after),
+    )
+    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+
+
 def engine_with_abort_failing_once() -> tuple[EngineLoop, AbortFailsOnce]:
     """A started engine whose core's abort fails once."""
     core = AbortFailsOnce(SimRunner(block_size=4, num_blocks=256, time_scale=0))
@@ -306,12 +318,7 @@ async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes(
     assert core.failed
     assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
-    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    engine.submit(
-        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
-    )
-    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
-    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    await a_request_of_the_id_runs_to_its_end(engine)
     engine.stop(timeout_s=10)
 
 
@@ -335,12 +342,7 @@ async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> N
     assert await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
     assert core.failed
     assert (await collect(first))[-1].finish_reason is FinishReason.ERROR
-    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    engine.submit(
-        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
-    )
-    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
-    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    await a_request_of_the_id_runs_to_its_end(engine)
     engine.stop(timeout_s=10)
 
 
@@ -384,11 +386,7 @@ async def test_the_last_request_of_an_unloaded_adapter_ends_though_freeing_it_fa
     assert runner.failed
     assert outputs[-1].finish_reason is FinishReason.LENGTH
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
-    after: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    engine.submit(
-        EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), asyncio_sink(loop, after)
-    )
-    assert (await collect(after))[-1].finish_reason is FinishReason.LENGTH
+    await a_request_of_the_id_runs_to_its_end(engine)
     engine.stop(timeout_s=10)
 
 

@@ -39,14 +39,12 @@ from engine.core.api import (
     EngineRequest,
     RequestOutput,
     SamplingParams,
-    ScheduledBatch,
     SchedulerConfig,
-    SequenceResult,
 )
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.engine_loop import OutputSink
 from engine.core.errors import DuplicateRequestError
-from engine.core.sim_runner import SimRunner
+from tests.engine.test_engine_loop import FlakyRunner
 
 IDS = ("a", "b", "c")
 WAIT_S = 10.0
@@ -91,22 +89,10 @@ class Req:
         return not (self.ended or self.failed or self.abandoned)
 
 
-class FailingRunner(SimRunner):
-    """A sim runner whose next forward pass fails once armed (any thread)."""
-
-    armed = False
-
-    def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
-        if self.armed:
-            self.armed = False
-            raise RuntimeError("device lost")
-        return super().execute(batch)
-
-
 class EngineLoopIds(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.runner = FailingRunner(block_size=4, num_blocks=16, time_scale=0.0)
+        self.runner = FlakyRunner(block_size=4, num_blocks=16, time_scale=0.0)
         config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)
         self.engine = EngineLoop(EngineCore(self.runner, config))
         self.engine.start()
