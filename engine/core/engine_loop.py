@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -133,7 +133,7 @@ class EngineLoop:
         # published yet, by id: their outputs up to it reach no sink, whatever took the id
         # since. Settled by the abort, not by the request's end, which a core that failed
         # as it ended the request never emits.
-        self._abandoned: dict[str, int] = {}
+        self._abandoned: Counter[str] = Counter()
         self._stopping = False
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -287,7 +287,7 @@ class EngineLoop:
         with self._cond:
             if self._sinks.pop(request_id, None) is None:
                 return
-            self._abandoned[request_id] = self._abandoned.get(request_id, 0) + 1
+            self._abandoned[request_id] += 1
 
             def command() -> list[RequestOutput]:
                 try:
@@ -313,11 +313,9 @@ class EngineLoop:
 
     def _settle_abandoned(self, request_id: str) -> None:
         """One abandoned request of `request_id` is over; under `_cond`."""
-        pending = self._abandoned[request_id]
-        if pending == 1:
+        self._abandoned[request_id] -= 1
+        if not self._abandoned[request_id]:
             del self._abandoned[request_id]
-        else:
-            self._abandoned[request_id] = pending - 1
 
     def abort_all(self) -> Future[list[str]]:
         future: Future[list[str]] = Future()
@@ -474,9 +472,7 @@ class EngineLoop:
                     # sink, a request that takes the id once it is free included.
                     if self._sinks.get(output.request_id) is live:
                         del self._sinks[output.request_id]
-                        self._abandoned[output.request_id] = (
-                            self._abandoned.get(output.request_id, 0) + 1
-                        )
+                        self._abandoned[output.request_id] += 1
                         failed.append(output.request_id)
         # Aborted once every output of this result is handed over: the core has not taken a
         # request of those ids since (commands run on this thread only).
