@@ -23,7 +23,13 @@ from controller.eligibility import NO_NEEDS, Eligibility, RequestNeeds
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
 from controller.membership import Membership
 from controller.metrics import ControllerMetrics
-from controller.registry import EngineRecord, NoEngineRegisteredError, Role, UnknownModelError
+from controller.registry import (
+    EngineRecord,
+    EngineState,
+    NoEngineRegisteredError,
+    Role,
+    UnknownModelError,
+)
 from controller.replica_sync import ReplicaSync, open_replica_sync
 from controller.router import (
     AllEnginesBusyError,
@@ -469,6 +475,32 @@ class Controller:
             self.clock(),
             reject_when_all_busy=self.sheds_load,
             charge=charge,
+        )
+
+    @property
+    def prefill_wait_s(self) -> float:
+        """How long a disaggregated request may wait for a prefill engine out of routing to
+        take traffic again (`router.prefill_wait_s`; by default twice the health poll)."""
+        wait_s = self.config.router.prefill_wait_s
+        return 2 * self.config.health.poll_interval_s if wait_s is None else wait_s
+
+    def prefill_awaited(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
+        """Whether a disaggregated request for `model` would find no prefill engine (none in
+        `exclude`) taking traffic now, decode engines not prefilling, while one serving the
+        model is in the fleet out of routing for a moment (restarting, not READY again yet;
+        not cordoned or draining, which an operator asked): worth waiting for."""
+        registry = self.fleet.registry
+        if self.router.decode_engines_prefill or any(
+            r.engine_id not in exclude
+            for r in registry.routable(model or None, Role.PREFILL, generating=True)
+        ):
+            return False  # (the usual case, read from the registry's memo)
+        return any(
+            r.role is Role.PREFILL
+            and r.engine_id not in exclude
+            and not r.cordoned
+            and r.state is not EngineState.DRAINING
+            for r in registry.may_serve_records(model or None)
         )
 
     def route_prefill(self, plan: Plan, exclude: frozenset[str]) -> Decision:
