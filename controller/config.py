@@ -217,7 +217,8 @@ class RouterConfig(StrictModel):
     skip_prefill_ratio: StrictFloat | None = Field(default=None, gt=0, le=1)
     # Disaggregated fleets whose decode engines do not prefill: a request that finds no
     # prefill engine taking traffic while one is in the fleet out of routing for a moment
-    # (restarting, not READY again yet) waits this long at most for one to take traffic
+    # (restarting, not READY again yet; not one unreachable for longer than
+    # health.abandon_streams_after_s) waits this long at most for one to take traffic
     # again, and the request's deadline (a new request, and one run again after its KV
     # session was lost), before it fails as it would at once. None: twice
     # health.poll_interval_s (what an engine's health takes to be read again); 0: no wait.

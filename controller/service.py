@@ -487,8 +487,8 @@ class Controller:
     def prefill_awaited(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
         """Whether a disaggregated request for `model` would find no prefill engine (none in
         `exclude`) taking traffic now, decode engines not prefilling, while one serving the
-        model is in the fleet out of routing for a moment (restarting, not READY again yet;
-        not cordoned or draining, which an operator asked): worth waiting for."""
+        model is in the fleet out of routing for a moment (restarting, not READY again yet:
+        `_coming_back`): worth waiting for."""
         registry = self.fleet.registry
         if self.router.decode_engines_prefill or any(
             r.engine_id not in exclude
@@ -496,12 +496,19 @@ class Controller:
         ):
             return False  # (the usual case, read from the registry's memo)
         return any(
-            r.role is Role.PREFILL
-            and r.engine_id not in exclude
-            and not r.cordoned
-            and r.state is not EngineState.DRAINING
+            r.role is Role.PREFILL and r.engine_id not in exclude and self._coming_back(r)
             for r in registry.may_serve_records(model or None)
         )
+
+    def _coming_back(self, record: EngineRecord) -> bool:
+        """Whether an engine out of routing may take traffic again by itself in a moment: not
+        cordoned, draining (an operator's doing) or incompatible, nor unreachable for longer
+        than `health.abandon_streams_after_s` (dead, as far as its calls are concerned)."""
+        if record.cordoned or record.state in (EngineState.DRAINING, EngineState.INCOMPATIBLE):
+            return False
+        since_s = record.unreachable_since_s
+        limit_s = self.config.health.abandon_streams_after_s
+        return since_s is None or not limit_s or self.clock() - since_s < limit_s
 
     def route_prefill(self, plan: Plan, exclude: frozenset[str]) -> Decision:
         """Another prefill engine (a retry), not one in `exclude`; with none, a decode engine

@@ -568,6 +568,42 @@ async def test_a_new_request_waits_for_a_prefill_engine_back_in_routing(
         await stalled.assert_nothing_left()
 
 
+async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() -> None:
+    """The only prefill engine stopped, unreachable for longer than
+    `health.abandon_streams_after_s` (here 1 s): a new request does not wait
+    `router.prefill_wait_s` (here far longer than the test's bound) for it, dead as far as
+    its calls are concerned, but is refused UNAVAILABLE "no prefill engine available" at
+    once, as before the wait existed."""
+    prefill = await start_sim_engine("p0", role="prefill")
+    decode = await start_sim_engine("d0", role="decode")
+    fleet = await make_fleet(
+        engines=[prefill, decode],
+        router={"prefill_wait_s": 3600.0},
+        health={"abandon_streams_after_s": 1.0},
+    )
+    try:
+        registry = fleet.app.controller.fleet.registry
+        clock = fleet.app.controller.clock
+        address = fleet.address(prefill)
+        await prefill.close()
+
+        def dead_for_long() -> bool:
+            since_s = registry.get(address).unreachable_since_s
+            return since_s is not None and clock() - since_s > 1.0
+
+        await eventually(dead_for_long)
+        request = generate_request("r", PROMPT, max_tokens=2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async with asyncio.timeout(30):  # a bound, not a measurement
+                [r async for r in fleet.gateway.Generate(request)]
+        assert (refused.value.code(), refused.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "no prefill engine available",
+        )
+    finally:
+        await close_fleet(fleet)
+
+
 @pytest.mark.parametrize("ended_by", ["client_cancel", "gateway_abort"])
 async def test_a_run_again_waiting_for_a_prefill_engine_ends_when_it_is_cancelled(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ended_by: str
