@@ -215,6 +215,14 @@ class RouterConfig(StrictModel):
     # seed's DECODE engines take requests that carry a KV session; set it (e.g. 0.9) for decode
     # engines that also prefill locally.
     skip_prefill_ratio: StrictFloat | None = Field(default=None, gt=0, le=1)
+    # Disaggregated fleets whose decode engines do not prefill: a request that finds no
+    # prefill engine taking traffic while one is in the fleet out of routing for a moment
+    # (restarting, not READY again yet; not one unreachable for longer than
+    # health.abandon_streams_after_s) waits this long at most for one to take traffic
+    # again, and the request's deadline (a new request, and one run again after its KV
+    # session was lost), before it fails as it would at once. None: twice
+    # health.poll_interval_s (what an engine's health takes to be read again); 0: no wait.
+    prefill_wait_s: StrictFloat | None = Field(default=None, ge=0)
     # Seed of the router's randomness (ties, power of two); None = from the OS.
     seed: StrictInt | None = None
     # Controller replicas behind one load balancer, sharing an index on Redis: each tells the

@@ -92,7 +92,7 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from typing import Any, Literal, NamedTuple, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -612,6 +612,15 @@ class Relay:
         self._lost_aborts: dict[tuple[str, str], asyncio.Task[None]] = {}
         # request id -> where it ran so far, told to its client (`kvplane-route`).
         self._routes: dict[str, RouteReport] = {}
+        # Set, and replaced by a new one, at each registry change that can take an engine
+        # into or out of routing and at each abort of a request between engines: what a
+        # request waiting for a prefill engine wakes on (`_await_prefill`).
+        self._woken = asyncio.Event()
+        controller.fleet.registry.on_change(self._wake)
+
+    def _wake(self) -> None:
+        woken, self._woken = self._woken, asyncio.Event()
+        woken.set()
 
     def admit(self, request_id: str) -> bool:
         """Take `request_id` for a new request; False while one with that id runs here."""
@@ -657,6 +666,7 @@ class Relay:
         if not self._between_engines(request_id):
             return False
         self.aborted_unrouted.add(request_id)
+        self._wake()
         return True
 
     def ended_at(self, request_id: str, engine: str) -> bool:
@@ -723,7 +733,31 @@ class Relay:
         were not aborted already."""
         unrouted = {r for r in self.running if self._between_engines(r)} - self.aborted_unrouted
         self.aborted_unrouted |= unrouted
+        self._wake()
         return len(unrouted)
+
+    async def _await_prefill(
+        self, model: str, exclude: frozenset[str], request_id: str, context: Context
+    ) -> None:
+        """Where the disaggregated request would find no prefill engine (none in `exclude`)
+        to take it while one is in the fleet out of routing for a moment
+        (`Controller.prefill_awaited`), wait for one to take traffic again: at most
+        `router.prefill_wait_s` and the request's deadline, woken by each registry change.
+        An abort of the request ends the wait, as its client leaving does (its call
+        cancelled); whatever then, the request is routed as it would be then."""
+        c = self.controller
+        if not c.prefill_awaited(model, exclude):
+            return
+        bound_s = c.prefill_wait_s
+        remaining_s = context.time_remaining()
+        if remaining_s is not None:
+            bound_s = min(bound_s, remaining_s)
+        log.info("request %s: no prefill engine takes traffic; waiting up to %.1f s for one",
+                 request_id, bound_s)  # fmt: skip
+        with suppress(TimeoutError):
+            async with asyncio.timeout(bound_s):
+                while request_id not in self.aborted_unrouted and c.prefill_awaited(model, exclude):
+                    await self._woken.wait()
 
     async def generate(
         self,
@@ -784,6 +818,8 @@ class Relay:
         """An admitted request: planned, then one or two engine hops."""
         c = self.controller
         disaggregated = c.disaggregated(query.model)
+        if disaggregated and handoff is not None:
+            await self._await_prefill(query.model, frozenset(), query.request_id, context)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
         except (LoraRoutingError, ModelRequiredError, BeyondFleetError) as exc:
@@ -896,6 +932,7 @@ class Relay:
                  plan.request.request_id, lost)  # fmt: skip
         self.handed_over.pop(plan.request.request_id, None)
         excluded = frozenset() if lost.holder_up else frozenset({lost.holder})
+        await self._await_prefill(plan.model, excluded, plan.request.request_id, context)
         hops = self._prefill_then_decode(
             surface,
             handoff,

@@ -23,7 +23,13 @@ from controller.eligibility import NO_NEEDS, Eligibility, RequestNeeds
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
 from controller.membership import Membership
 from controller.metrics import ControllerMetrics
-from controller.registry import EngineRecord, NoEngineRegisteredError, Role, UnknownModelError
+from controller.registry import (
+    EngineRecord,
+    EngineState,
+    NoEngineRegisteredError,
+    Role,
+    UnknownModelError,
+)
 from controller.replica_sync import ReplicaSync, open_replica_sync
 from controller.router import (
     AllEnginesBusyError,
@@ -470,6 +476,39 @@ class Controller:
             reject_when_all_busy=self.sheds_load,
             charge=charge,
         )
+
+    @property
+    def prefill_wait_s(self) -> float:
+        """How long a disaggregated request may wait for a prefill engine out of routing to
+        take traffic again (`router.prefill_wait_s`; by default twice the health poll)."""
+        wait_s = self.config.router.prefill_wait_s
+        return 2 * self.config.health.poll_interval_s if wait_s is None else wait_s
+
+    def prefill_awaited(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
+        """Whether a disaggregated request for `model` would find no prefill engine (none in
+        `exclude`) taking traffic now, decode engines not prefilling, while one serving the
+        model is in the fleet out of routing for a moment (restarting, not READY again yet:
+        `_coming_back`): worth waiting for."""
+        registry = self.fleet.registry
+        if self.router.decode_engines_prefill or any(
+            r.engine_id not in exclude
+            for r in registry.routable(model or None, Role.PREFILL, generating=True)
+        ):
+            return False  # (the usual case, read from the registry's memo)
+        return any(
+            r.role is Role.PREFILL and r.engine_id not in exclude and self._coming_back(r)
+            for r in registry.may_serve_records(model or None)
+        )
+
+    def _coming_back(self, record: EngineRecord) -> bool:
+        """Whether an engine out of routing may take traffic again by itself in a moment: not
+        cordoned, draining (an operator's doing) or incompatible, nor unreachable for longer
+        than `health.abandon_streams_after_s` (dead, as far as its calls are concerned)."""
+        if record.cordoned or record.state in (EngineState.DRAINING, EngineState.INCOMPATIBLE):
+            return False
+        since_s = record.unreachable_since_s
+        limit_s = self.config.health.abandon_streams_after_s
+        return since_s is None or not limit_s or self.clock() - since_s < limit_s
 
     def route_prefill(self, plan: Plan, exclude: frozenset[str]) -> Decision:
         """Another prefill engine (a retry), not one in `exclude`; with none, a decode engine

@@ -169,3 +169,24 @@ def test_yamls_own_booleans_and_numbers_load(tmp_path: Path) -> None:
     assert config.health.eject_after_failures == 3
     assert config.engines[0].kv_events == "zmq"
     assert config.tokenizer == Path("/models/tokenizer.json")
+
+
+@pytest.mark.parametrize(
+    ("data", "wait_s"),
+    [
+        ({}, 2.0),  # twice the default health poll
+        ({"health": {"poll_interval_s": 5}}, 10.0),
+        ({"router": {"prefill_wait_s": 0.25}, "health": {"poll_interval_s": 5}}, 0.25),
+        ({"router": {"prefill_wait_s": 0}}, 0.0),  # no wait
+    ],
+)
+def test_the_wait_for_a_prefill_engine_defaults_to_twice_the_health_poll(
+    data: dict[str, object], wait_s: float
+) -> None:
+    controller = Controller(validate_config(ControllerConfig, data, "controller.yaml"))
+    assert controller.prefill_wait_s == wait_s
+
+
+def test_a_negative_wait_for_a_prefill_engine_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"router\.prefill_wait_s"):
+        validate_config(ControllerConfig, {"router": {"prefill_wait_s": -1}}, "controller.yaml")

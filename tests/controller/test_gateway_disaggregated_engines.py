@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -386,25 +387,24 @@ async def test_a_session_lost_with_its_prefill_engine_restarted_under_its_instan
         assert metrics.retries._value.get() == 1
 
 
-@pytest.mark.parametrize("decode_engines_prefill", [False, True])
-async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_goes_then(
-    monkeypatch: pytest.MonkeyPatch, decode_engines_prefill: bool
-) -> None:
-    """As above, but the prefill engine comes back with another config (256 KV blocks, not
-    1100: a rolling config change under the `instance_id` of its config). The controller,
-    once it meets the new process (its KV events break sequence), reads its changed
-    identity and takes it for a new process: out of routing until its next health answer.
-    The controller held there (its following of the new process's KV events waits), the
-    client reads on: the session is lost, and the request runs again where a new request
-    goes at that moment, no prefill engine routable: with decode engines that prefill
-    (`skip_prefill_ratio`), to the decode engine prefilling the prompt itself, the client
-    getting all its tokens; without, nowhere, as a new request is refused UNAVAILABLE "no
-    prefill engine available": the client, having its prompt output, gets one retryable
-    EngineError naming the lost session (the first run's failure), counted engine_error,
-    and sent again once the engine is back in routing, the request succeeds. (What a
-    loaded CI met once in the test above when it restarted the engine with 256 blocks,
-    the client getting that error.)"""
-    router = {"skip_prefill_ratio": 0.5} if decode_engines_prefill else {}
+class HeldConfigChange(NamedTuple):
+    """A request stalled at the handoff whose prefill engine restarted with another config,
+    the controller held before it takes the new process in (`held_config_change`)."""
+
+    stalled: StalledAtTheHandoff
+    restarted: EngineApp
+    resume: asyncio.Event  # set: the controller takes the new process in, READY at once
+
+
+@contextlib.asynccontextmanager
+async def held_config_change(
+    monkeypatch: pytest.MonkeyPatch, router: dict[str, Any]
+) -> AsyncIterator[HeldConfigChange]:
+    """The prefill engine of a request stalled at the handoff comes back with another config
+    (256 KV blocks, not 1100: a rolling config change under the `instance_id` of its
+    config). The controller, once it meets the new process (its KV events break sequence),
+    reads its changed identity and takes it for a new process: out of routing until
+    `resume` lets it follow the new process's KV events, READY then. Set on exit."""
     # Polled hourly: only its KV events tell the controller of the new process. A poll
     # meeting the old one's shutdown (CANCELLED) had the identity read again before the
     # events broke sequence: the changed identity was taken for the same process's, and
@@ -435,20 +435,60 @@ async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_
             await asyncio.wait_for(taking_in.wait(), 20)  # a bound, not a measurement
             record = registry.get(address)
             assert new_config(record.identity) and not record.routable
-            new_request = generate_request("r2", PROMPT, max_tokens=2)
-            if decode_engines_prefill:
-                reply = [r async for r in fleet.gateway.Generate(new_request)]
-                assert reply[-1].WhichOneof("event") == "finished"
-            else:
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    [r async for r in fleet.gateway.Generate(new_request)]
-                assert (refused.value.code(), refused.value.details()) == (
-                    grpc.StatusCode.UNAVAILABLE,
-                    "no prefill engine available",
-                )
-            responses = [r async for r in stalled.call]
+            yield HeldConfigChange(stalled, restarted, resume)
         finally:
             resume.set()
+
+
+async def _waiting_for_a_prefill_engine(
+    caplog: pytest.LogCaptureFixture, request_id: str, reading: asyncio.Future[Any]
+) -> None:
+    """Until the gateway logs that request `request_id` waits for a prefill engine, or the
+    client's `reading` of it ends (it did not wait)."""
+    said = f"request {request_id}: no prefill engine takes traffic; waiting"
+
+    def waiting() -> bool:
+        return reading.done() or any(said in r.getMessage() for r in caplog.records)
+
+    await eventually(waiting)
+
+
+@pytest.mark.parametrize("decode_engines_prefill", [False, True])
+async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_goes_then(
+    monkeypatch: pytest.MonkeyPatch, decode_engines_prefill: bool
+) -> None:
+    """The prefill engine comes back with another config, out of routing until its next
+    health answer (`held_config_change`); the controller held there, the client reads on:
+    the session is lost, and the request runs again where a new request goes at that
+    moment, no prefill engine routable: with decode engines that prefill
+    (`skip_prefill_ratio`), to the decode engine prefilling the prompt itself, the client
+    getting all its tokens; without, it waits `router.prefill_wait_s` for a prefill engine
+    (here 0.5 s, the engine held out longer), then goes nowhere, as a new request is
+    refused UNAVAILABLE "no prefill engine available" after its own wait: the client,
+    having its prompt output, gets one retryable EngineError naming the lost session (the
+    first run's failure), counted engine_error, and sent again once the engine is back in
+    routing, the request succeeds. (What a loaded CI met once in the test above when it
+    restarted the engine with 256 blocks, the client getting that error.)"""
+    router: dict[str, Any] = {"prefill_wait_s": 0.5}
+    if decode_engines_prefill:
+        router["skip_prefill_ratio"] = 0.5
+    async with held_config_change(monkeypatch, router) as held:
+        stalled, restarted = held.stalled, held.restarted
+        fleet = stalled.fleet
+        address = fleet.address(stalled.prefill)
+        new_request = generate_request("r2", PROMPT, max_tokens=2)
+        if decode_engines_prefill:
+            reply = [r async for r in fleet.gateway.Generate(new_request)]
+            assert reply[-1].WhichOneof("event") == "finished"
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [r async for r in fleet.gateway.Generate(new_request)]
+            assert (refused.value.code(), refused.value.details()) == (
+                grpc.StatusCode.UNAVAILABLE,
+                "no prefill engine available",
+            )
+        responses = [r async for r in stalled.call]
+        held.resume.set()
         events = [r.WhichOneof("event") for r in responses]
         metrics = fleet.app.controller.metrics
         if decode_engines_prefill:
@@ -475,6 +515,127 @@ async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_
             reply = [r async for r in fleet.gateway.Generate(again)]
             assert [r.WhichOneof("event") for r in reply] == ["token"] * 50 + ["finished"]
             assert "r" in restarted.service._finished
+        await stalled.assert_nothing_left()
+
+
+async def test_a_run_again_waits_for_its_prefill_engine_back_in_routing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above, decode engines not prefilling, but the prefill engine is back in routing
+    within `router.prefill_wait_s` (here far longer than the test's bound): the run again,
+    finding no prefill engine routable, waits for one, woken as the engine is taken in, and
+    runs there; the client, reading on, gets all its tokens. It used to get the first
+    loss's retryable EngineError at once, the engine back a moment later."""
+    caplog.set_level(logging.INFO, logger="controller.relay")
+    async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
+        stalled = held.stalled
+        reading = asyncio.ensure_future(_read_all(stalled.call))
+        await _waiting_for_a_prefill_engine(caplog, "r", reading)
+        held.resume.set()
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            responses = await reading
+        events = [r.WhichOneof("event") for r in responses]
+        assert events == ["prompt", *["token"] * 50, "finished"]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert "r" in held.restarted.service._finished  # the run again's prefill
+        assert "r" in stalled.decode.service._finished
+        metrics = stalled.fleet.app.controller.metrics
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert metrics.retries._value.get() == 1
+        await stalled.assert_nothing_left()
+
+
+async def test_a_new_request_waits_for_a_prefill_engine_back_in_routing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new request, no prefill engine routable (the only one held out of routing after a
+    config change), decode engines not prefilling: it waits for a prefill engine, and runs
+    once that one is back, where it was refused UNAVAILABLE "no prefill engine available"
+    at once."""
+    caplog.set_level(logging.INFO, logger="controller.relay")
+    async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
+        stalled = held.stalled
+        new_request = generate_request("r2", PROMPT, max_tokens=2)
+        reading = asyncio.ensure_future(_read_all(stalled.fleet.gateway.Generate(new_request)))
+        await _waiting_for_a_prefill_engine(caplog, "r2", reading)
+        held.resume.set()
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            reply = await reading
+        assert [r.WhichOneof("event") for r in reply] == ["token"] * 2 + ["finished"]
+        assert "r2" in held.restarted.service._finished
+        responses = [r async for r in stalled.call]  # its run again finds the engine back
+        assert responses[-1].WhichOneof("event") == "finished"
+        await stalled.assert_nothing_left()
+
+
+async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() -> None:
+    """The only prefill engine stopped, unreachable for longer than
+    `health.abandon_streams_after_s` (here 1 s): a new request does not wait
+    `router.prefill_wait_s` (here far longer than the test's bound) for it, dead as far as
+    its calls are concerned, but is refused UNAVAILABLE "no prefill engine available" at
+    once, as before the wait existed."""
+    prefill = await start_sim_engine("p0", role="prefill")
+    decode = await start_sim_engine("d0", role="decode")
+    fleet = await make_fleet(
+        engines=[prefill, decode],
+        router={"prefill_wait_s": 3600.0},
+        health={"abandon_streams_after_s": 1.0},
+    )
+    try:
+        registry = fleet.app.controller.fleet.registry
+        clock = fleet.app.controller.clock
+        address = fleet.address(prefill)
+        await prefill.close()
+
+        def dead_for_long() -> bool:
+            since_s = registry.get(address).unreachable_since_s
+            return since_s is not None and clock() - since_s > 1.0
+
+        await eventually(dead_for_long)
+        request = generate_request("r", PROMPT, max_tokens=2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async with asyncio.timeout(30):  # a bound, not a measurement
+                [r async for r in fleet.gateway.Generate(request)]
+        assert (refused.value.code(), refused.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "no prefill engine available",
+        )
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("ended_by", ["client_cancel", "gateway_abort"])
+async def test_a_run_again_waiting_for_a_prefill_engine_ends_when_it_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ended_by: str
+) -> None:
+    """The run again waits for the prefill engine (held out of routing, the wait far
+    longer than the test's bound) when its client cancels, or an Abort through the gateway
+    comes: the request ends then, nothing left in flight on the gateway or either engine;
+    cancelled, counted so; aborted, as one aborted between two engines, each output
+    finished CANCELLED."""
+    caplog.set_level(logging.INFO, logger="controller.relay")
+    async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
+        stalled = held.stalled
+        reading = asyncio.ensure_future(_read_all(stalled.call))
+        await _waiting_for_a_prefill_engine(caplog, "r", reading)
+        assert not reading.done()
+        metrics = stalled.fleet.app.controller.metrics
+        if ended_by == "client_cancel":
+            stalled.call.cancel()
+            async with asyncio.timeout(30):  # a bound, not a measurement
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await reading
+            relay = stalled.fleet.app.gateway.relay
+            await eventually(lambda: not relay.running)
+            assert metrics.requests.labels("cancelled")._value.get() == 1
+        else:
+            reply = await stalled.fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+            assert reply.status == pb.ABORT_STATUS_ABORTED
+            async with asyncio.timeout(30):  # a bound, not a measurement
+                responses = await reading
+            assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
+            assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+            assert metrics.requests.labels("aborted")._value.get() == 1
         await stalled.assert_nothing_left()
 
 
