@@ -1,0 +1,624 @@
+"""The fleet registry (`controller.registry.Registry`) against a naive model of the rules
+docs/controller.md ("Fleet, health and events") gives for membership, identity, health,
+drains, cordons and LoRA adapters, driven by a hypothesis state machine the way
+`controller.fleet` drives it: an identity read first (at first contact, after a poll failed,
+after GetLoad named another process, after the engine was found incompatible, or when its KV
+stream broke sequence), health answers only while no identity read is due, `drained_elsewhere`
+asked just before an engine leaves ready. Every query is checked against the model after each
+step: who is routable (per model, LoRA adapter, with and without cordoned engines), who is out
+of routing, how an engine is found by address or instance id, which models are served and by
+default, what a refusal names of each engine, and that `on_change` fired whenever routing
+changed.
+
+Hold-down is off (`after_flaps` 0: its flaps are still counted) and no request outcome is
+reported (no ejection): those rules have tests of their own in test_registry.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from controller.fleet import health_of
+from controller.registry import (
+    DuplicateEngineError,
+    EngineIdentity,
+    EngineState,
+    HoldDownPolicy,
+    IncompatibleEngineError,
+    ModelRequiredError,
+    PollFailure,
+    Registry,
+    Role,
+    UnknownEngineError,
+)
+from controller.router import LoadSnapshot
+from openengine.v1 import openengine_pb2 as pb
+
+ADDRESSES = ("a:1", "b:1", "c:1")
+INSTANCES = ("i0", "i1", "i2")
+MODELS = ("m1", "m2")
+LORAS = ("l1", "l2")
+# An engine may list no model (it serves any), one, or both in either order (the first is
+# what it serves a request naming none).
+MODEL_LISTS = ((), ("m1",), ("m2",), ("m1", "m2"), ("m2", "m1"))
+# Health answers as the engine sends them: every state the contract names, and one this
+# build does not know (NOT_READY, "unknown health state 99"); READY most often, so that
+# engines are routable long enough for the rest to matter.
+HEALTH_ANSWERS = (
+    pb.HEALTH_STATE_READY,
+    pb.HEALTH_STATE_READY,
+    pb.HEALTH_STATE_READY,
+    pb.HEALTH_STATE_DEGRADED,
+    pb.HEALTH_STATE_DRAINING,
+    pb.HEALTH_STATE_NOT_READY,
+    pb.HEALTH_STATE_STARTING,
+    pb.HEALTH_STATE_UNSPECIFIED,
+    99,
+)
+
+SERVING = frozenset({EngineState.READY, EngineState.DEGRADED})
+LEFT_READY = frozenset(
+    {
+        EngineState.NOT_READY,
+        EngineState.STARTING,
+        EngineState.UNKNOWN,
+        EngineState.UNREACHABLE,
+        EngineState.FAILING,
+    }
+)
+POLL_FAILED = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
+# What a query may name: no model, the empty name (none), each model, one nobody serves.
+QUERIED_MODELS = (None, "", *MODELS, "m3")
+
+addresses = st.sampled_from(ADDRESSES)
+# The admin API names an engine by its address or its instance id.
+keys = st.sampled_from(ADDRESSES + INSTANCES)
+lora_sets = st.frozensets(st.sampled_from(LORAS))
+held_loras = st.none() | lora_sets
+
+
+def make_identity(instance: str, models: tuple[str, ...]) -> EngineIdentity:
+    return EngineIdentity(instance, "sim", "0", Role.AGGREGATED, models, None, 1, 1, "v1.0.0")
+
+
+@dataclass
+class Engine:
+    """One engine as the documented rules have it."""
+
+    address: str
+    identity: EngineIdentity | None = None
+    state: EngineState = EngineState.UNKNOWN
+    error: str = ""
+    cordoned: bool = False
+    drain: bool = False  # a drain the controller started, its health not DRAINING yet
+    loras: frozenset[str] | None = None
+    conflicts: frozenset[str] = frozenset()
+    flaps: int = 0
+    # What its last GetLoad said; none while it does not answer, or another process does.
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    # Polls failed in a row (each doubles the retry's wait), until a health answer.
+    failures: int = 0
+    # A poll could not connect since its polls began to fail: whoever answers next may be a
+    # new process.
+    connection_lost: bool = False
+    # How the fleet drives it: an identity read is due (no health is asked meanwhile),
+    # taken as a new process's (GetLoad named one, or it was found incompatible), after a
+    # failed poll.
+    need_identity: bool = True
+    restarted: bool = False
+    poll_failed: bool = False
+
+    @property
+    def engine_id(self) -> str:
+        return self.identity.instance_id if self.identity is not None else self.address
+
+    def routable(self, cordoned: bool = False) -> bool:
+        """Identity read, compatible, its health READY or DEGRADED, not drained, not
+        cordoned (unless asked)."""
+        return (
+            self.identity is not None and self.state in SERVING and (cordoned or not self.cordoned)
+        )
+
+    def serves(self, model: str | None) -> bool:
+        identity = self.identity
+        return identity is None or not model or not identity.models or model in identity.models
+
+    def holds(self, lora: str) -> bool:
+        return not lora or (
+            self.loras is not None and lora in self.loras and lora not in self.conflicts
+        )
+
+    def leaves_ready(self, state: EngineState) -> bool:
+        """A flap: it said ready, and says otherwise now, neither drained nor cordoned."""
+        return (
+            self.state in SERVING and state in LEFT_READY and not self.cordoned and not self.drain
+        )
+
+    def take(self, state: EngineState) -> None:
+        """A state not given by a health answer: a poll failed, another process answers (no
+        load of its own yet)."""
+        if self.leaves_ready(state):
+            self.flaps += 1
+        self.state = state
+        self.load = LoadSnapshot()
+
+    @property
+    def answering(self) -> bool:
+        return self.state not in POLL_FAILED and self.state is not EngineState.INCOMPATIBLE
+
+    @property
+    def availability(self) -> str:
+        return "cordoned" if self.cordoned and self.state in SERVING else self.state.value
+
+
+class RegistryMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry = Registry(
+            backoff_initial_s=0.5, backoff_max_s=4.0, hold_down=HoldDownPolicy(after_flaps=0)
+        )
+        self.engines: dict[str, Engine] = {}
+        self.now = 0.0
+        self.changes = 0
+        self.registry.on_change(self._count_change)
+        self.changes_seen = 0
+        self.routing_seen = self.routing()
+
+    def _count_change(self) -> None:
+        self.changes += 1
+
+    def tick(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    # ---- the model's answers ----
+
+    def resolve(self, key: str) -> Engine | None:
+        """The engine an address or instance id names: the address's; else of those with the
+        instance id, the routable one, then one answering its polls, then by address."""
+        if key in self.engines:
+            return self.engines[key]
+        named = [
+            e
+            for e in self.engines.values()
+            if e.identity is not None and e.identity.instance_id == key
+        ]
+        if not named:
+            return None
+        return min(named, key=lambda e: (not e.routable(), not e.answering, e.address))
+
+    def expected_routable(self, model: str | None, lora: str, cordoned: bool) -> list[str]:
+        return sorted(
+            e.address
+            for e in self.engines.values()
+            if e.routable(cordoned) and e.serves(model) and e.holds(lora)
+        )
+
+    def expected_out_of_routing(self, model: str | None, lora: str) -> list[str]:
+        return sorted(
+            e.address
+            for e in self.engines.values()
+            if e.identity is not None
+            and e.state not in SERVING
+            and e.state is not EngineState.INCOMPATIBLE
+            and e.serves(model)
+            and e.holds(lora)
+        )
+
+    def expected_may_serve(self, model: str | None) -> list[str]:
+        return sorted(
+            e.address
+            for e in self.engines.values()
+            if e.state is not EngineState.INCOMPATIBLE and e.serves(model)
+        )
+
+    def expected_base_models(self) -> list[str]:
+        return sorted(
+            {
+                e.identity.models[0]
+                for e in self.engines.values()
+                if e.identity is not None
+                and e.identity.models
+                and e.state is not EngineState.INCOMPATIBLE
+            }
+        )
+
+    def routing(self) -> dict[tuple[str | None, str, bool], list[str]]:
+        """Every routable answer, as the registry gives it."""
+        return {
+            (model, lora, cordoned): [
+                r.address for r in self.registry.routable(model, lora_name=lora, cordoned=cordoned)
+            ]
+            for model in QUERIED_MODELS
+            for lora in ("", *LORAS)
+            for cordoned in (False, True)
+        }
+
+    # ---- membership ----
+
+    @initialize(registered=st.sets(addresses, min_size=1))
+    def start(self, registered: set[str]) -> None:
+        for address in sorted(registered):
+            self.add(address)
+
+    @rule(address=addresses)
+    def add(self, address: str) -> None:
+        if address in self.engines:
+            with pytest.raises(DuplicateEngineError):
+                self.registry.add(address, now_s=self.tick())
+            return
+        self.registry.add(address, now_s=self.tick())
+        self.engines[address] = Engine(address)
+
+    @rule(key=keys)
+    def remove(self, key: str) -> None:
+        engine = self.resolve(key)
+        if engine is None:
+            with pytest.raises(UnknownEngineError):
+                self.registry.remove(key, self.tick())
+            return
+        assert self.registry.remove(key, self.tick()).address == engine.address
+        del self.engines[engine.address]
+
+    # ---- what the pollers report, as the fleet reports it ----
+
+    @rule(
+        address=addresses,
+        instance=st.sampled_from(INSTANCES),
+        models=st.sampled_from(MODEL_LISTS),
+        compatible=st.sampled_from((True, True, True, False)),
+        stream_broke=st.booleans(),
+        listed=st.booleans(),
+        adapters=held_loras,
+        conflicts=lora_sets,
+    )
+    def read_identity(
+        self,
+        *,
+        address: str,
+        instance: str,
+        models: tuple[str, ...],
+        compatible: bool,
+        stream_broke: bool,
+        listed: bool,
+        adapters: frozenset[str] | None,
+        conflicts: frozenset[str],
+    ) -> None:
+        """`Fleet._fetch_identity`: GetEngineInfo's revision checked first (an incompatible
+        one is `mark_incompatible`), a process changed under GetLoad's eyes taken as a new
+        one (`on_new_instance`), `on_identity`, then the adapters ListLoras listed."""
+        engine = self.engines.get(address)
+        if engine is None:
+            return
+        now = self.tick()
+        if not compatible:
+            self.registry.mark_incompatible(address, "engine schema_release 'main' ...")
+            self.incompatible(engine, "engine schema_release 'main' ...")
+            return
+        identity = make_identity(instance, models)
+        previous = engine.identity
+        # The fleet reads an identity at first contact, for a new process, after a failed
+        # poll, or when the engine's KV stream broke sequence.
+        if previous is not None and not engine.restarted and not engine.poll_failed:
+            stream_broke = True
+        restarted = engine.restarted
+        if previous is not None and identity != previous and (stream_broke or engine.poll_failed):
+            same_instance = identity.instance_id == previous.instance_id
+            self.registry.on_new_instance(address, now, same_instance)
+            self.new_process(engine, same_instance)
+            restarted = True
+        twin = any(
+            e.address != address
+            and e.identity is not None
+            and e.identity.instance_id == instance
+            and e.answering
+            for e in self.engines.values()
+        )
+        came_back = engine.state in POLL_FAILED and engine.connection_lost
+        try:
+            is_new = self.registry.on_identity(address, identity, restarted)
+        except IncompatibleEngineError as exc:
+            assert twin, f"{address} rejected: {exc}"
+            assert f"as {self.resolve(instance).address}" in str(exc)  # type: ignore[union-attr]
+            self.registry.mark_incompatible(address, str(exc))
+            self.incompatible(engine, str(exc))
+            return
+        assert not twin, f"{address} took instance {instance}, answering at another address"
+        expected_new = (
+            previous is None or previous.instance_id != instance or came_back or restarted
+        )
+        assert is_new == expected_new
+        if engine.state is EngineState.INCOMPATIBLE:
+            engine.state = EngineState.UNKNOWN
+            engine.error = ""
+        engine.connection_lost = False
+        if is_new:
+            # A new process: no drain of the old one's, no adapter known (until its listing,
+            # below); its cordon (the operator's, of the address) stays.
+            engine.drain = False
+            engine.loras = None
+            engine.conflicts = frozenset()
+            record = self.registry.get(address)
+            assert record.lora_adapters is None, f"{address}: a new process holds {record}"
+            assert not any(record.holds_lora(lora) for lora in LORAS), address
+        engine.identity = identity
+        engine.need_identity = engine.restarted = engine.poll_failed = False
+        if is_new or listed:  # `Fleet.learn_loras`: a new process's listing always counts
+            conflicts = conflicts & adapters if adapters is not None else frozenset()
+            self.registry.on_loras(address, adapters, conflicts)
+            engine.loras = adapters
+            engine.conflicts = conflicts
+
+    def incompatible(self, engine: Engine, error: str) -> None:
+        engine.state = EngineState.INCOMPATIBLE
+        engine.error = error
+        engine.load = LoadSnapshot()  # perhaps an earlier process's
+        # Whatever answers next is read as a new process.
+        engine.need_identity = engine.restarted = True
+
+    def new_process(self, engine: Engine, same_instance: bool) -> None:
+        """Out of routing until its identity is read; a flap unless under the same id."""
+        if engine.state is EngineState.INCOMPATIBLE:
+            return
+        if same_instance:
+            engine.state = EngineState.UNKNOWN
+            engine.load = LoadSnapshot()
+        else:
+            engine.take(EngineState.UNKNOWN)
+
+    @rule(address=addresses)
+    def load_names_another_process(self, address: str) -> None:
+        """GetLoad named another instance than before (polled only with no identity due)."""
+        engine = self.engines.get(address)
+        if engine is None or engine.need_identity:
+            return
+        self.registry.on_new_instance(address, self.tick())
+        self.new_process(engine, same_instance=False)
+        engine.need_identity = engine.restarted = True
+
+    @rule(
+        address=addresses,
+        answer=st.sampled_from(HEALTH_ANSWERS),
+        running=st.integers(0, 3),
+        instance=st.sampled_from(INSTANCES),
+        models=st.sampled_from(MODEL_LISTS),
+        adapters=held_loras,
+    )
+    def health(
+        self,
+        *,
+        address: str,
+        answer: int,
+        running: int,
+        instance: str,
+        models: tuple[str, ...],
+        adapters: frozenset[str] | None,
+    ) -> None:
+        """A poll: its identity read first if one is due (as the engine it was, if it was
+        one), then a health answer."""
+        engine = self.engines.get(address)
+        if engine is None:
+            return
+        if engine.need_identity:
+            if engine.identity is not None:
+                instance, models = engine.identity.instance_id, engine.identity.models
+            self.read_identity(
+                address=address,
+                instance=instance,
+                models=models,
+                compatible=True,
+                stream_broke=False,
+                listed=True,
+                adapters=adapters,
+                conflicts=frozenset(),
+            )
+            if engine.need_identity:
+                return
+        state, message = health_of(pb.HealthResponse(state=answer))  # type: ignore[arg-type]
+        if answer not in pb.HealthState.values():
+            assert (state, message) == (EngineState.NOT_READY, f"unknown health state {answer}")
+        self.take_health(engine, state, message)
+        load = LoadSnapshot(running_requests=running)
+        self.registry.on_load(address, load)  # GetLoad's answer, asked with the health
+        engine.load = load
+
+    def take_health(self, engine: Engine, state: EngineState, message: str) -> None:
+        self.registry.on_health(engine.address, state, self.tick(), message)
+        if engine.leaves_ready(state):
+            engine.flaps += 1
+        if engine.drain and state in SERVING:
+            state = EngineState.DRAINING  # an answer sent before the drain took
+        elif state is EngineState.DRAINING:
+            engine.drain = False  # its own health decides from now on
+        engine.state = state
+        engine.error = "" if state in SERVING else message
+        engine.failures = 0
+
+    @rule(address=addresses, failure=st.sampled_from(PollFailure))
+    def poll_fails(self, address: str, failure: PollFailure) -> None:
+        engine = self.engines.get(address)
+        if engine is None:
+            return
+        self.fail_poll(engine, failure)
+
+    def fail_poll(self, engine: Engine, failure: PollFailure) -> None:
+        error = f"{failure.value}: the poll failed"
+        delay = self.registry.on_poll_failed(engine.address, self.tick(), error, failure)
+        assert delay == min(0.5 * 2**engine.failures, 4.0), engine
+        engine.failures += 1
+        engine.load = LoadSnapshot()
+        if engine.state is not EngineState.INCOMPATIBLE:
+            if engine.state not in POLL_FAILED:
+                engine.connection_lost = False
+            engine.take(failure.state)
+        engine.connection_lost |= failure is PollFailure.CONNECTION_LOST
+        engine.error = error
+        engine.need_identity = engine.poll_failed = True
+
+    @rule(
+        address=addresses,
+        drained=st.none() | st.sampled_from(INSTANCES + ADDRESSES),
+        failure=st.none() | st.sampled_from(PollFailure),
+    )
+    def leaves_ready_after_a_shared_drain(
+        self, address: str, drained: str | None, failure: PollFailure | None
+    ) -> None:
+        """`Fleet._excuse_shared_drain`: before an engine leaves ready (a health answer
+        NOT_READY, or a poll that fails), the shared membership says which process was drained
+        through another replica (None: this one); that one's leave is no flap."""
+        engine = self.engines.get(address)
+        if engine is None or (failure is None and engine.need_identity):
+            return
+        if drained is None:
+            drained = engine.engine_id
+        state = EngineState.NOT_READY if failure is None else failure.state
+        assert self.registry.would_flap(address, state) == engine.leaves_ready(state)
+        if engine.leaves_ready(state):
+            ours = engine.engine_id == drained
+            assert self.registry.drained_elsewhere(address, drained) == ours
+            engine.drain = engine.drain or ours
+        if failure is None:
+            self.take_health(engine, state, "")
+        else:
+            self.fail_poll(engine, failure)
+
+    # ---- what operators and the gateway do ----
+
+    @rule(key=keys)
+    def request_drain(self, key: str) -> None:
+        engine = self.resolve(key)
+        if engine is None:
+            with pytest.raises(UnknownEngineError):
+                self.registry.request_drain(key)
+            return
+        assert self.registry.request_drain(key).address == engine.address
+        engine.drain = True
+        if engine.state in SERVING:
+            engine.state = EngineState.DRAINING  # out of routing before the engine answers
+
+    @rule(address=addresses)
+    def withdraw_drain(self, address: str) -> None:
+        """The engine refused the drain: its next health answer decides."""
+        self.registry.withdraw_drain(address)
+        if address in self.engines:
+            self.engines[address].drain = False
+
+    @rule(key=keys, cordoned=st.booleans())
+    def set_cordoned(self, key: str, cordoned: bool) -> None:
+        engine = self.resolve(key)
+        if engine is None:
+            with pytest.raises(UnknownEngineError):
+                self.registry.set_cordoned(key, cordoned)
+            return
+        assert self.registry.set_cordoned(key, cordoned).address == engine.address
+        engine.cordoned = cordoned
+
+    @rule(address=addresses, adapters=held_loras, conflicts=lora_sets)
+    def list_loras(
+        self, address: str, adapters: frozenset[str] | None, conflicts: frozenset[str]
+    ) -> None:
+        """The gateway's ListLoras (or the fleet's refresh): what the engine holds."""
+        conflicts = conflicts & adapters if adapters is not None else frozenset()
+        self.registry.on_loras(address, adapters, conflicts)
+        if address in self.engines:
+            self.engines[address].loras = adapters
+            self.engines[address].conflicts = conflicts
+
+    @rule(address=addresses, lora=st.sampled_from(LORAS))
+    def lora_loaded(self, address: str, lora: str) -> None:
+        self.registry.on_lora_loaded(address, lora)
+        engine = self.engines.get(address)
+        if engine is not None:
+            engine.loras = (engine.loras or frozenset()) | {lora}
+
+    @rule(address=addresses, lora=st.sampled_from(LORAS))
+    def lora_unloaded(self, address: str, lora: str) -> None:
+        self.registry.on_lora_unloaded(address, lora)
+        engine = self.engines.get(address)
+        if engine is not None and engine.loras is not None:
+            engine.loras -= {lora}
+            engine.conflicts -= {lora}
+
+    # ---- every query agrees with the model ----
+
+    @invariant()
+    def records_agree(self) -> None:
+        records = self.registry.records()
+        assert [r.address for r in records] == sorted(self.engines)
+        assert len(self.registry) == len(self.engines)
+        for record in records:
+            engine = self.engines[record.address]
+            what = f"{record.address} ({engine})"
+            assert record.identity == engine.identity, what
+            assert record.state is engine.state, what
+            assert record.cordoned == engine.cordoned, what
+            assert record.drain_requested == engine.drain, what
+            assert record.lora_adapters == engine.loras, what
+            assert record.num_flaps == engine.flaps, what
+            assert record.engine_id == engine.engine_id, what
+            assert record.routable == engine.routable(), what
+            assert record.availability == engine.availability, what
+            assert record.last_error == engine.error, what
+            assert record.load == engine.load, what
+            for lora in LORAS:
+                assert record.holds_lora(lora) == (engine.holds(lora)), what
+            for state in EngineState:
+                assert self.registry.would_flap(record.address, state) == engine.leaves_ready(
+                    state
+                ), f"{what} taking {state}"
+
+    @invariant()
+    def lookups_agree(self) -> None:
+        for key in ADDRESSES + INSTANCES:
+            record = self.registry.by_engine_id(key)
+            engine = self.resolve(key)
+            found = None if record is None else record.address
+            assert found == (None if engine is None else engine.address), key
+
+    @invariant()
+    def routing_agrees(self) -> None:
+        routing = self.routing()
+        for (model, lora, cordoned), got in routing.items():
+            assert got == self.expected_routable(model, lora, cordoned), (model, lora, cordoned)
+        for model in QUERIED_MODELS:
+            assert self.registry.any_routable(model) == bool(routing[(model, "", False)])
+            for lora in ("", *LORAS):
+                out = self.registry.out_of_routing(model, None, lora, generating=False)
+                assert [r.address for r in out] == self.expected_out_of_routing(model, lora)
+        # Whenever routing changed, those who asked to be told were.
+        if routing != self.routing_seen:
+            assert self.changes > self.changes_seen, f"{self.routing_seen} -> {routing}"
+        self.routing_seen = routing
+        self.changes_seen = self.changes
+
+    @invariant()
+    def models_agree(self) -> None:
+        for model in QUERIED_MODELS:
+            serving = self.expected_may_serve(model)
+            if model is not None:
+                assert self.registry.may_serve(model) == bool(serving), model
+                states = ", ".join(
+                    f"{self.engines[a].engine_id} {self.engines[a].availability}" for a in serving
+                )
+                assert self.registry.engine_states(model) == (states or "none serves it")
+            assert [r.address for r in self.registry.may_serve_records(model)] == serving
+        defaults = self.expected_base_models()
+        assert self.registry.base_models() == defaults
+        if len(defaults) > 1:
+            with pytest.raises(ModelRequiredError):
+                self.registry.default_model()
+        else:
+            assert self.registry.default_model() == next(iter(defaults), None)
+
+
+RegistryMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestRegistryModel = RegistryMachine.TestCase
