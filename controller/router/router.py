@@ -381,8 +381,11 @@ class Router:
         self._stick(session_key, route)
 
     def first_token(self, request_id: str) -> None:
+        """The request's first token, reported again with every later chunk that has output
+        (the relay's stream): its peers are told of it once per route, not once per chunk."""
+        first = self.inflight.is_prefilling(request_id)
         self.release_prefill(request_id)
-        if self._on_event is not None and request_id in self._routed:
+        if first and self._on_event is not None and request_id in self._routed:
             self._on_event(FirstToken(request_id))
 
     def finish(self, request_id: str) -> None:

@@ -31,7 +31,7 @@ from controller.replay import ReplaySettings, replay
 from controller.replica_sync import CHANNEL, ReplicaSync
 from controller.route_report import read_route
 from controller.router import Candidate, Decision, Reason, Router, RouteRequest, make_policy
-from controller.router.replicas import PeerRoutes
+from controller.router.replicas import PeerRoutes, RouteEvent
 from engine.core.mooncake_trace import load_trace
 from indexer.redis_client import RedisOptions, connect
 from kvplane_api.v1 import admin_pb2 as apb
@@ -100,6 +100,30 @@ def test_an_engine_a_replica_forgets_is_released_on_its_peers() -> None:
     assert a.own_routes() == []
     a.finish("r1")  # the relay still ends the request: nothing more to say
     assert _requests(b) == {}
+
+
+def test_a_streamed_request_publishes_its_first_token_once() -> None:
+    """The relay reports a first token with every streamed chunk that has output: peers are
+    told of it once, not once per chunk (each event is packed, published on the channel and
+    decoded and applied by every peer); a new route of the request (its decode hop) has a
+    first token of its own."""
+    a = _router()
+    events: list[RouteEvent] = []
+    a.publish_to(events.append)
+    engine = _route(a, "r1")
+    for _ in range(3):
+        a.first_token("r1")
+    a.route_decode(_request("r1"), [Candidate(engine)], random.Random(0))
+    for _ in range(3):
+        a.first_token("r1")
+    a.finish("r1")
+    assert [type(e).__name__ for e in events] == [
+        "Routed",
+        "FirstToken",
+        "Routed",
+        "FirstToken",
+        "Finished",
+    ]
 
 
 def test_a_session_routed_through_one_replica_sticks_to_its_engine_on_the_others() -> None:
