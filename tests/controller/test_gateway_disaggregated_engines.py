@@ -441,14 +441,14 @@ async def held_config_change(
 
 
 async def _waiting_for_a_prefill_engine(
-    caplog: pytest.LogCaptureFixture, request_id: str, reading: asyncio.Future[Any]
+    fleet: Fleet, reading: asyncio.Future[Any], waits: int = 1
 ) -> None:
-    """Until the gateway logs that request `request_id` waits for a prefill engine, or the
-    client's `reading` of it ends (it did not wait)."""
-    said = f"request {request_id}: no prefill engine takes traffic; waiting"
+    """Until `waits` requests waited for a prefill engine (`kvplane_controller_prefill_waits`),
+    or the client's `reading` of one ends (it did not wait)."""
+    counted = fleet.app.controller.metrics.prefill_waits
 
     def waiting() -> bool:
-        return reading.done() or any(said in r.getMessage() for r in caplog.records)
+        return reading.done() or counted._value.get() >= waits
 
     await eventually(waiting)
 
@@ -519,18 +519,17 @@ async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_
 
 
 async def test_a_run_again_waits_for_its_prefill_engine_back_in_routing(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As above, decode engines not prefilling, but the prefill engine is back in routing
     within `router.prefill_wait_s` (here far longer than the test's bound): the run again,
     finding no prefill engine routable, waits for one, woken as the engine is taken in, and
     runs there; the client, reading on, gets all its tokens. It used to get the first
     loss's retryable EngineError at once, the engine back a moment later."""
-    caplog.set_level(logging.INFO, logger="controller.relay")
     async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
         stalled = held.stalled
         reading = asyncio.ensure_future(_read_all(stalled.call))
-        await _waiting_for_a_prefill_engine(caplog, "r", reading)
+        await _waiting_for_a_prefill_engine(stalled.fleet, reading)
         held.resume.set()
         async with asyncio.timeout(30):  # a bound, not a measurement
             responses = await reading
@@ -546,18 +545,17 @@ async def test_a_run_again_waits_for_its_prefill_engine_back_in_routing(
 
 
 async def test_a_new_request_waits_for_a_prefill_engine_back_in_routing(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A new request, no prefill engine routable (the only one held out of routing after a
     config change), decode engines not prefilling: it waits for a prefill engine, and runs
     once that one is back, where it was refused UNAVAILABLE "no prefill engine available"
     at once."""
-    caplog.set_level(logging.INFO, logger="controller.relay")
     async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
         stalled = held.stalled
         new_request = generate_request("r2", PROMPT, max_tokens=2)
         reading = asyncio.ensure_future(_read_all(stalled.fleet.gateway.Generate(new_request)))
-        await _waiting_for_a_prefill_engine(caplog, "r2", reading)
+        await _waiting_for_a_prefill_engine(stalled.fleet, reading)
         held.resume.set()
         async with asyncio.timeout(30):  # a bound, not a measurement
             reply = await reading
@@ -568,56 +566,142 @@ async def test_a_new_request_waits_for_a_prefill_engine_back_in_routing(
         await stalled.assert_nothing_left()
 
 
-async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() -> None:
-    """The only prefill engine stopped, unreachable for longer than
-    `health.abandon_streams_after_s` (here 1 s): a new request does not wait
-    `router.prefill_wait_s` (here far longer than the test's bound) for it, dead as far as
-    its calls are concerned, but is refused UNAVAILABLE "no prefill engine available" at
-    once, as before the wait existed."""
+@contextlib.asynccontextmanager
+async def prefill_stopped(abandon_streams_after_s: float) -> AsyncIterator[Fleet]:
+    """A controller in front of a prefill and a decode engine (sim), decode engines not
+    prefilling, waiting `router.prefill_wait_s` far longer than any test's bound; the
+    prefill engine stopped, out of routing (unreachable), with
+    `health.abandon_streams_after_s`."""
     prefill = await start_sim_engine("p0", role="prefill")
     decode = await start_sim_engine("d0", role="decode")
     fleet = await make_fleet(
         engines=[prefill, decode],
         router={"prefill_wait_s": 3600.0},
-        health={"abandon_streams_after_s": 1.0},
+        health={"abandon_streams_after_s": abandon_streams_after_s},
     )
     try:
         registry = fleet.app.controller.fleet.registry
-        clock = fleet.app.controller.clock
         address = fleet.address(prefill)
         await prefill.close()
+        await eventually(lambda: registry.get(address).unreachable_since_s is not None)
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def _refused_no_prefill_engine(fleet: Fleet, request_id: str) -> None:
+    """A new request is refused UNAVAILABLE "no prefill engine available" (within the
+    test's bound)."""
+    request = generate_request(request_id, PROMPT, max_tokens=2)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            [r async for r in fleet.gateway.Generate(request)]
+    assert (refused.value.code(), refused.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "no prefill engine available",
+    )
+
+
+async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() -> None:
+    """The only prefill engine stopped, unreachable for longer than
+    `health.abandon_streams_after_s` (here 1 s): a new request does not wait
+    `router.prefill_wait_s` for it, dead as far as its calls are concerned, but is refused
+    UNAVAILABLE "no prefill engine available" at once, as before the wait existed."""
+    async with prefill_stopped(abandon_streams_after_s=1.0) as fleet:
+        registry = fleet.app.controller.fleet.registry
+        clock = fleet.app.controller.clock
+        address = fleet.address(fleet.engines[0])
 
         def dead_for_long() -> bool:
             since_s = registry.get(address).unreachable_since_s
             return since_s is not None and clock() - since_s > 1.0
 
         await eventually(dead_for_long)
-        request = generate_request("r", PROMPT, max_tokens=2)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            async with asyncio.timeout(30):  # a bound, not a measurement
-                [r async for r in fleet.gateway.Generate(request)]
-        assert (refused.value.code(), refused.value.details()) == (
-            grpc.StatusCode.UNAVAILABLE,
-            "no prefill engine available",
-        )
-    finally:
-        await close_fleet(fleet)
+        await _refused_no_prefill_engine(fleet, "r")
 
 
-@pytest.mark.parametrize("ended_by", ["client_cancel", "gateway_abort"])
+async def test_a_wait_for_a_prefill_engine_ends_once_it_is_dead_for_long() -> None:
+    """A new request waits for the only prefill engine, stopped, unreachable for less than
+    `health.abandon_streams_after_s` (here 5 s) yet; once it is unreachable for longer,
+    dead as far as its calls are concerned, the wait ends (no registry change tells it: the
+    time does), and the request is refused UNAVAILABLE "no prefill engine available", as
+    one arriving then is. It used to wait all of `router.prefill_wait_s` (here far longer
+    than the test's bound)."""
+    async with prefill_stopped(abandon_streams_after_s=5.0) as fleet:
+        refused = asyncio.ensure_future(_refused_no_prefill_engine(fleet, "r"))
+        await _waiting_for_a_prefill_engine(fleet, refused)
+        assert not refused.done()  # it waits
+        await refused
+
+
+async def test_requests_waiting_for_a_prefill_engine_are_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Requests waiting for the only prefill engine (stopped, but not for long) are each
+    counted (`kvplane_controller_prefill_waits_total`), and logged once at most every 10
+    s, not a line each: every request meets the outage while it lasts. Their clients
+    cancelling, nothing is left in flight."""
+    caplog.set_level(logging.INFO, logger="controller.relay")
+    async with prefill_stopped(abandon_streams_after_s=3600.0) as fleet:
+        calls = [
+            fleet.gateway.Generate(generate_request(f"r{i}", PROMPT, max_tokens=2))
+            for i in range(3)
+        ]
+        readings = asyncio.gather(*(_read_all(call) for call in calls), return_exceptions=True)
+        await _waiting_for_a_prefill_engine(fleet, readings, waits=3)
+        said = "no prefill engine takes traffic; waiting"
+        assert sum(said in r.getMessage() for r in caplog.records) == 1
+        for call in calls:
+            call.cancel()
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            await readings
+        relay = fleet.app.gateway.relay
+        await eventually(lambda: not relay.running)
+        assert fleet.app.controller.metrics.requests.labels("cancelled")._value.get() == 3
+
+
+async def test_a_deadline_passing_while_a_request_waits_for_a_prefill_engine() -> None:
+    """New requests whose deadline (here 1 s) is shorter than their wait for a prefill engine
+    (the only one stopped, but not for long): each ends as any call whose deadline passes,
+    its client getting DEADLINE_EXCEEDED, counted cancelled, nothing left in flight. The
+    wait used to end at the deadline too, by a timer of its own racing gRPC's: a client got
+    UNAVAILABLE "no prefill engine available" or DEADLINE_EXCEEDED, and a request was
+    counted no_engine or cancelled, by chance."""
+    async with prefill_stopped(abandon_streams_after_s=3600.0) as fleet:
+
+        async def past_its_deadline(request_id: str) -> grpc.StatusCode:
+            request = generate_request(request_id, PROMPT, max_tokens=2)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                [r async for r in fleet.gateway.Generate(request, timeout=1.0)]
+            return ended.value.code()
+
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            codes = await asyncio.gather(*(past_its_deadline(f"r{i}") for i in range(5)))
+        assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 5
+        relay = fleet.app.gateway.relay
+        await eventually(lambda: not relay.running)
+        requests = fleet.app.controller.metrics.requests
+        assert requests.labels("cancelled")._value.get() == 5
+        assert requests.labels("no_engine")._value.get() == 0
+        assert len(fleet.app.controller.router.inflight) == 0
+
+
+@pytest.mark.parametrize(
+    "ended_by", ["client_cancel", "gateway_abort", "gateway_abort_all", "gateway_drain"]
+)
 async def test_a_run_again_waiting_for_a_prefill_engine_ends_when_it_is_cancelled(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ended_by: str
+    monkeypatch: pytest.MonkeyPatch, ended_by: str
 ) -> None:
     """The run again waits for the prefill engine (held out of routing, the wait far
     longer than the test's bound) when its client cancels, or an Abort through the gateway
-    comes: the request ends then, nothing left in flight on the gateway or either engine;
+    comes (of its id, `all_requests`, the gateway's own Drain aborting past its deadline):
+    the request ends then, nothing left in flight on the gateway or either engine;
     cancelled, counted so; aborted, as one aborted between two engines, each output
     finished CANCELLED."""
-    caplog.set_level(logging.INFO, logger="controller.relay")
     async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
         stalled = held.stalled
         reading = asyncio.ensure_future(_read_all(stalled.call))
-        await _waiting_for_a_prefill_engine(caplog, "r", reading)
+        await _waiting_for_a_prefill_engine(stalled.fleet, reading)
         assert not reading.done()
         metrics = stalled.fleet.app.controller.metrics
         if ended_by == "client_cancel":
@@ -629,8 +713,17 @@ async def test_a_run_again_waiting_for_a_prefill_engine_ends_when_it_is_cancelle
             await eventually(lambda: not relay.running)
             assert metrics.requests.labels("cancelled")._value.get() == 1
         else:
-            reply = await stalled.fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
-            assert reply.status == pb.ABORT_STATUS_ABORTED
+            gateway = stalled.fleet.gateway
+            if ended_by == "gateway_drain":
+                drain = pb.DrainRequest(deadline_ms=0, abort_after_deadline=True)
+                async with asyncio.timeout(30):  # a bound, not a measurement
+                    events = [e async for e in gateway.Drain(drain)]
+                assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+            else:
+                everything = pb.AbortRequest(all_requests=pb.AllRequests())
+                one = pb.AbortRequest(request_id="r")
+                reply = await gateway.Abort(everything if ended_by.endswith("all") else one)
+                assert reply.status == pb.ABORT_STATUS_ABORTED
             async with asyncio.timeout(30):  # a bound, not a measurement
                 responses = await reading
             assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
