@@ -867,7 +867,7 @@ class Relay:
             )
         else:
             stream = self._disaggregated(
-                surface, handoff, request, plan, context=context, started=started
+                surface, handoff, request, query, plan, context=context, started=started
             )
         async with aclosing(stream):
             async for response in stream:
@@ -878,6 +878,7 @@ class Relay:
         surface: Surface[Request, Response],
         handoff: Handoff[Request, Response],
         request: Request,
+        query: PromptInput,
         plan: Plan,
         *,
         context: Context,
@@ -942,6 +943,11 @@ class Relay:
         self.handed_over.pop(plan.request.request_id, None)
         excluded = frozenset() if lost.holder_up else frozenset({lost.holder})
         await self._await_prefill(plan.model, excluded, plan.request.request_id)
+        # Planned again, as a new request would be now: a prefill engine taking traffic only
+        # since the first plan (back from a restart: a rolling restart's) is a candidate.
+        # Where no engine takes it now, the first plan's candidates fail it as before.
+        with suppress(LoraRoutingError, ModelRequiredError, BeyondFleetError):
+            plan = await c.plan(query, role=None)
         hops = self._prefill_then_decode(
             surface,
             handoff,

@@ -485,15 +485,16 @@ class Controller:
         return 2 * self.config.health.poll_interval_s if wait_s is None else wait_s
 
     def prefill_awaited(self, model: str, exclude: frozenset[str] = frozenset()) -> float:
-        """How long a disaggregated request for `model` that would find no prefill engine (none
-        in `exclude`) taking traffic now, decode engines not prefilling, may wait for one by
-        what the registry says now: while one serving the model is in the fleet out of
-        routing for a moment (restarting, not READY again yet: `_coming_back_s`), until the
-        last such is dead as far as its calls are concerned (inf: no such limit); 0.0 where
-        not worth waiting (one takes traffic, or none may come back)."""
+        """How long a disaggregated request for `model` that would find no prefill engine
+        (none in `exclude`: addresses, as the router's candidates name engines) taking
+        traffic now, decode engines not prefilling, may wait for one by what the registry
+        says now: while one serving the model is in the fleet out of routing for a moment
+        (restarting, not READY again yet: `_coming_back_s`), until the last such is dead as
+        far as its calls are concerned (inf: no such limit); 0.0 where not worth waiting
+        (one takes traffic, or none may come back)."""
         registry = self.fleet.registry
         if self.router.decode_engines_prefill or any(
-            r.engine_id not in exclude
+            r.address not in exclude
             for r in registry.routable(model or None, Role.PREFILL, generating=True)
         ):
             return 0.0  # (the usual case, read from the registry's memo)
@@ -501,7 +502,7 @@ class Controller:
             (
                 self._coming_back_s(r)
                 for r in registry.may_serve_records(model or None)
-                if r.role is Role.PREFILL and r.engine_id not in exclude
+                if r.role is Role.PREFILL and r.address not in exclude
             ),
             default=0.0,
         )

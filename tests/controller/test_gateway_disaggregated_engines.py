@@ -192,23 +192,33 @@ async def stalled_at_the_handoff(
     decode = await start_sim_engine("d0", role="decode", num_kv_blocks=1100, max_model_len=4096)
     fleet = await make_fleet(engines=[prefill, decode], router=router or {}, health=health or {})
     try:
-        async with grpc.aio.insecure_channel(
-            fleet.target,
-            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
-        ) as slow_reader:
-            request = generate_request("r", list(range(1000, 3000)), max_tokens=50)
-            request.response.return_prompt_logprobs = True  # more than the client's window
-            call = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
-            stalled = StalledAtTheHandoff(fleet, prefill, decode, call)
-
-            async def handed_over() -> bool:
-                return await stalled.open_sessions() == 1
-
-            await eventually(handed_over)
-            assert "r" not in fleet.app.gateway.relay.handed_over  # not read by the gateway
+        async with stalled_on(fleet, prefill, decode) as stalled:
             yield stalled
     finally:
         await close_fleet(fleet)
+
+
+@contextlib.asynccontextmanager
+async def stalled_on(
+    fleet: Fleet, prefill: EngineApp, decode: EngineApp
+) -> AsyncIterator[StalledAtTheHandoff]:
+    """`stalled_at_the_handoff` in `fleet`, the request prefilled on `prefill` (the only
+    prefill engine routable)."""
+    async with grpc.aio.insecure_channel(
+        fleet.target,
+        options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+    ) as slow_reader:
+        request = generate_request("r", list(range(1000, 3000)), max_tokens=50)
+        request.response.return_prompt_logprobs = True  # more than the client's window
+        call = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
+        stalled = StalledAtTheHandoff(fleet, prefill, decode, call)
+
+        async def handed_over() -> bool:
+            return await stalled.open_sessions() == 1
+
+        await eventually(handed_over)
+        assert "r" not in fleet.app.gateway.relay.handed_over  # not read by the gateway
+        yield stalled
 
 
 @pytest.mark.parametrize("target", ["request_id", "all_requests"])
@@ -564,6 +574,65 @@ async def test_a_new_request_waits_for_a_prefill_engine_back_in_routing(
         responses = [r async for r in stalled.call]  # its run again finds the engine back
         assert responses[-1].WhichOneof("event") == "finished"
         await stalled.assert_nothing_left()
+
+
+async def test_a_run_again_does_not_wait_for_the_prefill_engine_that_did_not_answer() -> None:
+    """The only prefill engine, holding the request's KV session, stops before the gateway
+    read its handoff, and is out of routing (unreachable, not for long) when the client reads
+    on: the decode engine's pull fails, the engine does not answer the session's release,
+    so the request runs again without it. No other prefill engine may come back, so it does
+    not wait `router.prefill_wait_s` (here far longer than the test's bound) for that one,
+    which it would not go to: the client gets the failure at once, as before the wait
+    existed. It used to wait for it, the engine's instance id taken for its address."""
+    async with stalled_at_the_handoff(
+        router={"prefill_wait_s": 3600.0}, health={"abandon_streams_after_s": 3600.0}
+    ) as stalled:
+        fleet = stalled.fleet
+        registry = fleet.app.controller.fleet.registry
+        address = fleet.address(stalled.prefill)
+        await stalled.prefill.close()
+        await eventually(lambda: registry.get(address).unreachable_since_s is not None)
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            responses = [r async for r in stalled.call]
+        assert [r.WhichOneof("event") for r in responses] == ["prompt", "error"]
+        assert responses[-1].error.retryable
+        assert f"engine {address}, which held the request's KV session, does not answer" in (
+            responses[-1].error.message
+        )
+        assert fleet.app.controller.metrics.prefill_waits._value.get() == 0
+
+
+async def test_a_run_again_goes_to_a_prefill_engine_back_since_the_request_was_planned() -> None:
+    """Two prefill engines, one out of routing (cordoned here; restarting in a rolling
+    restart) when a request is planned and prefilled on the other; that one then stops
+    before the gateway read its handoff, the first is back in routing. The request runs
+    again where a new request would go then, on the engine back, and the client, reading
+    on, gets all its tokens. It used to fail ("does not answer"), run again among its first
+    plan's candidates only, the engine back not among them."""
+    engine_config: dict[str, Any] = {"num_kv_blocks": 1100, "max_model_len": 4096}
+    p0 = await start_sim_engine("p0", role="prefill", **engine_config)
+    p1 = await start_sim_engine("p1", role="prefill", **engine_config)
+    d0 = await start_sim_engine("d0", role="decode", **engine_config)
+    fleet = await make_fleet(engines=[p0, p1, d0])
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(p1)))
+        async with stalled_on(fleet, p0, d0) as stalled:
+            await fleet.admin.Uncordon(apb.EngineRef(engine=fleet.address(p1)))
+            registry = fleet.app.controller.fleet.registry
+            await p0.close()
+            await eventually(lambda: not registry.get(fleet.address(p0)).routable)
+            async with asyncio.timeout(30):  # a bound, not a measurement
+                responses = [r async for r in stalled.call]
+        events = [r.WhichOneof("event") for r in responses]
+        assert events == ["prompt", *["token"] * 50, "finished"]
+        assert "r" in p1.service._finished  # the run again's prefill
+        assert "r" in d0.service._finished
+        assert fleet.app.controller.metrics.requests.labels("ok")._value.get() == 1
+        relay = fleet.app.gateway.relay
+        await eventually(lambda: not relay.running)
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
 
 
 @contextlib.asynccontextmanager
