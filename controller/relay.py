@@ -751,7 +751,7 @@ class Relay:
         client leaving does (its call cancelled: a cancel, its deadline); whatever then, the
         request is routed as it would be then."""
         c = self.controller
-        if not c.prefill_awaited(model, exclude):
+        if not c.prefill_wait_s or not c.prefill_awaited(model, exclude):
             return
         c.metrics.prefill_waits.inc()
         self._waiting.warn(

@@ -636,16 +636,18 @@ async def test_a_run_again_goes_to_a_prefill_engine_back_since_the_request_was_p
 
 
 @contextlib.asynccontextmanager
-async def prefill_stopped(abandon_streams_after_s: float) -> AsyncIterator[Fleet]:
+async def prefill_stopped(
+    abandon_streams_after_s: float, prefill_wait_s: float = 3600.0
+) -> AsyncIterator[Fleet]:
     """A controller in front of a prefill and a decode engine (sim), decode engines not
-    prefilling, waiting `router.prefill_wait_s` far longer than any test's bound; the
-    prefill engine stopped, out of routing (unreachable), with
+    prefilling, waiting `router.prefill_wait_s` (by default far longer than any test's
+    bound); the prefill engine stopped, out of routing (unreachable), with
     `health.abandon_streams_after_s`."""
     prefill = await start_sim_engine("p0", role="prefill")
     decode = await start_sim_engine("d0", role="decode")
     fleet = await make_fleet(
         engines=[prefill, decode],
-        router={"prefill_wait_s": 3600.0},
+        router={"prefill_wait_s": prefill_wait_s},
         health={"abandon_streams_after_s": abandon_streams_after_s},
     )
     try:
@@ -687,6 +689,19 @@ async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() 
 
         await eventually(dead_for_long)
         await _refused_no_prefill_engine(fleet, "r")
+
+
+async def test_no_wait_for_a_prefill_engine_where_the_wait_is_0(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`router.prefill_wait_s: 0`: a new request finding no prefill engine routable, the only
+    one stopped but not for long, is refused at once, neither counted nor logged as waiting
+    (it used to be both, "waiting up to 0.0 s")."""
+    caplog.set_level(logging.INFO, logger="controller.relay")
+    async with prefill_stopped(abandon_streams_after_s=3600.0, prefill_wait_s=0.0) as fleet:
+        await _refused_no_prefill_engine(fleet, "r")
+        assert fleet.app.controller.metrics.prefill_waits._value.get() == 0
+        assert not any("waiting up to" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_wait_for_a_prefill_engine_ends_once_it_is_dead_for_long() -> None:
