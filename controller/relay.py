@@ -113,6 +113,7 @@ from controller.route_report import Part, RouteReport
 from controller.router import AllEnginesBusyError, Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
 from controller.statuses import status_of
+from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 
@@ -945,8 +946,9 @@ class Relay:
         await self._await_prefill(plan.model, excluded, plan.request.request_id)
         # Planned again, as a new request would be now: a prefill engine taking traffic only
         # since the first plan (back from a restart: a rolling restart's) is a candidate.
-        # Where no engine takes it now, the first plan's candidates fail it as before.
-        with suppress(LoraRoutingError, ModelRequiredError, BeyondFleetError):
+        # Where it is refused now (no engine takes it, its model gone), the first plan's
+        # candidates fail it as before.
+        with suppress(KvplaneError):
             plan = await c.plan(query, role=None)
         hops = self._prefill_then_decode(
             surface,
