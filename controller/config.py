@@ -219,8 +219,8 @@ class RouterConfig(StrictModel):
     # prefill engine taking traffic while one is in the fleet out of routing for a moment
     # (restarting, not READY again yet; not one unreachable for longer than
     # health.abandon_streams_after_s) waits this long at most for one to take traffic
-    # again, and the request's deadline (a new request, and one run again after its KV
-    # session was lost), before it fails as it would at once. None: twice
+    # again (a new request, and one run again after its KV session was lost), before it
+    # fails as it would at once; its deadline passing ends it as any call. None: twice
     # health.poll_interval_s (what an engine's health takes to be read again); 0: no wait.
     prefill_wait_s: StrictFloat | None = Field(default=None, ge=0)
     # Seed of the router's randomness (ties, power of two); None = from the OS.

@@ -228,16 +228,21 @@ def _device_blocks(tiers: Sequence[TierPrefix]) -> int:
 
 
 class ThrottledWarning:
-    """A warning logged (to `logger`) at most once per `interval_s`, saying how many were held
-    back. An `error` given (a bug that may repeat at every poll) has its traceback logged with
-    the first warning only: the later ones are its one line, counted."""
+    """A warning logged (to `logger`, at `level`) at most once per `interval_s`, saying how
+    many were held back. An `error` given (a bug that may repeat at every poll) has its
+    traceback logged with the first warning only: the later ones are its one line, counted."""
 
     def __init__(
-        self, interval_s: float, clock: Callable[[], float], logger: logging.Logger = log
+        self,
+        interval_s: float,
+        clock: Callable[[], float],
+        logger: logging.Logger = log,
+        level: int = logging.WARNING,
     ) -> None:
         self._interval_s = interval_s
         self._clock = clock
         self._log = logger
+        self._level = level
         self._next_s = float("-inf")
         self._held = 0
         self._traced = False
@@ -250,7 +255,7 @@ class ThrottledWarning:
         held = f" ({self._held} more since the last warning)" if self._held else ""
         traced = error is not None and not self._traced
         self._traced |= traced
-        self._log.warning("%s%s", message, held, exc_info=error if traced else None)
+        self._log.log(self._level, "%s%s", message, held, exc_info=error if traced else None)
         self._next_s = now + self._interval_s
         self._held = 0
 

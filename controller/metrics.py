@@ -283,6 +283,12 @@ class ControllerMetrics:
             "Requests retried on another engine after an engine failure",
             registry=r,
         )
+        self.prefill_waits = Counter(
+            "kvplane_controller_prefill_waits",
+            "Disaggregated requests that found no prefill engine taking traffic and waited for "
+            "one out of routing for a moment (router.prefill_wait_s)",
+            registry=r,
+        )
         reroutes = Counter(
             "kvplane_controller_reroutes",
             "Requests re-routed past an engine's refusal of what it cannot serve, by reason",

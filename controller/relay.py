@@ -90,6 +90,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
@@ -98,7 +99,7 @@ from typing import Any, Literal, NamedTuple, NoReturn, Protocol, TypeVar
 import grpc
 
 from controller.eligibility import BeyondFleetError
-from controller.fleet import Fleet
+from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, ThrottledWarning
 from controller.metrics import RequestOutcome, Reroute
 from controller.registry import (
     GenerationUnsupportedError,
@@ -112,6 +113,7 @@ from controller.route_report import Part, RouteReport
 from controller.router import AllEnginesBusyError, Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
 from controller.statuses import status_of
+from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 
@@ -617,6 +619,11 @@ class Relay:
         # request waiting for a prefill engine wakes on (`_await_prefill`).
         self._woken = asyncio.Event()
         controller.fleet.registry.on_change(self._wake)
+        # What `_await_prefill` logs: each waiting request while a prefill engine is out of
+        # routing would be a line each.
+        self._waiting = ThrottledWarning(
+            BLIND_WARNING_INTERVAL_S, controller.clock, log, level=logging.INFO
+        )
 
     def _wake(self) -> None:
         woken, self._woken = self._woken, asyncio.Event()
@@ -736,28 +743,31 @@ class Relay:
         self._wake()
         return len(unrouted)
 
-    async def _await_prefill(
-        self, model: str, exclude: frozenset[str], request_id: str, context: Context
-    ) -> None:
+    async def _await_prefill(self, model: str, exclude: frozenset[str], request_id: str) -> None:
         """Where the disaggregated request would find no prefill engine (none in `exclude`)
         to take it while one is in the fleet out of routing for a moment
         (`Controller.prefill_awaited`), wait for one to take traffic again: at most
-        `router.prefill_wait_s` and the request's deadline, woken by each registry change.
-        An abort of the request ends the wait, as its client leaving does (its call
-        cancelled); whatever then, the request is routed as it would be then."""
+        `router.prefill_wait_s`, woken by each registry change, and by the time where the
+        engines awaited are dead for long. An abort of the request ends the wait, as its
+        client leaving does (its call cancelled: a cancel, its deadline); whatever then, the
+        request is routed as it would be then."""
         c = self.controller
-        if not c.prefill_awaited(model, exclude):
+        if not c.prefill_wait_s or not c.prefill_awaited(model, exclude):
             return
-        bound_s = c.prefill_wait_s
-        remaining_s = context.time_remaining()
-        if remaining_s is not None:
-            bound_s = min(bound_s, remaining_s)
-        log.info("request %s: no prefill engine takes traffic; waiting up to %.1f s for one",
-                 request_id, bound_s)  # fmt: skip
+        c.metrics.prefill_waits.inc()
+        self._waiting.warn(
+            f"request {request_id}: no prefill engine takes traffic; waiting up to "
+            f"{c.prefill_wait_s:.1f} s for one"
+        )
         with suppress(TimeoutError):
-            async with asyncio.timeout(bound_s):
-                while request_id not in self.aborted_unrouted and c.prefill_awaited(model, exclude):
-                    await self._woken.wait()
+            async with asyncio.timeout(c.prefill_wait_s):
+                while request_id not in self.aborted_unrouted and (
+                    awaited_s := c.prefill_awaited(model, exclude)
+                ):
+                    timeout_s = None if math.isinf(awaited_s) else awaited_s
+                    with suppress(TimeoutError):
+                        async with asyncio.timeout(timeout_s):
+                            await self._woken.wait()
 
     async def generate(
         self,
@@ -819,7 +829,7 @@ class Relay:
         c = self.controller
         disaggregated = c.disaggregated(query.model)
         if disaggregated and handoff is not None:
-            await self._await_prefill(query.model, frozenset(), query.request_id, context)
+            await self._await_prefill(query.model, frozenset(), query.request_id)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
         except (LoraRoutingError, ModelRequiredError, BeyondFleetError) as exc:
@@ -858,7 +868,7 @@ class Relay:
             )
         else:
             stream = self._disaggregated(
-                surface, handoff, request, plan, context=context, started=started
+                surface, handoff, request, query, plan, context=context, started=started
             )
         async with aclosing(stream):
             async for response in stream:
@@ -869,6 +879,7 @@ class Relay:
         surface: Surface[Request, Response],
         handoff: Handoff[Request, Response],
         request: Request,
+        query: PromptInput,
         plan: Plan,
         *,
         context: Context,
@@ -932,7 +943,13 @@ class Relay:
                  plan.request.request_id, lost)  # fmt: skip
         self.handed_over.pop(plan.request.request_id, None)
         excluded = frozenset() if lost.holder_up else frozenset({lost.holder})
-        await self._await_prefill(plan.model, excluded, plan.request.request_id, context)
+        await self._await_prefill(plan.model, excluded, plan.request.request_id)
+        # Planned again, as a new request would be now: a prefill engine taking traffic only
+        # since the first plan (back from a restart: a rolling restart's) is a candidate.
+        # Where it is refused now (no engine takes it, its model gone), the first plan's
+        # candidates fail it as before.
+        with suppress(KvplaneError):
+            plan = await c.plan(query, role=None)
         hops = self._prefill_then_decode(
             surface,
             handoff,

@@ -484,31 +484,41 @@ class Controller:
         wait_s = self.config.router.prefill_wait_s
         return 2 * self.config.health.poll_interval_s if wait_s is None else wait_s
 
-    def prefill_awaited(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
-        """Whether a disaggregated request for `model` would find no prefill engine (none in
-        `exclude`) taking traffic now, decode engines not prefilling, while one serving the
-        model is in the fleet out of routing for a moment (restarting, not READY again yet:
-        `_coming_back`): worth waiting for."""
+    def prefill_awaited(self, model: str, exclude: frozenset[str] = frozenset()) -> float:
+        """How long a disaggregated request for `model` that would find no prefill engine
+        (none in `exclude`: addresses, as the router's candidates name engines) taking
+        traffic now, decode engines not prefilling, may wait for one by what the registry
+        says now: while one serving the model is in the fleet out of routing for a moment
+        (restarting, not READY again yet: `_coming_back_s`), until the last such is dead as
+        far as its calls are concerned (inf: no such limit); 0.0 where not worth waiting
+        (one takes traffic, or none may come back)."""
         registry = self.fleet.registry
         if self.router.decode_engines_prefill or any(
-            r.engine_id not in exclude
+            r.address not in exclude
             for r in registry.routable(model or None, Role.PREFILL, generating=True)
         ):
-            return False  # (the usual case, read from the registry's memo)
-        return any(
-            r.role is Role.PREFILL and r.engine_id not in exclude and self._coming_back(r)
-            for r in registry.may_serve_records(model or None)
+            return 0.0  # (the usual case, read from the registry's memo)
+        return max(
+            (
+                self._coming_back_s(r)
+                for r in registry.may_serve_records(model or None)
+                if r.role is Role.PREFILL and r.address not in exclude
+            ),
+            default=0.0,
         )
 
-    def _coming_back(self, record: EngineRecord) -> bool:
-        """Whether an engine out of routing may take traffic again by itself in a moment: not
-        cordoned, draining (an operator's doing) or incompatible, nor unreachable for longer
-        than `health.abandon_streams_after_s` (dead, as far as its calls are concerned)."""
+    def _coming_back_s(self, record: EngineRecord) -> float:
+        """How long an engine out of routing may still take traffic again by itself (0.0: it
+        will not; inf: no limit): not cordoned, draining (an operator's doing) or
+        incompatible, nor unreachable for longer than `health.abandon_streams_after_s`
+        (dead, as far as its calls are concerned)."""
         if record.cordoned or record.state in (EngineState.DRAINING, EngineState.INCOMPATIBLE):
-            return False
+            return 0.0
         since_s = record.unreachable_since_s
         limit_s = self.config.health.abandon_streams_after_s
-        return since_s is None or not limit_s or self.clock() - since_s < limit_s
+        if since_s is None or not limit_s:
+            return math.inf
+        return max(0.0, since_s + limit_s - self.clock())
 
     def route_prefill(self, plan: Plan, exclude: frozenset[str]) -> Decision:
         """Another prefill engine (a retry), not one in `exclude`; with none, a decode engine

@@ -192,23 +192,33 @@ async def stalled_at_the_handoff(
     decode = await start_sim_engine("d0", role="decode", num_kv_blocks=1100, max_model_len=4096)
     fleet = await make_fleet(engines=[prefill, decode], router=router or {}, health=health or {})
     try:
-        async with grpc.aio.insecure_channel(
-            fleet.target,
-            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
-        ) as slow_reader:
-            request = generate_request("r", list(range(1000, 3000)), max_tokens=50)
-            request.response.return_prompt_logprobs = True  # more than the client's window
-            call = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
-            stalled = StalledAtTheHandoff(fleet, prefill, decode, call)
-
-            async def handed_over() -> bool:
-                return await stalled.open_sessions() == 1
-
-            await eventually(handed_over)
-            assert "r" not in fleet.app.gateway.relay.handed_over  # not read by the gateway
+        async with stalled_on(fleet, prefill, decode) as stalled:
             yield stalled
     finally:
         await close_fleet(fleet)
+
+
+@contextlib.asynccontextmanager
+async def stalled_on(
+    fleet: Fleet, prefill: EngineApp, decode: EngineApp
+) -> AsyncIterator[StalledAtTheHandoff]:
+    """`stalled_at_the_handoff` in `fleet`, the request prefilled on `prefill` (the only
+    prefill engine routable)."""
+    async with grpc.aio.insecure_channel(
+        fleet.target,
+        options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+    ) as slow_reader:
+        request = generate_request("r", list(range(1000, 3000)), max_tokens=50)
+        request.response.return_prompt_logprobs = True  # more than the client's window
+        call = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
+        stalled = StalledAtTheHandoff(fleet, prefill, decode, call)
+
+        async def handed_over() -> bool:
+            return await stalled.open_sessions() == 1
+
+        await eventually(handed_over)
+        assert "r" not in fleet.app.gateway.relay.handed_over  # not read by the gateway
+        yield stalled
 
 
 @pytest.mark.parametrize("target", ["request_id", "all_requests"])
@@ -441,14 +451,14 @@ async def held_config_change(
 
 
 async def _waiting_for_a_prefill_engine(
-    caplog: pytest.LogCaptureFixture, request_id: str, reading: asyncio.Future[Any]
+    fleet: Fleet, reading: asyncio.Future[Any], waits: int = 1
 ) -> None:
-    """Until the gateway logs that request `request_id` waits for a prefill engine, or the
-    client's `reading` of it ends (it did not wait)."""
-    said = f"request {request_id}: no prefill engine takes traffic; waiting"
+    """Until `waits` requests waited for a prefill engine (`kvplane_controller_prefill_waits`),
+    or the client's `reading` of one ends (it did not wait)."""
+    counted = fleet.app.controller.metrics.prefill_waits
 
     def waiting() -> bool:
-        return reading.done() or any(said in r.getMessage() for r in caplog.records)
+        return reading.done() or counted._value.get() >= waits
 
     await eventually(waiting)
 
@@ -519,18 +529,17 @@ async def test_a_session_lost_to_a_config_change_runs_again_where_a_new_request_
 
 
 async def test_a_run_again_waits_for_its_prefill_engine_back_in_routing(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As above, decode engines not prefilling, but the prefill engine is back in routing
     within `router.prefill_wait_s` (here far longer than the test's bound): the run again,
     finding no prefill engine routable, waits for one, woken as the engine is taken in, and
     runs there; the client, reading on, gets all its tokens. It used to get the first
     loss's retryable EngineError at once, the engine back a moment later."""
-    caplog.set_level(logging.INFO, logger="controller.relay")
     async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
         stalled = held.stalled
         reading = asyncio.ensure_future(_read_all(stalled.call))
-        await _waiting_for_a_prefill_engine(caplog, "r", reading)
+        await _waiting_for_a_prefill_engine(stalled.fleet, reading)
         held.resume.set()
         async with asyncio.timeout(30):  # a bound, not a measurement
             responses = await reading
@@ -546,18 +555,17 @@ async def test_a_run_again_waits_for_its_prefill_engine_back_in_routing(
 
 
 async def test_a_new_request_waits_for_a_prefill_engine_back_in_routing(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A new request, no prefill engine routable (the only one held out of routing after a
     config change), decode engines not prefilling: it waits for a prefill engine, and runs
     once that one is back, where it was refused UNAVAILABLE "no prefill engine available"
     at once."""
-    caplog.set_level(logging.INFO, logger="controller.relay")
     async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
         stalled = held.stalled
         new_request = generate_request("r2", PROMPT, max_tokens=2)
         reading = asyncio.ensure_future(_read_all(stalled.fleet.gateway.Generate(new_request)))
-        await _waiting_for_a_prefill_engine(caplog, "r2", reading)
+        await _waiting_for_a_prefill_engine(stalled.fleet, reading)
         held.resume.set()
         async with asyncio.timeout(30):  # a bound, not a measurement
             reply = await reading
@@ -568,56 +576,216 @@ async def test_a_new_request_waits_for_a_prefill_engine_back_in_routing(
         await stalled.assert_nothing_left()
 
 
-async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() -> None:
-    """The only prefill engine stopped, unreachable for longer than
-    `health.abandon_streams_after_s` (here 1 s): a new request does not wait
-    `router.prefill_wait_s` (here far longer than the test's bound) for it, dead as far as
-    its calls are concerned, but is refused UNAVAILABLE "no prefill engine available" at
-    once, as before the wait existed."""
+async def test_a_run_again_does_not_wait_for_the_prefill_engine_that_did_not_answer() -> None:
+    """The only prefill engine, holding the request's KV session, stops before the gateway
+    read its handoff, and is out of routing (unreachable, not for long) when the client reads
+    on: the decode engine's pull fails, the engine does not answer the session's release,
+    so the request runs again without it. No other prefill engine may come back, so it does
+    not wait `router.prefill_wait_s` (here far longer than the test's bound) for that one,
+    which it would not go to: the client gets the failure at once, as before the wait
+    existed. It used to wait for it, the engine's instance id taken for its address."""
+    async with stalled_at_the_handoff(
+        router={"prefill_wait_s": 3600.0}, health={"abandon_streams_after_s": 3600.0}
+    ) as stalled:
+        fleet = stalled.fleet
+        registry = fleet.app.controller.fleet.registry
+        address = fleet.address(stalled.prefill)
+        await stalled.prefill.close()
+        await eventually(lambda: registry.get(address).unreachable_since_s is not None)
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            responses = [r async for r in stalled.call]
+        assert [r.WhichOneof("event") for r in responses] == ["prompt", "error"]
+        assert responses[-1].error.retryable
+        assert f"engine {address}, which held the request's KV session, does not answer" in (
+            responses[-1].error.message
+        )
+        assert fleet.app.controller.metrics.prefill_waits._value.get() == 0
+
+
+async def test_a_run_again_goes_to_a_prefill_engine_back_since_the_request_was_planned() -> None:
+    """Two prefill engines, one out of routing (cordoned here; restarting in a rolling
+    restart) when a request is planned and prefilled on the other; that one then stops
+    before the gateway read its handoff, the first is back in routing. The request runs
+    again where a new request would go then, on the engine back, and the client, reading
+    on, gets all its tokens. It used to fail ("does not answer"), run again among its first
+    plan's candidates only, the engine back not among them."""
+    engine_config: dict[str, Any] = {"num_kv_blocks": 1100, "max_model_len": 4096}
+    p0 = await start_sim_engine("p0", role="prefill", **engine_config)
+    p1 = await start_sim_engine("p1", role="prefill", **engine_config)
+    d0 = await start_sim_engine("d0", role="decode", **engine_config)
+    fleet = await make_fleet(engines=[p0, p1, d0])
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(p1)))
+        async with stalled_on(fleet, p0, d0) as stalled:
+            await fleet.admin.Uncordon(apb.EngineRef(engine=fleet.address(p1)))
+            registry = fleet.app.controller.fleet.registry
+            await p0.close()
+            await eventually(lambda: not registry.get(fleet.address(p0)).routable)
+            async with asyncio.timeout(30):  # a bound, not a measurement
+                responses = [r async for r in stalled.call]
+        events = [r.WhichOneof("event") for r in responses]
+        assert events == ["prompt", *["token"] * 50, "finished"]
+        assert "r" in p1.service._finished  # the run again's prefill
+        assert "r" in d0.service._finished
+        assert fleet.app.controller.metrics.requests.labels("ok")._value.get() == 1
+        relay = fleet.app.gateway.relay
+        await eventually(lambda: not relay.running)
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+@contextlib.asynccontextmanager
+async def prefill_stopped(
+    abandon_streams_after_s: float, prefill_wait_s: float = 3600.0
+) -> AsyncIterator[Fleet]:
+    """A controller in front of a prefill and a decode engine (sim), decode engines not
+    prefilling, waiting `router.prefill_wait_s` (by default far longer than any test's
+    bound); the prefill engine stopped, out of routing (unreachable), with
+    `health.abandon_streams_after_s`."""
     prefill = await start_sim_engine("p0", role="prefill")
     decode = await start_sim_engine("d0", role="decode")
     fleet = await make_fleet(
         engines=[prefill, decode],
-        router={"prefill_wait_s": 3600.0},
-        health={"abandon_streams_after_s": 1.0},
+        router={"prefill_wait_s": prefill_wait_s},
+        health={"abandon_streams_after_s": abandon_streams_after_s},
     )
     try:
         registry = fleet.app.controller.fleet.registry
-        clock = fleet.app.controller.clock
         address = fleet.address(prefill)
         await prefill.close()
+        await eventually(lambda: registry.get(address).unreachable_since_s is not None)
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def _refused_no_prefill_engine(fleet: Fleet, request_id: str) -> None:
+    """A new request is refused UNAVAILABLE "no prefill engine available" (within the
+    test's bound)."""
+    request = generate_request(request_id, PROMPT, max_tokens=2)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            [r async for r in fleet.gateway.Generate(request)]
+    assert (refused.value.code(), refused.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "no prefill engine available",
+    )
+
+
+async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() -> None:
+    """The only prefill engine stopped, unreachable for longer than
+    `health.abandon_streams_after_s` (here 1 s): a new request does not wait
+    `router.prefill_wait_s` for it, dead as far as its calls are concerned, but is refused
+    UNAVAILABLE "no prefill engine available" at once, as before the wait existed."""
+    async with prefill_stopped(abandon_streams_after_s=1.0) as fleet:
+        registry = fleet.app.controller.fleet.registry
+        clock = fleet.app.controller.clock
+        address = fleet.address(fleet.engines[0])
 
         def dead_for_long() -> bool:
             since_s = registry.get(address).unreachable_since_s
             return since_s is not None and clock() - since_s > 1.0
 
         await eventually(dead_for_long)
-        request = generate_request("r", PROMPT, max_tokens=2)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            async with asyncio.timeout(30):  # a bound, not a measurement
-                [r async for r in fleet.gateway.Generate(request)]
-        assert (refused.value.code(), refused.value.details()) == (
-            grpc.StatusCode.UNAVAILABLE,
-            "no prefill engine available",
-        )
-    finally:
-        await close_fleet(fleet)
+        await _refused_no_prefill_engine(fleet, "r")
 
 
-@pytest.mark.parametrize("ended_by", ["client_cancel", "gateway_abort"])
+async def test_no_wait_for_a_prefill_engine_where_the_wait_is_0(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`router.prefill_wait_s: 0`: a new request finding no prefill engine routable, the only
+    one stopped but not for long, is refused at once, neither counted nor logged as waiting
+    (it used to be both, "waiting up to 0.0 s")."""
+    caplog.set_level(logging.INFO, logger="controller.relay")
+    async with prefill_stopped(abandon_streams_after_s=3600.0, prefill_wait_s=0.0) as fleet:
+        await _refused_no_prefill_engine(fleet, "r")
+        assert fleet.app.controller.metrics.prefill_waits._value.get() == 0
+        assert not any("waiting up to" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_wait_for_a_prefill_engine_ends_once_it_is_dead_for_long() -> None:
+    """A new request waits for the only prefill engine, stopped, unreachable for less than
+    `health.abandon_streams_after_s` (here 5 s) yet; once it is unreachable for longer,
+    dead as far as its calls are concerned, the wait ends (no registry change tells it: the
+    time does), and the request is refused UNAVAILABLE "no prefill engine available", as
+    one arriving then is. It used to wait all of `router.prefill_wait_s` (here far longer
+    than the test's bound)."""
+    async with prefill_stopped(abandon_streams_after_s=5.0) as fleet:
+        refused = asyncio.ensure_future(_refused_no_prefill_engine(fleet, "r"))
+        await _waiting_for_a_prefill_engine(fleet, refused)
+        assert not refused.done()  # it waits
+        await refused
+
+
+async def test_requests_waiting_for_a_prefill_engine_are_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Requests waiting for the only prefill engine (stopped, but not for long) are each
+    counted (`kvplane_controller_prefill_waits_total`), and logged once at most every 10
+    s, not a line each: every request meets the outage while it lasts. Their clients
+    cancelling, nothing is left in flight."""
+    caplog.set_level(logging.INFO, logger="controller.relay")
+    async with prefill_stopped(abandon_streams_after_s=3600.0) as fleet:
+        calls = [
+            fleet.gateway.Generate(generate_request(f"r{i}", PROMPT, max_tokens=2))
+            for i in range(3)
+        ]
+        readings = asyncio.gather(*(_read_all(call) for call in calls), return_exceptions=True)
+        await _waiting_for_a_prefill_engine(fleet, readings, waits=3)
+        said = "no prefill engine takes traffic; waiting"
+        assert sum(said in r.getMessage() for r in caplog.records) == 1
+        for call in calls:
+            call.cancel()
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            await readings
+        relay = fleet.app.gateway.relay
+        await eventually(lambda: not relay.running)
+        assert fleet.app.controller.metrics.requests.labels("cancelled")._value.get() == 3
+
+
+async def test_a_deadline_passing_while_a_request_waits_for_a_prefill_engine() -> None:
+    """New requests whose deadline (here 1 s) is shorter than their wait for a prefill engine
+    (the only one stopped, but not for long): each ends as any call whose deadline passes,
+    its client getting DEADLINE_EXCEEDED, counted cancelled, nothing left in flight. The
+    wait used to end at the deadline too, by a timer of its own racing gRPC's: a client got
+    UNAVAILABLE "no prefill engine available" or DEADLINE_EXCEEDED, and a request was
+    counted no_engine or cancelled, by chance."""
+    async with prefill_stopped(abandon_streams_after_s=3600.0) as fleet:
+
+        async def past_its_deadline(request_id: str) -> grpc.StatusCode:
+            request = generate_request(request_id, PROMPT, max_tokens=2)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                [r async for r in fleet.gateway.Generate(request, timeout=1.0)]
+            return ended.value.code()
+
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            codes = await asyncio.gather(*(past_its_deadline(f"r{i}") for i in range(5)))
+        assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 5
+        relay = fleet.app.gateway.relay
+        await eventually(lambda: not relay.running)
+        requests = fleet.app.controller.metrics.requests
+        assert requests.labels("cancelled")._value.get() == 5
+        assert requests.labels("no_engine")._value.get() == 0
+        assert len(fleet.app.controller.router.inflight) == 0
+
+
+@pytest.mark.parametrize(
+    "ended_by", ["client_cancel", "gateway_abort", "gateway_abort_all", "gateway_drain"]
+)
 async def test_a_run_again_waiting_for_a_prefill_engine_ends_when_it_is_cancelled(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ended_by: str
+    monkeypatch: pytest.MonkeyPatch, ended_by: str
 ) -> None:
     """The run again waits for the prefill engine (held out of routing, the wait far
     longer than the test's bound) when its client cancels, or an Abort through the gateway
-    comes: the request ends then, nothing left in flight on the gateway or either engine;
+    comes (of its id, `all_requests`, the gateway's own Drain aborting past its deadline):
+    the request ends then, nothing left in flight on the gateway or either engine;
     cancelled, counted so; aborted, as one aborted between two engines, each output
     finished CANCELLED."""
-    caplog.set_level(logging.INFO, logger="controller.relay")
     async with held_config_change(monkeypatch, {"prefill_wait_s": 3600.0}) as held:
         stalled = held.stalled
         reading = asyncio.ensure_future(_read_all(stalled.call))
-        await _waiting_for_a_prefill_engine(caplog, "r", reading)
+        await _waiting_for_a_prefill_engine(stalled.fleet, reading)
         assert not reading.done()
         metrics = stalled.fleet.app.controller.metrics
         if ended_by == "client_cancel":
@@ -629,8 +797,17 @@ async def test_a_run_again_waiting_for_a_prefill_engine_ends_when_it_is_cancelle
             await eventually(lambda: not relay.running)
             assert metrics.requests.labels("cancelled")._value.get() == 1
         else:
-            reply = await stalled.fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
-            assert reply.status == pb.ABORT_STATUS_ABORTED
+            gateway = stalled.fleet.gateway
+            if ended_by == "gateway_drain":
+                drain = pb.DrainRequest(deadline_ms=0, abort_after_deadline=True)
+                async with asyncio.timeout(30):  # a bound, not a measurement
+                    events = [e async for e in gateway.Drain(drain)]
+                assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+            else:
+                everything = pb.AbortRequest(all_requests=pb.AllRequests())
+                one = pb.AbortRequest(request_id="r")
+                reply = await gateway.Abort(everything if ended_by.endswith("all") else one)
+                assert reply.status == pb.ABORT_STATUS_ABORTED
             async with asyncio.timeout(30):  # a bound, not a measurement
                 responses = await reading
             assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
