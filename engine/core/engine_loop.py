@@ -14,7 +14,10 @@ request submitted with the id right after is accepted, and the old one's end nev
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
 outputs it produced before it failed (the ends of requests it ended), and the loop carries
 on; a failing sink aborts its request; a request whose abort fails in the core ends ERROR
-(an abandoned one's id is free all the same); a failing `on_step` observer is logged; if the thread
+(an abandoned one's id is free all the same); if the core's abort of every request fails, each
+is aborted on its own (by `abort`'s rule) and `abort_all`'s future fails (AbortFailedError); an
+output after its request's end (one such a failing abort made up) reaches no sink; a failing
+`on_step` observer is logged; if the thread
 itself dies, every live request still gets a terminal ERROR output.
 """
 
@@ -38,7 +41,7 @@ from engine.core.api import (
     StepResult,
     Usage,
 )
-from engine.core.errors import DuplicateRequestError, EngineStoppedError
+from engine.core.errors import AbortFailedError, DuplicateRequestError, EngineStoppedError
 from engine.core.lora import LoraSlot
 
 if TYPE_CHECKING:
@@ -318,15 +321,53 @@ class EngineLoop:
             del self._abandoned[request_id]
 
     def abort_all(self) -> Future[list[str]]:
+        """Cancel every request submitted so far; the future lists those still running. Should
+        the core's abort of them all fail, each is aborted on its own (`abort`'s rules: one
+        whose abort fails too, or that the core forgot, its end never emitted, ends ERROR),
+        and the future fails with AbortFailedError."""
         future: Future[list[str]] = Future()
 
         def command() -> list[RequestOutput]:
-            outputs = self.core.abort_all()
+            try:
+                outputs = self.core.abort_all()
+            except Exception as exc:
+                logger.exception("aborting every request failed; aborting them one by one")
+                outputs = self._abort_each(taken_in, f"aborting every request failed: {exc}")
+                ended = {o.request_id for o in outputs if o.usage is not None}
+                failed = {o.request_id for o in outputs if o.finish_reason is FinishReason.ERROR}
+                future.set_exception(
+                    AbortFailedError(
+                        "aborting every request failed in the engine; each was aborted on its "
+                        f"own: {len(failed)} of {len(ended)} ended with an error"
+                    )
+                )
+                return outputs
             future.set_result(sorted({o.request_id for o in outputs}))
             return outputs
 
-        self._enqueue(command, future)
+        with self._cond:  # the requests the core has taken in when the command runs
+            taken_in = dict(self._sinks)
+            self._enqueue(command, future)
         return future
+
+    def _abort_each(
+        self, requests: dict[str, tuple[OutputSink, EngineRequest]], message: str
+    ) -> list[RequestOutput]:
+        """Abort each of `requests` still live (not ended, abandoned or replaced since) in
+        the core, on the engine thread; one whose abort fails, or that the core no longer
+        holds (it ended it without emitting the end), ends ERROR with `message`."""
+        outputs: list[RequestOutput] = []
+        for request_id, entry in requests.items():
+            with self._cond:
+                if self._sinks.get(request_id) is not entry:
+                    continue
+            try:
+                ended = self.core.abort(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+                ended = []
+            outputs.extend(ended or _failed_outputs(entry[1], message))
+        return outputs
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         """Run `fn(core)` in the engine thread between steps (snapshots, cache resets).
@@ -450,14 +491,24 @@ class EngineLoop:
             previous, self._load = self._load, load
             self._submitted_in_load = submitted
         failed: list[str] = []  # requests whose sink failed, dropped as abandoned ones
-        outputs = [o for o in result.outputs if not isinstance(o, _AbandonSettled)]
+        # Requests whose end this result handed over: an output of theirs after it (an end a
+        # failing abort made up for a request a command before it had ended) is stale, and
+        # reaches no sink (though a request may have taken the id as the end was handed over)
+        # nor the report, dropped as the marks of abandoned requests' aborts are.
+        ended: set[str] = set()
+        kept: list[RequestOutput] = []
         for output in result.outputs:
+            if not isinstance(output, _AbandonSettled):
+                if output.request_id in ended:
+                    continue
+                kept.append(output)
             with self._cond:
                 if self._take_abandoned(output):
                     continue
                 live = self._sinks.get(output.request_id)
                 if output.usage is not None:
                     self._sinks.pop(output.request_id, None)
+                    ended.add(output.request_id)
             if live is None:
                 continue
             sink = live[0]
@@ -487,8 +538,8 @@ class EngineLoop:
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()
-        if dropped or len(outputs) != len(result.outputs):
-            result = StepResult([*outputs, *dropped], result.stats, result.num_preempted)
+        if dropped or len(kept) != len(result.outputs):
+            result = StepResult([*kept, *dropped], result.stats, result.num_preempted)
         events = self.core.take_kv_events()
         # A command may change the load alone (releasing a KV session frees blocks).
         changed = bool(

@@ -25,6 +25,11 @@ class EngineStoppedError(EngineCoreError):
     """The engine loop has stopped (or failed) and accepts no more work (UNAVAILABLE)."""
 
 
+class AbortFailedError(EngineCoreError):
+    """The core failed to abort every request at once (Abort of all requests): each was then
+    aborted on its own, one whose abort failed too ending ERROR (INTERNAL)."""
+
+
 class InvalidLoraError(InvalidRequestError):
     """A LoadLora request or the adapter it names is malformed: a non-positive id, an empty
     name (UnloadLora's too), a relative or missing directory, an unreadable or incomplete

@@ -16,6 +16,7 @@ import grpc
 
 from engine.core.api import ErrorKind
 from engine.core.errors import (
+    AbortFailedError,
     DuplicateRequestError,
     EngineStoppedError,
     InvalidRequestError,
@@ -129,6 +130,7 @@ _TABLE: tuple[_Reported, ...] = (
     _Reported(KvTransferError, pb.ERROR_CODE_KV_TRANSFER_FAILED, retryable=True),
     _Reported(DuplicateRequestError, pb.ERROR_CODE_DUPLICATE_REQUEST),
     _Reported(NonFiniteOutputError, pb.ERROR_CODE_INTERNAL),
+    _Reported(AbortFailedError, pb.ERROR_CODE_INTERNAL),
     _Reported(OverloadedError, pb.ERROR_CODE_OVERLOADED, retryable=True),
     _Reported(
         ReplayNotCoveredError, pb.ERROR_CODE_INVALID_ARGUMENT, status=grpc.StatusCode.OUT_OF_RANGE

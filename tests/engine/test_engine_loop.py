@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -24,7 +25,12 @@ from engine.core.api import (
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.engine_loop import OutputSink
-from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
+from engine.core.errors import (
+    AbortFailedError,
+    DuplicateRequestError,
+    EngineStoppedError,
+    InvalidRequestError,
+)
 from engine.core.lora import AdapterConfig, LoraAdapter, TargetModules
 from engine.core.sim_runner import SimRunner
 from engine.server.metrics import EngineMetrics
@@ -343,6 +349,110 @@ async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> N
     assert core.failed
     assert (await collect(first))[-1].finish_reason is FinishReason.ERROR
     await a_request_of_the_id_runs_to_its_end(engine)
+    engine.stop(timeout_s=10)
+
+
+class AbortAllFails(EngineCore):
+    """A core whose abort of every request fails once per `armed.release()` (once at first),
+    before it did anything or (`forgets`) after it ended every request (as one whose freeing
+    of their resources raises): those are gone, their ends never emitted."""
+
+    forgets = False
+    failures = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = threading.Semaphore(1)
+
+    def abort_all(
+        self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
+    ) -> list[RequestOutput]:
+        # The loop's own (ERROR: a step or the thread failed) never fails.
+        if reason is not FinishReason.CANCELLED or not self.armed.acquire(blocking=False):
+            return super().abort_all(reason, message)
+        self.failures += 1
+        if self.forgets:
+            super().abort_all(reason, message)
+        raise RuntimeError("freeing the requests' resources failed")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("forgets", "finish"), [(False, FinishReason.CANCELLED), (True, FinishReason.ERROR)]
+)
+async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_answered(
+    forgets: bool, finish: FinishReason
+) -> None:
+    """Every request is aborted (the AbortAll RPC) and the core's abort of them all fails.
+    The abort is answered (AbortFailedError), every request's stream ends, each aborted on its
+    own (CANCELLED), or ERROR where the core had ended it without emitting its end, the engine
+    goes idle, and a request under a used id runs to its end. The abort's future was never
+    resolved (the RPC waited for ever), and the requests ran on."""
+    core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.forgets = forgets
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
+    # Held: the requests are in the core (added) when the abort runs, whatever the pace.
+    async with engine_thread_held(engine):
+        for request_id, queue in zip(["same", "other"], queues, strict=True):
+            engine.submit(
+                EngineRequest(
+                    request_id, (1, 2, 3), SamplingParams(max_tokens=100_000, num_sequences=2)
+                ),
+                asyncio_sink(loop, queue),
+            )
+        aborted = engine.abort_all()
+    errors = 2 if forgets else 0
+    with pytest.raises(AbortFailedError, match=f"each was aborted on its own: {errors} of 2 "):
+        await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    assert core.failures == 1
+    for queue in queues:
+        outputs = await collect(queue)
+        assert sorted(o.output_index for o in outputs if o.finished) == [0, 1]
+        assert {o.finish_reason for o in outputs if o.finished} == {finish}
+    await a_request_of_the_id_runs_to_its_end(engine)
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for_it() -> None:
+    """A request is aborted, and an abort of all comes in the same round of the engine thread,
+    where the core's abort of them all fails: aborted on its own, the request, ended already
+    (its end not handed over yet), is no longer in the core, so it ends ERROR once more. Its
+    client retries under its id as it gets its (CANCELLED) end. The retry gets its own
+    outputs to its end; it used to get that second, stale end (ERROR) instead."""
+    core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    to_first = asyncio_sink(loop, first)
+
+    def retrying(output: RequestOutput) -> None:
+        to_first(output)
+        if output.usage is not None:  # on the engine thread, as its end is handed over
+            engine.submit(
+                EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)),
+                asyncio_sink(loop, retried),
+            )
+
+    async with engine_thread_held(engine):  # the abort and the abort of all: one round
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=100_000)), retrying
+        )
+        aborted = engine.abort("same")
+        aborted_all = engine.abort_all()
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    with pytest.raises(AbortFailedError):
+        await asyncio.wait_for(asyncio.wrap_future(aborted_all), timeout=10)
+    assert (await collect(first))[-1].finish_reason is FinishReason.CANCELLED
+    outputs = await collect(retried)
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 2
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
     engine.stop(timeout_s=10)
 
 

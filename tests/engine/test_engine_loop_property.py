@@ -1,6 +1,7 @@
 """EngineLoop's request ids against a naive model, under any order of submit, abandon (the
-client gone), abort (the RPC), abort_all, a sink that fails once, a failing forward pass and
-the engine thread held or let run, over three ids reused all the time (hypothesis stateful).
+client gone), abort (the RPC), abort_all (which may fail in the core), a sink that fails once,
+a failing forward pass and the engine thread held or let run, over three ids reused all the
+time (hypothesis stateful).
 
 The model is each request's own outputs: the sim runner's tokens are a function of the prompt's
 last token, so every request (a prompt of its own) knows the tokens it may get. Sinks may also
@@ -43,8 +44,8 @@ from engine.core.api import (
 )
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.engine_loop import OutputSink
-from engine.core.errors import DuplicateRequestError
-from tests.engine.test_engine_loop import FlakyRunner
+from engine.core.errors import AbortFailedError, DuplicateRequestError
+from tests.engine.test_engine_loop import AbortAllFails, FlakyRunner
 
 IDS = ("a", "b", "c")
 WAIT_S = 10.0
@@ -94,7 +95,9 @@ class EngineLoopIds(RuleBasedStateMachine):
         super().__init__()
         self.runner = FlakyRunner(block_size=4, num_blocks=16, time_scale=0.0)
         config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)
-        self.engine = EngineLoop(EngineCore(self.runner, config))
+        self.core = AbortAllFails(self.runner, config)
+        self.core.armed.acquire()  # its abort of all fails only as `abort` arms it
+        self.engine = EngineLoop(self.core)
         self.engine.start()
         # Guards the model; taken before the loop's lock (never held while waiting for the
         # engine thread), by the test thread and by sinks on the engine thread.
@@ -105,6 +108,7 @@ class EngineLoopIds(RuleBasedStateMachine):
         self.go_on: threading.Event | None = None  # the engine thread is held until set
         self.held: Future[None] | None = None
         self.futures: list[Future[Any]] = []
+        self.abort_all_failures = 0  # how many of the core's aborts of all were armed to fail
         self.violations: list[str] = []
 
     # ------------------------------------------------------------------ the model's requests
@@ -225,10 +229,14 @@ class EngineLoopIds(RuleBasedStateMachine):
     def abandon(self, request_id: str) -> None:
         self._abandon(request_id)
 
-    @rule(request_id=st.none() | st.sampled_from(IDS))
-    def abort(self, request_id: str | None) -> None:
-        """Abort (the RPC) of an id, or of all (None)."""
+    @rule(request_id=st.none() | st.sampled_from(IDS), core_fails=st.booleans())
+    def abort(self, request_id: str | None, core_fails: bool) -> None:
+        """Abort (the RPC) of an id, or of all (None): then the core's abort of them all may
+        fail (before it did anything), when each request is aborted on its own."""
         if request_id is None:
+            if core_fails:
+                self.abort_all_failures += 1
+                self.core.armed.release()
             self.futures.append(self.engine.abort_all())
         else:
             self.futures.append(self.engine.abort(request_id))
@@ -286,8 +294,12 @@ class EngineLoopIds(RuleBasedStateMachine):
                 break
         else:
             raise AssertionError("the engine never settled")
+        failed = 0  # every abort answered; those of all whose core failed with AbortFailedError
         for future in self.futures:
-            future.result(WAIT_S)
+            if future.exception(WAIT_S) is not None:
+                assert isinstance(future.exception(), AbortFailedError), future.exception()
+                failed += 1
+        assert failed == self.abort_all_failures == self.core.failures
 
     def _check(self) -> None:
         engine = self.engine

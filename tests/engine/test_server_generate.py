@@ -345,6 +345,43 @@ async def test_abort_all_and_client_cancel_free_everything() -> None:
         await eventually(lambda: idle(engine), what="engine idle after client cancel")
 
 
+async def test_an_abort_of_all_that_fails_in_the_engine_is_answered_internal() -> None:
+    """Abort of all requests, and the core's abort of them all fails after it ended them (as
+    one whose freeing of their resources raises), their ends never emitted: the call answers
+    INTERNAL saying so, every stream ends with an INTERNAL error, and the engine goes idle and
+    serves the next request. The call used to wait for ever, and the streams too."""
+    async with running_engine(_slow_config()) as engine:
+        core = engine.app.service.engine_loop.core
+        streams = [
+            engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id=f"r{i}"))
+            for i in range(2)
+        ]
+        for stream in streams:
+            await _first_token(stream)
+        with pytest.MonkeyPatch.context() as patch:
+            ends_them = core.abort_all
+
+            def failing(*args: Any) -> list[Any]:
+                ends_them(*args)
+                raise RuntimeError("freeing the requests' resources failed")
+
+            patch.setattr(core, "abort_all", failing)
+            failed = await rpc_error(
+                asyncio.wait_for(
+                    engine.stub.Abort(pb.AbortRequest(all_requests=pb.AllRequests())), timeout=20
+                )
+            )
+        assert failed.code() == grpc.StatusCode.INTERNAL
+        assert "aborting every request failed" in (failed.details() or "")
+        for stream in streams:
+            rest = await _rest(stream)
+            assert rest[-1].WhichOneof("event") == "error"
+            assert rest[-1].error.code == pb.ERROR_CODE_INTERNAL
+        await eventually(lambda: idle(engine), what="engine idle after the failed abort")
+        responses = await collect(engine.stub, generate_request(PROMPT, request_id="r0"))
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+
+
 async def test_drain_stops_admission_and_completes_when_work_ends() -> None:
     async with running_engine(_slow_config()) as engine:
         stream = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="d"))
