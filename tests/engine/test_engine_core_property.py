@@ -1,9 +1,10 @@
 """EngineCore against a naive model (hypothesis stateful): any order of add_request (prompts
 over a two-token alphabet, so prefixes are shared across requests, with cached blocks and with
 generated tokens; n of 1 or 2; a stop token maybe; priorities, a cache salt, a bypass of the
-prefix cache; a KV session asked for; pulled KV imported or held first), abort, abort_all,
-step, reset_prefix_cache, and the KV sessions' read and release, over a cache so small that
-sequences are preempted and recomputed all the time.
+prefix cache, prompt logprobs; a KV session asked for; pulled KV imported or held first),
+abort, abort_all, step, a step whose forward pass fails (then every request failed, as
+`EngineLoop` does, or the core steps on), reset_prefix_cache, and the KV sessions' read and
+release, over a cache so small that sequences are preempted and recomputed all the time.
 
 The runner is the sim's, whose KV slots hold, for real, a digest of the context up to their
 position: every pass writes its chunks' slots, then checks that every slot each sequence
@@ -18,7 +19,8 @@ After every rule:
    exactly the block manager's cached blocks: what a router believes is what the engine holds;
 2. every request ends exactly once (one output with `usage`, its outputs each finished once,
    nothing after its end), each output with the sim's tokens, at most `max_tokens` of them,
-   finished as the model says (CANCELLED when aborted, STOP at its stop token, else LENGTH);
+   finished as the model says (CANCELLED when aborted, ERROR when failed, STOP at its stop
+   token, else LENGTH), its prompt logprobs once, its usage's cached tokens whole blocks;
 3. with no request, no session held, no block is in use (and otherwise exactly the blocks of
    the sessions' prompts are, with no request left);
 4. `load()` agrees with the model: unfinished outputs (running + waiting), held sessions,
@@ -84,6 +86,7 @@ class KvCheckingRunner(SimRunner):
     def __init__(self) -> None:
         super().__init__(block_size=BLOCK, num_blocks=NUM_BLOCKS, vocab_size=VOCAB, time_scale=0)
         self.slots: dict[int, list[bytes]] = {}
+        self.fail_next_pass = False  # the next pass raises, writing nothing
 
     @property
     def kv_layout(self) -> str:
@@ -97,6 +100,9 @@ class KvCheckingRunner(SimRunner):
         return self.slots.setdefault(block_id, [EMPTY] * BLOCK)
 
     def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        if self.fail_next_pass:
+            self.fail_next_pass = False
+            raise RuntimeError("device lost")
         contexts = []
         for seq in batch.sequences:  # the pass writes every chunk's KV before any is read
             context = (*seq.prompt_token_ids, *seq.output_token_ids)
@@ -274,7 +280,29 @@ class EngineCoreModel(RuleBasedStateMachine):
     def step(self, steps: int) -> None:
         for _ in range(steps):
             for output in self.core.step().outputs:
-                self._record(output, aborted=False)
+                self._record(output)
+
+    @rule(fail_requests=st.booleans())
+    def failing_step(self, fail_requests: bool) -> None:
+        """A step whose forward pass raises (if one runs): its scheduled blocks hold no KV. Then
+        every request fails, as `EngineLoop` does, or the core just steps on."""
+        self.runner.fail_next_pass = True
+        try:
+            outputs = self.core.step().outputs
+        except RuntimeError:
+            assert self.core.take_failed_step_outputs() == []  # nothing ends before a pass
+            if fail_requests:
+                expected = sum(req.num_unfinished for req in self.live.values())
+                outputs = self.core.abort_all(FinishReason.ERROR, "engine step failed")
+                assert len(outputs) == expected
+                for output in outputs:
+                    self._record(output, ended_by=FinishReason.ERROR)
+                assert not self.live
+            return
+        assert self.runner.fail_next_pass  # no pass ran
+        self.runner.fail_next_pass = False
+        for output in outputs:
+            self._record(output)
 
     @rule(request_id=st.sampled_from(IDS))
     def abort(self, request_id: str) -> None:
@@ -282,7 +310,7 @@ class EngineCoreModel(RuleBasedStateMachine):
         outputs = self.core.abort(request_id)
         assert len(outputs) == (0 if req is None else req.num_unfinished)
         for output in outputs:
-            self._record(output, aborted=True)
+            self._record(output, ended_by=FinishReason.CANCELLED)
         assert request_id not in self.live
 
     @rule()
@@ -291,7 +319,7 @@ class EngineCoreModel(RuleBasedStateMachine):
         outputs = self.core.abort_all()
         assert len(outputs) == expected
         for output in outputs:
-            self._record(output, aborted=True)
+            self._record(output, ended_by=FinishReason.CANCELLED)
         assert not self.live
 
     @rule()
@@ -303,7 +331,7 @@ class EngineCoreModel(RuleBasedStateMachine):
                 break
             result = self.core.step()
             for output in result.outputs:
-                self._record(output, aborted=False)
+                self._record(output)
             if result.stats is None and not result.outputs:  # waiting for the sessions
                 assert self.sessions, "stuck with no session held"
                 for session_id in list(self.sessions):
@@ -336,7 +364,8 @@ class EngineCoreModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the model's checks
 
-    def _record(self, output: RequestOutput, *, aborted: bool) -> None:
+    def _record(self, output: RequestOutput, *, ended_by: FinishReason | None = None) -> None:
+        """Check `output` against the model. `ended_by`: the reason of an abort (not a step)."""
         req = self.live.get(output.request_id)
         assert req is not None, f"an output for {output.request_id!r}, not running: {output}"
         index = output.output_index
@@ -359,8 +388,8 @@ class EngineCoreModel(RuleBasedStateMachine):
         reason = output.finish_reason
         if reason is not None:
             req.finished[index] = reason
-            if aborted:
-                assert reason is FinishReason.CANCELLED, output
+            if ended_by is not None:
+                assert reason is ended_by, output
             elif reason is FinishReason.STOP:
                 assert stop_at is not None and len(got) == stop_at, (output, req)
                 assert output.stop_match is not None
@@ -372,7 +401,7 @@ class EngineCoreModel(RuleBasedStateMachine):
             if (
                 index == 0
                 and session_id is not None
-                and not aborted
+                and ended_by is None
                 and session_id not in self.sessions
             ):
                 prompt = req.request.prompt_token_ids
