@@ -64,8 +64,9 @@
   after the engine's LoRA change in progress (`Fleet.lora_change_to`); LoadLora and
   UnloadLora update the fleet's LoRA intent (controller.lora_intent, also rebuilt from
   what the engines hold), and a load under a name it holds with another adapter, or for
-  another base model (on the fleet, or on one engine serving another), is ALREADY_EXISTS
-  before any engine is asked.
+  another base model than one it holds it for (a fleet-wide load's; a load on one engine's,
+  that engine's base model unless the load named one), on the fleet or on one engine, is
+  ALREADY_EXISTS before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`; the KV block counts only where every engine reporting them has one
   block size (a fleet serving models of 16- and 32-token blocks: absent), the KV in tokens
@@ -1264,7 +1265,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             known_model = (
                 None
                 if on_one is not None and target_model is None
-                else fleet.lora_intent.model_conflict(spec.lora_name, target_model)
+                else fleet.lora_intent.model_conflict(
+                    spec.lora_name, target_model, self._held_base_model
+                )
             )
             if known_model is not None:
                 await abort_with(
@@ -1370,6 +1373,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         read yet, or a controller fronted as an engine)."""
         identity = self.controller.fleet.registry.get(address).identity
         return identity.base_model if identity is not None else None
+
+    def _held_base_model(self, address: str) -> str | None:
+        """The base model of the engine at `address` holding an adapter of its own (None: not
+        read, a controller fronted as an engine, or no longer in the fleet)."""
+        try:
+            return self._base_model(address)
+        except UnknownEngineError:
+            return None
 
     def _fleet_lora_model(self) -> str | None:
         """The model a fleet-wide load naming none is for: the one base model the

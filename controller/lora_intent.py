@@ -15,7 +15,9 @@ the LoRA-capable engines serve when none is named, and refuses a fleet whose eng
 several), and the intent remembers it (`models`), so that an engine joining is given only the
 adapters of a model it serves. A load on one engine may name a model too (a controller fronted
 as an engine serves several, and refuses a load naming none): remembered with it
-(`engine_models`), and named again when it is restored there. An adapter found on every
+(`engine_models`), and named again when it is restored there. A load of a name held for
+another model is refused (`model_conflict`): a one-engine load (or an adapter found there)
+holds it for the model it named, else for that engine's base model. An adapter found on every
 engine (below) has no model: the engines' ListLoras does not say which base model an adapter
 was loaded for, so an adapter found is taken for the base model (first listed) of the engine
 it was found on: it is the fleet's, for that model, once every engine of that model the
@@ -124,11 +126,23 @@ class LoraIntent:
                 return known
         return None
 
-    def model_conflict(self, lora_name: str, model: str | None) -> str | None:
-        """The model the fleet holds `lora_name` for when it is another than `model`: one
-        name is one adapter, trained for one base model."""
-        known = self.models.get(lora_name)
-        return known if known is not None and known != model else None
+    def model_conflict(
+        self,
+        lora_name: str,
+        model: str | None,
+        base_model: Callable[[str], str | None] = lambda _: None,
+    ) -> str | None:
+        """A model the fleet holds `lora_name` for that is another than `model`: one name is
+        one adapter, trained for one base model. A fleet-wide load is for its model; a load
+        on one engine (or an adapter found there) for the model it named, else for that
+        engine's base model (`base_model(address)`; None: not known, or a controller fronted
+        as an engine, which serves several)."""
+        held_for = [self.models.get(lora_name)] + [
+            self.engine_models.get((name, address)) or base_model(address)
+            for name, address in self.loads
+            if name == lora_name and address is not None
+        ]
+        return next((m for m in held_for if m is not None and m != model), None)
 
     def loaded(self, spec: LoraSpec, address: str | None, model: str | None = None) -> None:
         """`spec` was loaded on the fleet (`address` None), for the engines serving `model`
@@ -345,9 +359,12 @@ class LoraIntent:
     def _make_fleet_wide(self, lora_name: str) -> None:
         """Every engine read holds the found adapter: the fleet's, in the place of its
         holders' entries (at the first one's place in the loading order), for the model it
-        was first found with."""
+        was first found with. Every holder gone meanwhile (left the fleet): loaded nowhere,
+        and held for no model (a load of it for another model is no conflict)."""
         model = self.undecided_models.get(lora_name)
         self._decided(lora_name)
+        if self._known(lora_name) is None:
+            return
         self._forget_engine_models(lambda name, _: name == lora_name)
         if model is None:
             self.models.pop(lora_name, None)

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+from controller.lora_intent import LoraSpec
 from controller.outcomes import ENGINE_METADATA_KEY
 from controller.registry import EngineState
 from controller.service import Controller
@@ -39,7 +40,7 @@ from tests.controller.test_gateway_scripted import outcomes
 from tests.engine.lora_adapters import write_adapter_config
 from tests.logged_errors import errors_logged
 from tests.polling import eventually
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, free_port
 from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(60)
@@ -203,6 +204,35 @@ async def test_a_restarted_controller_takes_the_fleets_adapters_back_from_its_en
             await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=third))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert f"conflicts with 'w' (id 3, {w.source_path})" in (err.value.details() or "")
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_adapter_found_on_engines_that_all_left_is_held_for_no_model(
+    tmp_path: Path,
+) -> None:
+    """e0 (serving `sim`), registered holding x while another engine registered was not read
+    yet (down), has x as its own until that one is read. Both removed, x is loaded nowhere:
+    loading it on the fleet's one LoRA base model, `other`, loads it there (it was refused
+    ALREADY_EXISTS, "loaded for model 'sim'", for the controller's life)."""
+    served_other = await start_sim_engine("eo", lora=LORA, served_model_name="other")
+    fleet = await make_fleet(engines=[served_other])
+    e0 = await start_sim_engine("e0", lora=LORA)
+    fleet.engines.append(e0)
+    intent = fleet.app.controller.fleet.lora_intent
+    try:
+        x = adapter(tmp_path, "x", 1)
+        await load_on(e0, x)
+        down, address = f"127.0.0.1:{free_port()}", fleet.address(e0)
+        for registered in (down, address):
+            await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=registered))
+        other_x = LoraSpec(1, "x", str(tmp_path / "other-x"))
+        await eventually(lambda: intent.conflict(other_x), 15, "x found on e0")
+        for removed in (address, down):
+            await fleet.admin.RemoveEngine(apb.EngineRef(engine=removed))
+        loaded = await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        assert not loaded.already_loaded
+        assert await engine_adapters(served_other) == {"x": x.source_path}
     finally:
         await close_fleet(fleet)
 

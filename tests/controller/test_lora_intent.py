@@ -113,3 +113,31 @@ def test_another_replicas_loads_and_unloads_are_adopted_as_its_intent_holds_them
     assert one.shared("x") is None
     other.adopt("x", one.shared("x"))
     assert other.wanted_on("a", ["m"]) == [] and other.wanted_on("c", ["m"]) == [y]
+
+
+def test_an_adapter_found_on_engines_that_all_left_is_held_for_no_model() -> None:
+    """x found on a (serving m1) while b was not read yet; a and b leave: x is loaded
+    nowhere, and held for no model (it was m1's: a load of it for m2 was refused)."""
+    intent = LoraIntent()
+    assert intent.found_on("a", [X], ["a", "b"], "m1") == []
+    intent.forget_engine("a")
+    intent.forget_engine("b")
+    assert intent.shared("x") is None
+    assert intent.model_conflict("x", "m2") is None and intent.models == {}
+
+
+def test_an_adapter_loaded_on_one_engine_is_held_for_that_engines_model() -> None:
+    """x loaded on a (serving m1) alone, or found there: a load of it for m2 conflicts, as
+    one for m1 does not; the model a load named on an engine decides over its base model."""
+    base = {"a": "m1", "ctl": None}.get
+    intent = LoraIntent()
+    intent.loaded(X, "a")
+    assert intent.model_conflict("x", "m2", base) == "m1"
+    assert intent.model_conflict("x", "m1", base) is None
+    found = LoraIntent()
+    found.found_on("a", [X], ["a", "b"], "m1")  # b not read yet: a's own
+    assert found.model_conflict("x", "m2", base) == "m1"
+    fronted = LoraIntent()
+    fronted.loaded(X, "ctl", "m2")
+    assert fronted.model_conflict("x", "m1", base) == "m2"
+    assert fronted.model_conflict("x", "m2", base) is None

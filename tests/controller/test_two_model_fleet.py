@@ -19,6 +19,7 @@ from controller.fleet import PromptView
 from controller.outcomes import ENGINE_METADATA_KEY
 from controller.registry import EngineRecord
 from engine.config import LoraConfig
+from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
@@ -318,6 +319,16 @@ async def test_health_naming_a_model_is_of_that_models_engines(two_models: Fleet
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def lora_engines_of_two_models() -> list[EngineApp]:
+    """a0 and a1 serving `a`, b0 serving `b` (blocks of 32), all taking LoRA adapters."""
+    lora = LoraConfig(enabled=True)
+    return [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("a1", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", block_size=32, lora=lora),
+    ]
+
+
 async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path) -> None:
     """`lora load` for the whole fleet went to every LoRA-capable engine, whatever model it
     serves: `x`, trained for `a`, was attached to `b0` too, and to a `b` engine registered
@@ -325,11 +336,7 @@ async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path)
     it on `a`'s engines only, and of the engines registered later only `a`'s gets it. A load
     of it on one engine of `b` (`--engine b0`) went through unchecked: refused too."""
     lora = LoraConfig(enabled=True)
-    engines = [
-        await start_sim_engine("a0", served_model_name="a", lora=lora),
-        await start_sim_engine("a1", served_model_name="a", lora=lora),
-        await start_sim_engine("b0", served_model_name="b", block_size=32, lora=lora),
-    ]
+    engines = await lora_engines_of_two_models()
     fleet = await make_fleet(engines=engines)
     try:
         t = ["--target", fleet.target]
@@ -374,6 +381,32 @@ async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path)
         )
         assert with_engine.exit_code != 0 and "INVALID_ARGUMENT" in str(with_engine.exception)
         assert "engine b0 does not serve model 'a'" in str(with_engine.exception)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_adapter_loaded_on_one_engine_is_held_for_that_engines_model(
+    tmp_path: Path,
+) -> None:
+    """`x` loaded on `a0` alone (`lora load --engine a0`) is `a`'s: loading it for `b`, on
+    the fleet or on `b0`, is refused ALREADY_EXISTS, as it is once loaded on the fleet for
+    `a` (both went through: `x`, trained for `a`, attached to `b0`); for `a` it loads."""
+    engines = await lora_engines_of_two_models()
+    fleet = await make_fleet(engines=engines)
+    try:
+        t = ["--target", fleet.target]
+        x = str(write_adapter_config(tmp_path / "x"))
+        on_a0 = await cli("lora", "load", "x", x, "--id", "1", "--engine", "a0", *t)
+        assert on_a0.exit_code == 0, on_a0.output
+        for where in (["--model", "b"], ["--engine", "b0"]):
+            refused = await cli("lora", "load", "x", x, "--id", "1", *where, *t)
+            assert refused.exit_code != 0, (where, refused.output)
+            assert "ALREADY_EXISTS" in str(refused.exception), where
+            assert "loaded for model 'a'" in str(refused.exception), where
+        assert [list(await engine_adapters(e)) for e in engines] == [["x"], [], []]
+        for_a = await cli("lora", "load", "x", x, "--id", "1", "--model", "a", *t)
+        assert for_a.exit_code == 0, for_a.output
+        assert [list(await engine_adapters(e)) for e in engines] == [["x"], ["x"], []]
     finally:
         await close_fleet(fleet)
 
