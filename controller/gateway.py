@@ -66,7 +66,8 @@
   what the engines hold), and a load under a name it holds with another adapter, or for
   another base model than one it holds it for (a fleet-wide load's; a load on one engine's,
   that engine's base model unless the load named one), on the fleet or on one engine, is
-  ALREADY_EXISTS before any engine is asked.
+  ALREADY_EXISTS before any engine is asked; one of such a name on a controller fronted as
+  an engine naming no model (it would pick a model of its own) is INVALID_ARGUMENT.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`; the KV block counts only where every engine reporting them has one
   block size (a fleet serving models of 16- and 32-token blocks: absent), the KV in tokens
@@ -1260,15 +1261,22 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     "fleet (unload it first)",
                 )
             # The model the adapter goes to: the fleet's, or the one engine's (its base
-            # model, unless a controller fronted as an engine, whose own check decides).
+            # model; a controller fronted as an engine picks one of its own where none is
+            # named, so a name held for a model must be loaded there naming it).
             target_model = model if on_one is None else named_model or self._base_model(on_one)
-            known_model = (
-                None
-                if on_one is not None and target_model is None
-                else fleet.lora_intent.model_conflict(
-                    spec.lora_name, target_model, self._held_base_model
-                )
+            known_model = fleet.lora_intent.model_conflict(
+                spec.lora_name, target_model, self._held_base_model
             )
+            if on_one is not None and target_model is None and known_model is not None:
+                # That engine would pick a model of its own: not necessarily this one.
+                await abort_with(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"name a model (lora load --model {known_model}, `kvplane-model` "
+                    f"metadata): LoRA adapter {spec} is loaded for model {known_model!r}, "
+                    f"and engine {fleet.registry.get(on_one).engine_id} has no one base "
+                    "model (a controller fronted as an engine serves several)",
+                )
             if known_model is not None:
                 await abort_with(
                     context,

@@ -21,7 +21,9 @@ holds it for the model it named, else for that engine's base model. An adapter f
 engine (below) has no model: the engines' ListLoras does not say which base model an adapter
 was loaded for, so an adapter found is taken for the base model (first listed) of the engine
 it was found on: it is the fleet's, for that model, once every engine of that model the
-controller knew holds it (engines of other models, not given it, do not count).
+controller knew holds it (engines of other models, not given it, do not count; one of them
+holding it too makes it its holders' own: one name found for two models is held for each, and
+a load of it for either is refused until it is unloaded from one model's engines).
 
 The intent lives in the controller's memory, and the controller keeps no state of its own
 (ARCHITECTURE.md): a restarted controller rebuilds it from the engines. Controller replicas
@@ -265,8 +267,10 @@ class LoraIntent:
         for name in [n for n, waiting in self.undecided.items() if address in waiting]:
             self.undecided[name].discard(address)
             peer = _same_model(self.undecided_models.get(name), model)
-            if peer and held is not None and self._known(name) not in held:
-                self._decided(name)  # read without it: the holders' own
+            holds = held is not None and self._known(name) in held
+            if (peer and held is not None and not holds) or (not peer and holds):
+                # Read without it, or holding it for another model: the holders' own.
+                self._decided(name)
             elif not self.undecided[name]:
                 self._make_fleet_wide(name)
         self.unloads_due(address, {spec.lora_name for spec in held or ()})
@@ -301,7 +305,9 @@ class LoraIntent:
         return conflicts
 
     def forget_engine(self, address: str) -> None:
-        """The engine left the fleet: what was loaded on it alone goes with it."""
+        """The engine left the fleet: what was loaded on it alone goes with it, and so does
+        what was unloaded from it alone (a fleet-wide adapter kept off it): registered
+        again, it is an engine joining, given the fleet's adapters."""
         for key in [k for k in self.loads if k[1] == address]:
             del self.loads[key]
         self._forget_engine_models(lambda _, on: on == address)

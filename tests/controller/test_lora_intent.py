@@ -141,3 +141,31 @@ def test_an_adapter_loaded_on_one_engine_is_held_for_that_engines_model() -> Non
     fronted.loaded(X, "ctl", "m2")
     assert fronted.model_conflict("x", "m1", base) == "m2"
     assert fronted.model_conflict("x", "m2", base) is None
+
+
+def test_an_adapter_found_on_engines_of_two_models_is_its_holders_own() -> None:
+    """x found on a0, a1 (serving m1) and b0 (serving m2), in either order: it was the
+    fleet's for the model of the engine read first, b0's (or a0's and a1's) x forgotten. It
+    is each holder's own, held for its model: a load of it for either model conflicts."""
+    base = {"a0": "m1", "a1": "m1", "b0": "m2"}.get
+    fleet = ["a0", "a1", "b0"]
+    for order in (fleet, fleet[::-1]):
+        intent = LoraIntent()
+        for address in order:
+            intent.found_on(address, [X], fleet, base(address))
+        assert intent.shared("x") == SharedLora(X, dict.fromkeys(order))
+        assert intent.model_conflict("x", "m1", base) == "m2"
+        assert intent.model_conflict("x", "m2", base) == "m1"
+        assert intent.models == {}
+
+
+def test_an_engine_removed_and_registered_again_is_given_the_adapters_kept_off_it() -> None:
+    """x loaded on the fleet, unloaded from b alone: b is kept off it until it leaves the
+    fleet. Registered again, b is an engine joining: it is given x, as any other."""
+    intent = LoraIntent()
+    intent.loaded(X, None)
+    intent.unloaded("x", "b", ["a", "b"])
+    intent.unload_confirmed("x", "b")
+    assert intent.wanted_on("b", ["m"]) == []
+    intent.forget_engine("b")
+    assert intent.wanted_on("b", ["m"]) == [X]

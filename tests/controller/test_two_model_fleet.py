@@ -695,6 +695,58 @@ async def test_a_restarted_controller_takes_an_adapter_back_for_the_model_that_h
         await close_fleet(fleet)
 
 
+async def test_a_restarted_controller_finding_an_adapter_on_two_models_refuses_loads_of_it(
+    tmp_path: Path,
+) -> None:
+    """`x` held by `a0`, `a1` (of `a`) and `b0` (of `b`), as engines loaded directly: a new
+    controller in front of them took it for the fleet's, for the model of the engine it read
+    first, forgetting the others' (a load of it for that model went through, `b0` kept an
+    adapter held for `a`, or `a0` and `a1` one held for `b`). A load of it for either model
+    is ALREADY_EXISTS until it is unloaded from one model's engines."""
+    engines = await lora_engines_of_two_models()
+    x = pb.LoraAdapter(
+        lora_id=1, lora_name="x", source_path=str(write_adapter_config(tmp_path / "x"))
+    )
+    for engine in engines:
+        await load_on(engine, x)
+    fleet = await make_fleet(engines=engines)
+    try:
+        await fleet.wait_routable(3)
+        t = ["--target", fleet.target]
+        for model in "ab":
+            refused = await cli(
+                "lora", "load", "x", x.source_path, "--id", "1", "--model", model, *t
+            )
+            assert refused.exit_code != 0, (model, refused.output)
+            assert "ALREADY_EXISTS" in str(refused.exception), model
+            assert f"loaded for model '{'ba'[model == 'b']}'" in str(refused.exception), model
+        unloaded = await cli("lora", "unload", "x", "--engine", "b0", *t)
+        assert unloaded.exit_code == 0, unloaded.output
+        for_a = await cli("lora", "load", "x", x.source_path, "--id", "1", "--model", "a", *t)
+        assert for_a.exit_code == 0, for_a.output
+        assert [list(await engine_adapters(e)) for e in engines] == [["x"], ["x"], []]
+        assert fleet.app.controller.fleet.lora_intent.models == {"x": "a"}
+    finally:
+        await close_fleet(fleet)
+
+
+@contextlib.asynccontextmanager
+async def fronted_beside_a9(
+    lower_engines: list[EngineApp],
+) -> AsyncIterator[tuple[Fleet, Fleet, EngineApp]]:
+    """An upper controller with an engine of `a` of its own (`a9`, taking LoRA adapters)
+    fronting a lower one of `lower_engines`, both routed; closed with them."""
+    lower = await make_fleet(engines=lower_engines)
+    own = await start_sim_engine("a9", served_model_name="a", lora=LoraConfig(enabled=True))
+    upper: Fleet = await make_fleet(engines=[own])
+    try:
+        await front(upper, lower, 2)
+        yield upper, lower, own
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
+
+
 async def test_one_fronted_controller_is_given_an_adapter_for_one_of_its_models(
     tmp_path: Path,
 ) -> None:
@@ -708,11 +760,7 @@ async def test_one_fronted_controller_is_given_an_adapter_for_one_of_its_models(
         await start_sim_engine("a0", served_model_name="a", lora=lora),
         await start_sim_engine("b0", served_model_name="b", lora=lora),
     ]
-    lower = await make_fleet(engines=engines)
-    own = await start_sim_engine("a9", served_model_name="a", lora=lora)
-    upper: Fleet = await make_fleet(engines=[own])
-    try:
-        await front(upper, lower, 2)
+    async with fronted_beside_a9(engines) as (upper, lower, own):
         x = str(write_adapter_config(tmp_path / "x"))
         t = ["--target", upper.target]
         unnamed = await cli("lora", "load", "x", x, "--id", "1", "--engine", lower.target, *t)
@@ -724,9 +772,32 @@ async def test_one_fronted_controller_is_given_an_adapter_for_one_of_its_models(
         assert [list(await engine_adapters(e)) for e in [*engines, own]] == [["x"], [], []]
         intent = upper.app.controller.fleet.lora_intent
         assert intent.model_of("x", lower.target) == "a"  # named again when restored there
-    finally:
-        await close_fleet(upper)
-        await close_fleet(lower)
+
+
+async def test_a_load_naming_no_model_on_a_fronted_controller_is_checked_against_the_held_model(
+    tmp_path: Path,
+) -> None:
+    """`x` loaded on the upper controller's own engine of `a` (`--engine a9`) is `a`'s: a load
+    of it on the lower controller it fronts (engine `b0` of `b`) naming no model went through
+    unchecked, and the lower controller loaded it for its one model, `b`. It is refused, and
+    says to name the model; named, it is checked as any load (the lower serves no `a`)."""
+    b0 = await start_sim_engine("b0", served_model_name="b", lora=LoraConfig(enabled=True))
+    async with fronted_beside_a9([b0]) as (upper, lower, own):
+        x = str(write_adapter_config(tmp_path / "x"))
+        t = ["--target", upper.target]
+        a9 = upper.address(own)
+        on_a9 = await cli("lora", "load", "x", x, "--id", "1", "--engine", a9, *t)
+        assert on_a9.exit_code == 0, on_a9.output
+        unnamed = await cli("lora", "load", "x", x, "--id", "1", "--engine", lower.target, *t)
+        assert unnamed.exit_code != 0, unnamed.output
+        assert "INVALID_ARGUMENT" in str(unnamed.exception)
+        assert "loaded for model 'a'" in str(unnamed.exception)
+        assert "--model a" in str(unnamed.exception)
+        named = await cli(
+            "lora", "load", "x", x, "--id", "1", "--engine", lower.target, "--model", "a", *t
+        )
+        assert named.exit_code != 0 and "does not serve model 'a'" in str(named.exception)
+        assert [list(await engine_adapters(e)) for e in [own, b0]] == [["x"], []]
 
 
 async def test_an_adapter_of_no_known_model_reaches_a_fronted_controller_once_named(
