@@ -307,6 +307,10 @@ class EngineCore:
         self._next_seq_id += 1
         return seq_id
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of this id runs (added and not ended)."""
+        return request_id in self._requests
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
         return self._finish_request(request_id, FinishReason.CANCELLED, "aborted")

@@ -17,8 +17,11 @@ on; a failing sink aborts its request; a request whose abort fails in the core e
 (an abandoned one's id is free all the same); if the core's abort of every request fails, each
 is aborted on its own (by `abort`'s rule) and `abort_all`'s future fails (AbortFailedError); an
 output after its request's end (one such a failing abort made up) reaches no sink; a failing
-`on_step` observer is logged; if the thread
-itself dies, every live request still gets a terminal ERROR output.
+`on_step` observer is logged; if the thread itself dies, every live request still gets a
+terminal ERROR output. Such a made-up end ends only the outputs not ended yet, its usage
+counting the tokens the sink was handed. A request the core still runs after its abort failed
+(`_stray`) has its outputs reach no sink, and its id stays taken until the core ends it: a
+`submit` is refused as a duplicate, one queued already ends ERROR.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from engine.core.api import (
@@ -53,6 +56,8 @@ T = TypeVar("T")
 
 OutputSink = Callable[[RequestOutput], None]
 
+_STRAY = "request {!r} still runs in the engine, its abort failed: its id is taken until it ends"
+
 # After a step that changed nothing, the next waits for a command or this long.
 _STALLED_RETRY_S = 0.1
 
@@ -74,20 +79,48 @@ def asyncio_sink(loop: _CallSoonThreadsafe, queue: _PutNowait) -> OutputSink:
     return sink
 
 
-def _failed_outputs(request: EngineRequest, message: str) -> list[RequestOutput]:
-    """ERROR outputs ending every output of a request the core never finished."""
+@dataclass(eq=False)
+class _Live:
+    """A request the loop holds a sink for, and what that sink was handed so far (its tokens,
+    the outputs it saw end): kept by the engine thread alone, which hands outputs over."""
+
+    sink: OutputSink
+    request: EngineRequest
+    added: bool = False  # by the core (a command queued before its add finds it not there)
+    sent_tokens: int = 0
+    ended: set[int] = field(default_factory=set)
+
+
+class _MadeUp(RequestOutput):
+    """An output the loop made up (`_failed_outputs`), not the core's: handed over as a plain
+    RequestOutput, even under an id whose stray request's outputs are dropped (`_stray`)."""
+
+
+def _failed_outputs(live: _Live, message: str) -> list[RequestOutput]:
+    """ERROR outputs ending every output of a request the core never finished that has not
+    ended yet; the last carries the usage its sink was handed (the tokens it got)."""
+    request = live.request
     last = request.sampling.num_sequences - 1
+    left = [i for i in range(last + 1) if i not in live.ended] or [last]  # (its end lost)
     return [
-        RequestOutput(
+        _MadeUp(
             request_id=request.request_id,
             output_index=index,
             finish_reason=FinishReason.ERROR,
             message=message,
             error=ErrorKind.ENGINE,
-            usage=Usage(len(request.prompt_token_ids), 0, 0) if index == last else None,
+            usage=(
+                Usage(len(request.prompt_token_ids), live.sent_tokens, 0)
+                if index == left[-1]
+                else None
+            ),
         )
-        for index in range(request.sampling.num_sequences)
+        for index in left
     ]
+
+
+def _plain(output: RequestOutput) -> RequestOutput:
+    return RequestOutput._make(output) if isinstance(output, _MadeUp) else output
 
 
 class _AbandonSettled(RequestOutput):
@@ -131,12 +164,18 @@ class EngineLoop:
         # Reentrant: `submit`'s `admit` reads `num_queued` under it.
         self._cond = threading.Condition(threading.RLock())
         self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
-        self._sinks: dict[str, tuple[OutputSink, EngineRequest]] = {}
+        self._sinks: dict[str, _Live] = {}
         # Requests abandoned (`abandon`, a failing sink) whose abort the engine thread has not
         # published yet, by id: their outputs up to it reach no sink, whatever took the id
         # since. Settled by the abort, not by the request's end, which a core that failed
         # as it ended the request never emits.
         self._abandoned: Counter[str] = Counter()
+        # Ids of requests the core still ran after its abort of them failed, no sink theirs:
+        # their outputs reach no sink nor the report (the loop's made-up ones do), and no
+        # request takes the id (refused at `submit`, ERROR if queued already) until the core
+        # has let go of it, seen at the end of a round of the engine thread (`_let_go`).
+        # Changed on the engine thread only, under `_cond`.
+        self._stray: set[str] = set()
         self._stopping = False
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -229,11 +268,13 @@ class EngineLoop:
                 raise EngineStoppedError("the engine is stopping")
             if request.request_id in self._sinks:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+            if request.request_id in self._stray:
+                raise DuplicateRequestError(_STRAY.format(request.request_id))
             if admit is not None:  # under the lock: no other submit between check and queue
                 admit()
             if lora is None:
                 lora = self.core.acquire_lora(request)  # nothing raises after this
-            self._sinks[request.request_id] = (sink, request)
+            entry = self._sinks[request.request_id] = _Live(sink, request)
             num_seqs = request.sampling.num_sequences
             self._submitted = _Submitted(
                 self._submitted.seqs + num_seqs,
@@ -241,6 +282,12 @@ class EngineLoop:
             )
 
             def add() -> list[RequestOutput]:
+                with self._cond:
+                    stray = request.request_id in self._stray
+                if stray:  # queued before its id's request ran on in the core
+                    if lora is not None:
+                        self.core.release_lora(lora)
+                    return _failed_outputs(entry, _STRAY.format(request.request_id))
                 if before is not None:
                     try:
                         before(self.core)
@@ -250,7 +297,8 @@ class EngineLoop:
                     self.core.add_request(request, lora=lora)
                 except Exception as exc:  # cannot happen after check_request; never hang
                     logger.exception("could not add request %s", request.request_id)
-                    return _failed_outputs(request, str(exc))
+                    return _failed_outputs(entry, str(exc))
+                entry.added = True
                 return []
 
             self._commands.append(add)
@@ -258,7 +306,8 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> Future[bool]:
         """Cancel a request; the future says whether it was still running. One whose abort
-        fails in the core (which may have forgotten it, its end never emitted) ends ERROR."""
+        fails in the core (which may have forgotten it, its end never emitted) ends ERROR; one
+        submitted after the abort, whose add comes after it, is left alone as when it works."""
         future: Future[bool] = Future()
 
         def command() -> list[RequestOutput]:
@@ -266,12 +315,14 @@ class EngineLoop:
                 outputs = self.core.abort(request_id)
             except Exception as exc:
                 logger.exception("aborting request %s failed", request_id)
+                self._keep_off(request_id)
                 with self._cond:
                     live = self._sinks.get(request_id)
-                future.set_result(live is not None)
-                if live is None:
+                if live is None or not live.added:  # (not in the core yet: not aborted)
+                    future.set_result(False)
                     return []
-                return _failed_outputs(live[1], f"aborting the request failed: {exc}")
+                future.set_result(True)
+                return _failed_outputs(live, f"aborting the request failed: {exc}")
             future.set_result(bool(outputs))
             return outputs
 
@@ -297,6 +348,7 @@ class EngineLoop:
                     outputs = self.core.abort(request_id)
                 except Exception:  # ended or not, its end may never come: settled all the same
                     logger.exception("aborting abandoned request %s failed", request_id)
+                    self._keep_off(request_id)
                     outputs = []
                 return [*outputs, _AbandonSettled(request_id, -1)]
 
@@ -313,6 +365,23 @@ class EngineLoop:
         if isinstance(output, _AbandonSettled):  # the id's next outputs are a newer request's
             self._settle_abandoned(output.request_id)
         return True
+
+    def _keep_off(self, request_id: str) -> None:
+        """After the core's abort of `request_id` failed (engine thread): if the core still
+        runs the request, its outputs from now on reach no sink, and its id takes no request
+        until the core lets go of it (`_stray`)."""
+        if self.core.holds(request_id):
+            with self._cond:
+                self._stray.add(request_id)
+
+    def _let_go(self) -> None:
+        """Free the ids of stray requests the core no longer runs (engine thread, at the end
+        of a round: every output of theirs was published)."""
+        if not self._stray:
+            return
+        gone = {request_id for request_id in self._stray if not self.core.holds(request_id)}
+        with self._cond:
+            self._stray -= gone
 
     def _settle_abandoned(self, request_id: str) -> None:
         """One abandoned request of `request_id` is over; under `_cond`."""
@@ -350,9 +419,7 @@ class EngineLoop:
             self._enqueue(command, future)
         return future
 
-    def _abort_each(
-        self, requests: dict[str, tuple[OutputSink, EngineRequest]], message: str
-    ) -> list[RequestOutput]:
+    def _abort_each(self, requests: dict[str, _Live], message: str) -> list[RequestOutput]:
         """Abort each of `requests` still live (not ended, abandoned or replaced since) in
         the core, on the engine thread; one whose abort fails, or that the core no longer
         holds (it ended it without emitting the end), ends ERROR with `message`."""
@@ -365,8 +432,9 @@ class EngineLoop:
                 ended = self.core.abort(request_id)
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
+                self._keep_off(request_id)
                 ended = []
-            outputs.extend(ended or _failed_outputs(entry[1], message))
+            outputs.extend(ended or _failed_outputs(entry, message))
         return outputs
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
@@ -431,6 +499,7 @@ class EngineLoop:
                 if stepped:
                     result = self._step(outputs, submitted)
                 stalled = not self._publish(result, submitted) and stepped
+                self._let_go()
         except Exception:
             logger.exception("the engine thread failed; failing every live request")
         finally:
@@ -448,12 +517,12 @@ class EngineLoop:
             with self._cond:  # whatever is still live ends now, so no consumer waits forever
                 orphans = list(self._sinks.values())
                 self._sinks.clear()
-            for sink, request in orphans:
-                for output in _failed_outputs(request, "the engine stopped"):
+            for live in orphans:
+                for output in _failed_outputs(live, "the engine stopped"):
                     try:
-                        sink(output)
+                        live.sink(_plain(output))
                     except Exception:
-                        logger.warning("output sink of %s failed", request.request_id)
+                        logger.warning("output sink of %s failed", live.request.request_id)
             if self._on_exit is not None:
                 self._on_exit()
 
@@ -494,12 +563,15 @@ class EngineLoop:
         # Requests whose end this result handed over: an output of theirs after it (an end a
         # failing abort made up for a request a command before it had ended) is stale, and
         # reaches no sink (though a request may have taken the id as the end was handed over)
-        # nor the report, dropped as the marks of abandoned requests' aborts are.
+        # nor the report, dropped as the marks of abandoned requests' aborts are; so are those
+        # of a stray request (`_stray`), whose client had its end (or left).
         ended: set[str] = set()
         kept: list[RequestOutput] = []
         for output in result.outputs:
             if not isinstance(output, _AbandonSettled):
                 if output.request_id in ended:
+                    continue
+                if output.request_id in self._stray and not isinstance(output, _MadeUp):
                     continue
                 kept.append(output)
             with self._cond:
@@ -511,9 +583,11 @@ class EngineLoop:
                     ended.add(output.request_id)
             if live is None:
                 continue
-            sink = live[0]
+            live.sent_tokens += len(output.new_token_ids)
+            if output.finished:
+                live.ended.add(output.output_index)
             try:
-                sink(output)
+                live.sink(_plain(output))
             except Exception:  # e.g. the consumer's event loop is closed: drop the request
                 logger.warning("output sink of %s failed; aborting it", output.request_id)
                 with self._cond:
@@ -533,12 +607,14 @@ class EngineLoop:
                 dropped.extend(self.core.abort(request_id))
             except Exception:  # its end may never come: settled all the same
                 logger.exception("aborting request %s failed", request_id)
+                self._keep_off(request_id)
             with self._cond:
                 self._settle_abandoned(request_id)
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()
-        if dropped or len(kept) != len(result.outputs):
+        if dropped or len(kept) != len(result.outputs) or any(isinstance(o, _MadeUp) for o in kept):
+            kept = [_plain(o) for o in kept]
             result = StepResult([*kept, *dropped], result.stats, result.num_preempted)
         events = self.core.take_kv_events()
         # A command may change the load alone (releasing a KV session frees blocks).

@@ -70,7 +70,12 @@ from engine.core.api import (
     Usage,
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
-from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
+from engine.core.errors import (
+    AbortFailedError,
+    DuplicateRequestError,
+    EngineStoppedError,
+    InvalidRequestError,
+)
 from engine.core.guided import compile_guide
 from engine.core.lora import LoraSlot
 from engine.core.pooling import Pooler, PoolingParams, PoolingTask
@@ -799,6 +804,7 @@ class EngineService:
         loop = asyncio.get_running_loop()
         deadline = None if deadline_s is None else loop.time() + deadline_s
         aborted = False
+        abort_failed = ""
 
         def left() -> tuple[int, int]:
             # Past the aborting deadline, a request whose client stops reading (never
@@ -822,7 +828,11 @@ class EngineService:
                     )
                     return
                 aborted = True
-                await self.abort_all()
+                try:
+                    await self.abort_all()
+                except AbortFailedError as exc:  # each aborted on its own: every one ends
+                    log.warning("drain: %s", exc)
+                    abort_failed = f" ({exc})"
                 if self.kv_sessions is not None:
                     self.kv_sessions.release_all()
                 continue
@@ -837,7 +847,9 @@ class EngineService:
                 last_reported = left()
                 if any(last_reported):
                     yield DrainProgress(DrainPhase.IN_PROGRESS, *last_reported)
-        message = "aborted the requests and KV sessions left at the deadline" if aborted else ""
+        message = ""
+        if aborted:
+            message = f"aborted the requests and KV sessions left at the deadline{abort_failed}"
         yield DrainProgress(DrainPhase.COMPLETE, 0, 0, message)
 
     # ---------------------------------------------------------------- shutdown

@@ -328,6 +328,20 @@ async def test_a_request_of_an_id_whose_abandoned_request_never_ended_completes(
     engine.stop(timeout_s=10)
 
 
+async def aborted_in_the_core(engine: EngineLoop, max_tokens: int) -> list[RequestOutput]:
+    """The outputs of a request "same" aborted once the core has it (the engine thread held
+    as it is submitted and aborted, whatever the pace), whose abort says it was running."""
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=max_tokens)),
+            asyncio_sink(asyncio.get_running_loop(), queue),
+        )
+        aborted = engine.abort("same")
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    return await collect(queue)
+
+
 @pytest.mark.timeout(30)
 async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> None:
     """A request is aborted (its client's Abort), and the core's abort of it fails after it
@@ -336,19 +350,165 @@ async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> N
     abort's future was never resolved (the Abort call waited for ever), and the request's
     stream never ended."""
     engine, core = engine_with_abort_failing_once()
+    outputs = await aborted_in_the_core(engine, max_tokens=100_000)
+    assert core.failed
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    await a_request_of_the_id_runs_to_its_end(engine)
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_an_end_made_up_for_a_request_carries_what_its_client_was_sent() -> None:
+    """A request of two outputs: the first stops early (its stop token sent), the second
+    streams on; the request is aborted, and the core's abort of it fails after it ended the
+    request, its end never emitted. The end made up for it (ERROR) ends the second output
+    alone and counts every token its client got. It used to end both outputs again, the
+    first a second time, and count no token at all."""
+    engine, core = engine_with_abort_failing_once()
+    runner = core.runner
+    assert isinstance(runner, SimRunner)
+    stop = runner.next_tokens(3, 0, 0, 3)[-1]  # the first output's third token
+    assert stop not in runner.next_tokens(3, 0, 1, 10_000)
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    sampling = SamplingParams(
+        max_tokens=10_000, num_sequences=2, stop_token_ids=(stop,), include_stop_in_output=True
+    )
+    engine.submit(
+        EngineRequest("same", (1, 2, 3), sampling), asyncio_sink(asyncio.get_running_loop(), queue)
+    )
+    outputs = [await asyncio.wait_for(queue.get(), timeout=10)]
+    while not (outputs[-1].output_index == 0 and outputs[-1].finished):
+        outputs.append(await asyncio.wait_for(queue.get(), timeout=10))
+    assert await asyncio.wait_for(asyncio.wrap_future(engine.abort("same")), timeout=10)
+    outputs += await collect(queue)
+    assert core.failed
+    assert [(o.output_index, o.finish_reason) for o in outputs if o.finished] == [
+        (0, FinishReason.STOP),
+        (1, FinishReason.ERROR),
+    ]
+    usage = outputs[-1].usage
+    assert usage is not None and usage.prompt_tokens == 3
+    assert usage.completion_tokens == sum(len(o.new_token_ids) for o in outputs) > 3
+    engine.stop(timeout_s=10)
+
+
+class AbortFailsKeeping(EngineCore):
+    """A core whose abort of a request fails once (per `armed.release()`, once at first)
+    before it did anything (as one whose abort raises at once): the request runs on."""
+
+    abort_failures = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.abort_armed = threading.Semaphore(1)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        if self.abort_armed.acquire(blocking=False):
+            self.abort_failures += 1
+            raise RuntimeError("aborting the request failed")
+        return super().abort(request_id)
+
+
+def submit_or_refused(engine: EngineLoop, request: EngineRequest, sink: OutputSink) -> bool:
+    """Whether `engine` accepted `request` (False: its id is taken)."""
+    try:
+        engine.submit(request, sink)
+    except DuplicateRequestError:
+        return False
+    return True
+
+
+async def own_outputs_once_its_id_is_free(engine: EngineLoop, runner: SimRunner) -> None:
+    """A request under the id "same", submitted until it is accepted (refused while its id
+    is taken), gets its own tokens and its end (LENGTH), and nothing else."""
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    request = EngineRequest("same", (4, 5), SamplingParams(max_tokens=2))
+    sink = asyncio_sink(asyncio.get_running_loop(), queue)
+    await eventually(lambda: submit_or_refused(engine, request, sink), what="the id free")
+    outputs = await collect(queue)
+    assert [t for o in outputs for t in o.new_token_ids] == runner.next_tokens(5, 0, 0, 2)
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_whose_abort_fails_as_it_runs_on_keeps_its_id_till_it_ends() -> None:
+    """A request is aborted and the core's abort of it fails before it did anything: the
+    request runs on in the core. Its client gets its end (ERROR), and its id is refused
+    (a duplicate) until the core ends the request; then a request of the id gets its own
+    outputs. The id was free at once, and the request that took it got the tokens of the one
+    still running, then an ERROR end (the core refused it as a duplicate)."""
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortFailsKeeping(runner)
+    engine = EngineLoop(core)
+    engine.start()
+    outputs = await aborted_in_the_core(engine, max_tokens=3000)
+    assert core.abort_failures == 1
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    running = await asyncio.wrap_future(engine.call(lambda core: core.holds("same")))
+    assert running  # (3000 tokens: it runs on long after its abort)
+    with pytest.raises(DuplicateRequestError, match="still runs in the engine"):
+        engine.submit(EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)), lambda _o: None)
+    await own_outputs_once_its_id_is_free(engine, runner)
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_submitted_after_an_abort_that_fails_is_left_alone() -> None:
+    """An abort of an id comes before any request of it, and the core's abort fails; a
+    request of the id is submitted before that abort runs (its add after it). The abort, of
+    nothing, says so (not running); the request, not in the core as the abort ran, runs to
+    its own end. It used to get an ERROR end made up as though the core had forgotten it,
+    the core then ran it with no sink, and a request taking its id got its tokens."""
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortFailsKeeping(runner)
+    engine = EngineLoop(core)
+    engine.start()
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):
+        aborted = engine.abort("same")
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3)),
+            asyncio_sink(asyncio.get_running_loop(), queue),
+        )
+    assert not await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    assert core.abort_failures == 1
+    outputs = await collect(queue)
+    assert [t for o in outputs for t in o.new_token_ids] == runner.next_tokens(3, 0, 0, 3)
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+    await own_outputs_once_its_id_is_free(engine, runner)
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+async def test_a_retry_of_an_abandoned_request_that_runs_on_gets_none_of_its_outputs() -> None:
+    """A request is abandoned (its client gone) and retried under its id at once; the core's
+    abort of it fails before it did anything: it runs on in the core. The retry, queued
+    already, ends ERROR (its id taken), with no output of the old request; a request of the
+    id is refused until the core ends the old one, then gets its own outputs. A request
+    that took the id as the old one ran on used to get its tokens."""
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortFailsKeeping(runner)
+    engine = EngineLoop(core)
+    engine.start()
     loop = asyncio.get_running_loop()
-    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    # Held: the request is in the core (added) when its abort runs, whatever the pace.
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
     async with engine_thread_held(engine):
         engine.submit(
-            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=100_000)),
-            asyncio_sink(loop, first),
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3000)), lambda _o: None
         )
-        aborted = engine.abort("same")
-    assert await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
-    assert core.failed
-    assert (await collect(first))[-1].finish_reason is FinishReason.ERROR
-    await a_request_of_the_id_runs_to_its_end(engine)
+        engine.abandon("same")
+        engine.submit(
+            EngineRequest("same", (4, 5), SamplingParams(max_tokens=2)),
+            asyncio_sink(loop, retried),
+        )
+    outputs = await collect(retried)
+    assert core.abort_failures == 1
+    assert [o.new_token_ids for o in outputs] == [()]
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    assert "still runs in the engine" in outputs[-1].message
+    await own_outputs_once_its_id_is_free(engine, runner)
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
     engine.stop(timeout_s=10)
 
 

@@ -45,9 +45,17 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.engine_loop import OutputSink
 from engine.core.errors import AbortFailedError, DuplicateRequestError
-from tests.engine.test_engine_loop import AbortAllFails, FlakyRunner
+from tests.engine.test_engine_loop import AbortAllFails, AbortFailsKeeping, FlakyRunner
 
 IDS = ("a", "b", "c")
+
+
+class FailingAborts(AbortAllFails, AbortFailsKeeping):
+    """A core whose abort of every request fails as `armed` says (before it did anything,
+    or after it ended them all: `forgets`), and whose abort of one request fails as
+    `abort_armed` says, before it did anything (the request runs on)."""
+
+
 WAIT_S = 10.0
 
 # An action a sink runs on one of its outputs: ("submit", id, max_tokens, sequences),
@@ -95,8 +103,9 @@ class EngineLoopIds(RuleBasedStateMachine):
         super().__init__()
         self.runner = FlakyRunner(block_size=4, num_blocks=16, time_scale=0.0)
         config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)
-        self.core = AbortAllFails(self.runner, config)
+        self.core = FailingAborts(self.runner, config)
         self.core.armed.acquire()  # its abort of all fails only as `abort` arms it
+        self.core.abort_armed.acquire()  # its abort of one only as `fail_an_abort` arms it
         self.engine = EngineLoop(self.core)
         self.engine.start()
         # Guards the model; taken before the loop's lock (never held while waiting for the
@@ -143,7 +152,9 @@ class EngineLoopIds(RuleBasedStateMachine):
             try:
                 self.engine.submit(req.request, self._sink(req))
             except DuplicateRequestError:
-                self._expect(not must_accept, f"{req.request_id!r} refused though free")
+                with self.engine._cond:  # (a request the core ran on after its abort failed)
+                    stray = req.request_id in self.engine._stray
+                self._expect(not must_accept or stray, f"{req.request_id!r} refused though free")
                 return False
             self._expect(
                 previous is None or not previous.holds_id or not exact,
@@ -161,7 +172,7 @@ class EngineLoopIds(RuleBasedStateMachine):
             engine.abandon(request_id)
             req = self.holder.get(request_id)
             if live is not None:
-                assert req is not None and live[1] is req.request
+                assert req is not None and live.request is req.request
                 req.abandoned = True
 
     def _sink(self, req: Req) -> OutputSink:
@@ -229,17 +240,30 @@ class EngineLoopIds(RuleBasedStateMachine):
     def abandon(self, request_id: str) -> None:
         self._abandon(request_id)
 
-    @rule(request_id=st.none() | st.sampled_from(IDS), core_fails=st.booleans())
-    def abort(self, request_id: str | None, core_fails: bool) -> None:
+    @rule(
+        request_id=st.none() | st.sampled_from(IDS),
+        core_fails=st.booleans(),
+        forgets=st.booleans(),
+    )
+    def abort(self, request_id: str | None, core_fails: bool, forgets: bool) -> None:
         """Abort (the RPC) of an id, or of all (None): then the core's abort of them all may
-        fail (before it did anything), when each request is aborted on its own."""
+        fail (before it did anything, or after it ended them all, their ends never emitted:
+        `forgets`), when each request is aborted on its own."""
         if request_id is None:
             if core_fails:
                 self.abort_all_failures += 1
+                self.core.forgets = forgets
                 self.core.armed.release()
             self.futures.append(self.engine.abort_all())
         else:
             self.futures.append(self.engine.abort(request_id))
+
+    @rule()
+    def fail_an_abort(self) -> None:
+        """The core's next abort of one request (abandon, abort, a failing sink's, one of an
+        abort of all) fails before it did anything: the request runs on in the core, its
+        outputs reaching no one, its id taken till it ends."""
+        self.core.abort_armed.release()
 
     @rule()
     def fail_a_pass(self) -> None:

@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import grpc
 import pytest
 
 from engine.config import EngineConfig, SimTimingConfig
+from engine.core.engine_core import EngineCore
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
@@ -345,6 +346,21 @@ async def test_abort_all_and_client_cancel_free_everything() -> None:
         await eventually(lambda: idle(engine), what="engine idle after client cancel")
 
 
+@contextmanager
+def _abort_of_all_failing(core: EngineCore) -> Iterator[None]:
+    """Within: `core`'s abort of every request fails after it ended them (as one whose freeing
+    of their resources raises), their ends never emitted."""
+    with pytest.MonkeyPatch.context() as patch:
+        ends_them = core.abort_all
+
+        def failing(*args: Any) -> list[Any]:
+            ends_them(*args)
+            raise RuntimeError("freeing the requests' resources failed")
+
+        patch.setattr(core, "abort_all", failing)
+        yield
+
+
 async def test_an_abort_of_all_that_fails_in_the_engine_is_answered_internal() -> None:
     """Abort of all requests, and the core's abort of them all fails after it ended them (as
     one whose freeing of their resources raises), their ends never emitted: the call answers
@@ -358,14 +374,7 @@ async def test_an_abort_of_all_that_fails_in_the_engine_is_answered_internal() -
         ]
         for stream in streams:
             await _first_token(stream)
-        with pytest.MonkeyPatch.context() as patch:
-            ends_them = core.abort_all
-
-            def failing(*args: Any) -> list[Any]:
-                ends_them(*args)
-                raise RuntimeError("freeing the requests' resources failed")
-
-            patch.setattr(core, "abort_all", failing)
+        with _abort_of_all_failing(core):
             failed = await rpc_error(
                 asyncio.wait_for(
                     engine.stub.Abort(pb.AbortRequest(all_requests=pb.AllRequests())), timeout=20
@@ -483,6 +492,29 @@ async def test_drain_deadline_zero_aborts_at_once_or_fails_without_abort() -> No
         rest = await _rest(stream)
         assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
         await eventually(lambda: idle(engine), what="engine idle after drain")
+
+
+async def test_a_drain_whose_abort_at_the_deadline_fails_in_the_engine_still_completes() -> None:
+    """A drain aborting at its deadline, and the core's abort of every request fails after
+    it ended them (their ends never emitted): each request is aborted on its own, so the
+    drain still completes (saying the abort failed), every stream ends, and the engine,
+    still accepting, serves the next request. The drain used to fail (INTERNAL), leaving
+    the KV sessions open, and a shutdown's drain raised before it stopped the engine."""
+    async with running_engine(_slow_config()) as engine:
+        core = engine.app.service.engine_loop.core
+        stream = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="x"))
+        await _first_token(stream)
+        with _abort_of_all_failing(core):
+            drain = pb.DrainRequest(deadline_ms=0, abort_after_deadline=True)
+            responses = [r async for r in engine.stub.Drain(drain)]
+        assert responses[-1].WhichOneof("event") == "state", responses[-1]
+        assert responses[-1].state == pb.DRAIN_STATE_COMPLETE
+        assert "aborting every request failed" in responses[-1].message
+        rest = await _rest(stream)
+        assert rest[-1].error.code == pb.ERROR_CODE_INTERNAL
+        await eventually(lambda: idle(engine), what="engine idle after the drain")
+        served = await collect(engine.stub, generate_request(PROMPT, request_id="x"))
+        assert served[-1].finished.reason == pb.FINISH_REASON_LENGTH
 
 
 @asynccontextmanager
