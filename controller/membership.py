@@ -38,7 +38,9 @@ stamp, and `v`, the hash's generation:
 set (to a fresh token) by whoever writes a hash Redis does not hold, kept by every change
 after. A hash without it was
 lost by Redis (or never written): the replica writes its own membership back instead of
-dropping what it does not find. A replica that finds another generation than it read last finds
+dropping what it does not find (an engine's `a:` wherever the hash it read had one: a config
+engine registered again, which a replica that had not read its removal holds as its config's,
+included). A replica that finds another generation than it read last finds
 a hash written back since by another replica, which knew only its own membership: it writes its
 own back too (the fields merge) before applying the hash, so no replica takes what another did
 not know for a removal. Once every running replica has read the new generation, the hash is the
@@ -585,7 +587,15 @@ class Membership:
         started later would route to it again). Fields merge: each write-back is a hash set
         of its own."""
         records = self.fleet.registry.records()
-        fields = {_REGISTERED + r.address: r.kv_events for r in records if r.source == "admin"}
+        # Registered through the admin API: by this replica's record, or by the hash it read
+        # (a config engine removed and registered again through another replica between two
+        # reads here keeps its record of the config; without its `a:` the replicas that saw
+        # the removal would not take it back, nor anyone its owner).
+        fields = {
+            _REGISTERED + r.address: r.kv_events
+            for r in records
+            if r.source == "admin" or self._stamps.get(_REGISTERED + r.address, (0, False))[1]
+        }
         fields.update({_OWNER + r.address: r.owner for r in records if r.owner})
         fields.update({_CORDONED + r.address: "1" for r in records if r.cordoned})
         present = {r.address for r in records}
