@@ -906,6 +906,25 @@ def test_a_failed_engine_thread_releases_what_its_requests_held() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_request_submitted_once_the_engine_thread_died_is_refused() -> None:
+    """The engine thread fails (not a step: the thread itself); a request submitted after it
+    (a server that checked `running` just before) is refused: the engine stopped. It used to
+    be accepted, its add queued for a thread that would never run it: its client waited for
+    an output for ever."""
+    core = DyingCore(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    exited = threading.Event()
+    engine = EngineLoop(core, on_exit=exited.set)
+    core.armed = True
+    engine.start()
+    assert exited.wait(timeout=10)
+    core.armed = False
+    got: list[RequestOutput] = []
+    with pytest.raises(EngineStoppedError):
+        engine.submit(EngineRequest("late", (1, 2, 3), SamplingParams(max_tokens=2)), got.append)
+    assert engine.num_live_requests() == 0
+
+
+@pytest.mark.timeout(30)
 async def test_a_long_prefill_step_lands_in_a_bucket_of_the_step_histogram() -> None:
     """A CPU engine's prefill step of a full token budget (docs/benchmarks/e2e.md's torch
     model prefills about 800 tokens/s: 8,192 tokens take about 10 s) is counted in a finite
