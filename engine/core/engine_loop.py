@@ -302,7 +302,11 @@ class EngineLoop:
                     stray = request.request_id in self._stray
                 if stray:  # queued before its id's request ran on in the core
                     if lora is not None:
-                        self.core.release_lora(lora)
+                        try:
+                            self.core.release_lora(lora)
+                        except Exception:  # (its weights freed by the runner): it ends all
+                            # the same, or its client would wait for ever (as the core's end)
+                            logger.exception("freeing LoRA slot %s failed", lora.key)
                     return [_Failed(entry, _STRAY.format(request.request_id))]
                 if before is not None:
                     try:

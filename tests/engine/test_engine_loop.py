@@ -660,6 +660,43 @@ async def test_the_last_request_of_an_unloaded_adapter_ends_though_freeing_it_fa
     engine.stop(timeout_s=10)
 
 
+@pytest.mark.timeout(60)
+async def test_a_retry_refused_as_its_id_runs_on_ends_though_freeing_its_adapter_fails() -> None:
+    """A request is abandoned and retried under its id at once, the retry with an adapter it
+    holds (acquired at acceptance) and that is unloaded before the retry is taken in; the
+    core's abort of the old request fails before it did anything: it runs on. The retry,
+    refused (its id taken), frees the adapter's weights, which fails: it still ends ERROR,
+    and its id takes a request once the old one ends. Its client waited for ever (the
+    command taking it in failed, no end made), and its id stayed taken for good."""
+    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortFailsKeeping(runner, max_loras=2)
+    engine = EngineLoop(core)
+    engine.start()
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
+    await asyncio.wrap_future(
+        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
+    )
+    retry = EngineRequest("same", (4, 5), SamplingParams(max_tokens=2), lora_name="ad")
+    slot = core.acquire_lora(retry)  # (as a server's `end_pull` holds one for its request)
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3000)), lambda _o: None
+        )
+        engine.abandon("same")
+        unloaded = engine.call(lambda core: core.unload_lora("ad"))  # its slot held: kept
+        engine.submit(retry, asyncio_sink(asyncio.get_running_loop(), retried), lora=slot)
+    await asyncio.wrap_future(unloaded)
+    outputs = await collect(retried)
+    assert core.abort_failures == 1 and runner.failed
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    assert "still runs in the engine" in outputs[-1].message
+    await own_outputs_once_its_id_is_free(engine, runner)
+    engine.stop(timeout_s=10)
+
+
 @pytest.mark.timeout(30)
 async def test_a_call_cancelled_while_queued_never_runs() -> None:
     """`call` is an executor's: cancelled before the engine thread begins it, `fn` never runs
