@@ -28,10 +28,10 @@ Request ids: the engine thread hands each output to the sink of the live request
 
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
 outputs it produced before it failed (the ends of requests it ended), and the loop carries
-on; a failing sink aborts its request; if the core's abort of every request fails, each is
-aborted on its own (by `abort`'s rule) and `abort_all`'s future fails (AbortFailedError); a
-failing `on_step` observer is logged; if the thread itself dies, every live request still
-gets a terminal ERROR output.
+on; a failing sink aborts its request; if the core's abort of every request fails (`abort_all`
+or `stop`), each is aborted on its own (by `abort`'s rule), `abort_all`'s future failing
+(AbortFailedError); a failing `on_step` observer is logged; if the thread itself dies, every
+live request still gets a terminal ERROR output, and `submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -406,27 +406,34 @@ class EngineLoop:
         future: Future[list[str]] = Future()
 
         def command() -> list[_Item]:
-            try:
-                outputs = self.core.abort_all()
-            except Exception as exc:
-                logger.exception("aborting every request failed; aborting them one by one")
-                items = self._abort_each(taken_in, f"aborting every request failed: {exc}")
-                ended = {o.request_id for o in items if isinstance(o, RequestOutput)}
-                failed = {i.live.request.request_id for i in items if isinstance(i, _Failed)}
-                future.set_exception(
-                    AbortFailedError(
-                        "aborting every request failed in the engine; each was aborted on its "
-                        f"own: {len(failed)} of {len(ended | failed)} ended with an error"
-                    )
+            items, error = self._abort_all(taken_in)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(
+                    sorted({o.request_id for o in items if isinstance(o, RequestOutput)})
                 )
-                return items
-            future.set_result(sorted({o.request_id for o in outputs}))
-            return [*outputs]
+            return items
 
         with self._cond:  # the requests the core has taken in when the command runs
             taken_in = dict(self._sinks)
             self._enqueue(command, future)
         return future
+
+    def _abort_all(self, requests: dict[str, _Live]) -> tuple[list[_Item], Exception | None]:
+        """The core's abort of every request (engine thread); should it fail, each of
+        `requests` is aborted on its own (`_abort_each`), and the error says so."""
+        try:
+            return [*self.core.abort_all()], None
+        except Exception as exc:
+            logger.exception("aborting every request failed; aborting them one by one")
+            items = self._abort_each(requests, f"aborting every request failed: {exc}")
+        ended = {o.request_id for o in items if isinstance(o, RequestOutput)}
+        failed = {i.live.request.request_id for i in items if isinstance(i, _Failed)}
+        return items, AbortFailedError(
+            "aborting every request failed in the engine; each was aborted on its own: "
+            f"{len(failed)} of {len(ended | failed)} ended with an error"
+        )
 
     def _abort_each(self, requests: dict[str, _Live], message: str) -> list[_Item]:
         """Abort each of `requests` still live (not ended, abandoned or replaced since) in
@@ -499,8 +506,10 @@ class EngineLoop:
                 items: list[_Item] = []
                 for command in commands:
                     items.extend(self._run_command(command))
-                if stopping:
-                    items.extend(self.core.abort_all())
+                if stopping:  # (every request: none is submitted from now on)
+                    with self._cond:
+                        taken_in = dict(self._sinks)
+                    items.extend(self._abort_all(taken_in)[0])
                     self._publish(items, submitted)
                     return
                 stepped = self.core.has_work()

@@ -616,6 +616,31 @@ async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for
     engine.stop(timeout_s=10)
 
 
+@pytest.mark.timeout(30)
+async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request() -> None:
+    """The engine stops as two requests stream, and the core's abort of them all fails before
+    it did anything: each is aborted on its own, as an abort of all does then, and ends
+    CANCELLED (both its outputs), and the core holds none of them. The engine thread failed
+    instead ("the engine thread failed"): each request ended ERROR, "the engine stopped"."""
+    core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0.05))
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
+    for request_id, queue in zip(["a", "b"], queues, strict=True):
+        sampling = SamplingParams(max_tokens=100_000, num_sequences=2, ignore_eos=True)
+        engine.submit(EngineRequest(request_id, (5, 6, 7), sampling), asyncio_sink(loop, queue))
+    for queue in queues:  # streaming has started: both are in the core
+        assert (await asyncio.wait_for(queue.get(), timeout=10)).new_token_ids
+    await asyncio.to_thread(engine.stop, 10)
+    assert core.failures == 1
+    for queue in queues:
+        outputs = await collect(queue)
+        assert sorted(o.output_index for o in outputs if o.finished) == [0, 1]
+        assert {o.finish_reason for o in outputs if o.finished} == {FinishReason.CANCELLED}
+    assert not core.holds("a") and not core.holds("b")
+
+
 class AdapterFreeingFailsOnce(SimRunner):
     """A runner whose freeing of an adapter's weights fails once (a device error, say)."""
 
