@@ -17,9 +17,9 @@ Request ids: the engine thread hands each output to the sink of the live request
 2. Abandoned (`abandon`, or its sink failed: the request is aborted): its id is free at once.
    The core's outputs of the id up to that abort (`_AbandonSettled`) reach no one.
 3. Stray (`_stray`): a request the core still runs after its abort failed (in `abort`,
-   `abandon`, `abort_all`, a failing sink's). Its outputs from the core reach no one, and its id
-   is taken (no sink its) until the core ends it, seen at the end of each round of the engine
-   thread: `submit` refuses it as a duplicate, a request queued under it already ends ERROR.
+   `abandon`, `abort_all`, `stop`, a failing sink's). Its outputs from the core reach no one,
+   and its id, no sink's, is taken until the core ends it (seen at the end of each round of the
+   engine thread): `submit` refuses it as a duplicate, a request queued under it ends ERROR.
 4. Made up (`_Failed`): an ERROR end the loop makes up for a request reaches it if it is still
    live when handed over (else no one), and ends only its outputs not ended yet, its usage
    counting the tokens its sink was handed. Made up for: a request whose abort fails in the
