@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -373,14 +374,19 @@ async def test_an_end_made_up_for_a_request_carries_what_its_client_was_sent() -
     sampling = SamplingParams(
         max_tokens=10_000, num_sequences=2, stop_token_ids=(stop,), include_stop_in_output=True
     )
-    engine.submit(
-        EngineRequest("same", (1, 2, 3), sampling), asyncio_sink(asyncio.get_running_loop(), queue)
-    )
-    outputs = [await asyncio.wait_for(queue.get(), timeout=10)]
-    while not (outputs[-1].output_index == 0 and outputs[-1].finished):
-        outputs.append(await asyncio.wait_for(queue.get(), timeout=10))
-    assert await asyncio.wait_for(asyncio.wrap_future(engine.abort("same")), timeout=10)
-    outputs += await collect(queue)
+    to_queue = asyncio_sink(asyncio.get_running_loop(), queue)
+    aborted: list[Future[bool]] = []
+
+    def aborting(output: RequestOutput) -> None:
+        to_queue(output)
+        if output.output_index == 0 and output.finished:  # on the engine thread: the second
+            aborted.append(engine.abort("same"))  # output is far from its end as it runs
+        # (aborted from the event loop, the request could end first: the sim has no pace)
+
+    engine.submit(EngineRequest("same", (1, 2, 3), sampling), aborting)
+    outputs = await collect(queue)
+    assert len(aborted) == 1
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted[0]), timeout=10)
     assert core.failed
     assert [(o.output_index, o.finish_reason) for o in outputs if o.finished] == [
         (0, FinishReason.STOP),
