@@ -11,17 +11,27 @@ step (this module itself imports no asyncio: the loop and queue are duck-typed).
 nobody reads any more and frees its id at once (the core's abort of it is still queued): a
 request submitted with the id right after is accepted, and the old one's end never reaches it.
 
+Request ids: the engine thread hands each output to the sink of the live request of its id.
+1. Live: a request holds its id from `submit` (which refuses an id held, as a duplicate) until
+   its end (the output with `usage`) is handed over, or it is abandoned.
+2. Abandoned (`abandon`, or its sink failed: the request is aborted): its id is free at once.
+   The core's outputs of the id up to that abort (`_AbandonSettled`) reach no one.
+3. Stray (`_stray`): a request the core still runs after its abort failed (in `abort`,
+   `abandon`, `abort_all`, `stop`, a failing sink's). Its outputs from the core reach no one,
+   and its id, no sink's, is taken until the core ends it (seen at the end of each round of the
+   engine thread): `submit` refuses it as a duplicate, a request queued under it ends ERROR.
+4. Made up (`_Failed`): an ERROR end the loop makes up for a request reaches it if it is still
+   live when handed over (else no one), and ends only its outputs not ended yet, its usage
+   counting the tokens its sink was handed. Made up for: a request whose abort fails in the
+   core (or that the core forgot, its end never emitted); one whose add fails or whose id is
+   stray; every live one when the engine thread dies.
+
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
 outputs it produced before it failed (the ends of requests it ended), and the loop carries
-on; a failing sink aborts its request; a request whose abort fails in the core ends ERROR
-(an abandoned one's id is free all the same); if the core's abort of every request fails, each
-is aborted on its own (by `abort`'s rule) and `abort_all`'s future fails (AbortFailedError); an
-output after its request's end (one such a failing abort made up) reaches no sink; a failing
-`on_step` observer is logged; if the thread itself dies, every live request still gets a
-terminal ERROR output. Such a made-up end ends only the outputs not ended yet, its usage
-counting the tokens the sink was handed. A request the core still runs after its abort failed
-(`_stray`) has its outputs reach no sink, and its id stays taken until the core ends it: a
-`submit` is refused as a duplicate, one queued already ends ERROR.
+on; a failing sink aborts its request; if the core's abort of every request fails (`abort_all`
+or `stop`), each is aborted on its own (by `abort`'s rule), `abort_all`'s future failing
+(AbortFailedError); a failing `on_step` observer is logged; if the thread itself dies, every
+live request still gets a terminal ERROR output, and `submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from engine.core.api import (
     EngineRequest,
     ErrorKind,
     FinishReason,
+    ForwardPassStats,
     LoadSnapshot,
     RequestOutput,
     StepReport,
@@ -91,11 +102,6 @@ class _Live:
     ended: set[int] = field(default_factory=set)
 
 
-class _MadeUp(RequestOutput):
-    """An output the loop made up (`_failed_outputs`), not the core's: handed over as a plain
-    RequestOutput, even under an id whose stray request's outputs are dropped (`_stray`)."""
-
-
 def _failed_outputs(live: _Live, message: str) -> list[RequestOutput]:
     """ERROR outputs ending every output of a request the core never finished that has not
     ended yet; the last carries the usage its sink was handed (the tokens it got)."""
@@ -103,7 +109,7 @@ def _failed_outputs(live: _Live, message: str) -> list[RequestOutput]:
     last = request.sampling.num_sequences - 1
     left = [i for i in range(last + 1) if i not in live.ended] or [last]  # (its end lost)
     return [
-        _MadeUp(
+        RequestOutput(
             request_id=request.request_id,
             output_index=index,
             finish_reason=FinishReason.ERROR,
@@ -119,15 +125,25 @@ def _failed_outputs(live: _Live, message: str) -> list[RequestOutput]:
     ]
 
 
-def _plain(output: RequestOutput) -> RequestOutput:
-    return RequestOutput._make(output) if isinstance(output, _MadeUp) else output
+class _Failed(NamedTuple):
+    """Not an output: `live` ends ERROR here (`_failed_outputs`, made as it is handed over,
+    from what its sink had by then) if it is still its id's live request; else no one."""
+
+    live: _Live
+    message: str
 
 
-class _AbandonSettled(RequestOutput):
+class _AbandonSettled(NamedTuple):
     """Not an output: where `abandon`'s abort of a request ran, among the outputs the engine
-    thread publishes (never handed over). Every output of the abandoned request comes before
-    it, whether or not the core emitted its end; any of a request that took the id since
-    comes after it."""
+    thread publishes. Every output of the abandoned request comes before it, whether or not
+    the core emitted its end; any of a request that took the id since comes after it."""
+
+    request_id: str
+
+
+# What the engine thread publishes: the core's outputs, and the loop's marks among them.
+_Item = RequestOutput | _Failed | _AbandonSettled
+_Command = Callable[[], list[_Item]]
 
 
 class _Submitted(NamedTuple):
@@ -163,7 +179,7 @@ class EngineLoop:
         self._thread_name = thread_name
         # Reentrant: `submit`'s `admit` reads `num_queued` under it.
         self._cond = threading.Condition(threading.RLock())
-        self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
+        self._commands: deque[_Command] = deque()
         self._sinks: dict[str, _Live] = {}
         # Requests abandoned (`abandon`, a failing sink) whose abort the engine thread has not
         # published yet, by id: their outputs up to it reach no sink, whatever took the id
@@ -171,10 +187,10 @@ class EngineLoop:
         # as it ended the request never emits.
         self._abandoned: Counter[str] = Counter()
         # Ids of requests the core still ran after its abort of them failed, no sink theirs:
-        # their outputs reach no sink nor the report (the loop's made-up ones do), and no
-        # request takes the id (refused at `submit`, ERROR if queued already) until the core
-        # has let go of it, seen at the end of a round of the engine thread (`_let_go`).
-        # Changed on the engine thread only, under `_cond`.
+        # the core's outputs of the id reach no sink nor the report, and no request takes
+        # the id (refused at `submit`, ERROR if queued already) until the core has let go of
+        # it, seen at the end of a round of the engine thread (`_let_go`). Changed on the
+        # engine thread only, under `_cond`.
         self._stray: set[str] = set()
         self._stopping = False
         self._stopped = False
@@ -264,7 +280,7 @@ class EngineLoop:
         the request owns it once this returns, the caller still if it raises."""
         self.core.check_request(request, lora=lora)
         with self._cond:
-            if self._stopping:
+            if self._stopping or self._stopped:  # (stopped: its thread died)
                 raise EngineStoppedError("the engine is stopping")
             if request.request_id in self._sinks:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
@@ -281,13 +297,17 @@ class EngineLoop:
                 self._submitted.tokens + num_seqs * len(request.prompt_token_ids),
             )
 
-            def add() -> list[RequestOutput]:
+            def add() -> list[_Item]:
                 with self._cond:
                     stray = request.request_id in self._stray
                 if stray:  # queued before its id's request ran on in the core
                     if lora is not None:
-                        self.core.release_lora(lora)
-                    return _failed_outputs(entry, _STRAY.format(request.request_id))
+                        try:
+                            self.core.release_lora(lora)
+                        except Exception:  # (its weights freed by the runner): it ends all
+                            # the same, or its client would wait for ever (as the core's end)
+                            logger.exception("freeing LoRA slot %s failed", lora.key)
+                    return [_Failed(entry, _STRAY.format(request.request_id))]
                 if before is not None:
                     try:
                         before(self.core)
@@ -297,7 +317,7 @@ class EngineLoop:
                     self.core.add_request(request, lora=lora)
                 except Exception as exc:  # cannot happen after check_request; never hang
                     logger.exception("could not add request %s", request.request_id)
-                    return _failed_outputs(entry, str(exc))
+                    return [_Failed(entry, str(exc))]
                 entry.added = True
                 return []
 
@@ -310,7 +330,7 @@ class EngineLoop:
         submitted after the abort, whose add comes after it, is left alone as when it works."""
         future: Future[bool] = Future()
 
-        def command() -> list[RequestOutput]:
+        def command() -> list[_Item]:
             try:
                 outputs = self.core.abort(request_id)
             except Exception as exc:
@@ -322,9 +342,9 @@ class EngineLoop:
                     future.set_result(False)
                     return []
                 future.set_result(True)
-                return _failed_outputs(live, f"aborting the request failed: {exc}")
+                return [_Failed(live, f"aborting the request failed: {exc}")]
             future.set_result(bool(outputs))
-            return outputs
+            return [*outputs]
 
         self._enqueue(command, future)
         return future
@@ -343,28 +363,17 @@ class EngineLoop:
                 return
             self._abandoned[request_id] += 1
 
-            def command() -> list[RequestOutput]:
+            def command() -> list[_Item]:
                 try:
                     outputs = self.core.abort(request_id)
                 except Exception:  # ended or not, its end may never come: settled all the same
                     logger.exception("aborting abandoned request %s failed", request_id)
                     self._keep_off(request_id)
                     outputs = []
-                return [*outputs, _AbandonSettled(request_id, -1)]
+                return [*outputs, _AbandonSettled(request_id)]
 
             self._commands.append(command)  # ahead of any request submitted from now on
             self._cond.notify()
-
-    def _take_abandoned(self, output: RequestOutput) -> bool:
-        """Whether `output` is an abandoned request's, or the mark of an abandoned request's
-        abort (dropped); under `_cond`. The abort runs before any request that took the id
-        since is added, so such an output comes before any of that request's."""
-        pending = self._abandoned.get(output.request_id)
-        if pending is None:
-            return isinstance(output, _AbandonSettled)  # (an abandon as the engine stopped)
-        if isinstance(output, _AbandonSettled):  # the id's next outputs are a newer request's
-            self._settle_abandoned(output.request_id)
-        return True
 
     def _keep_off(self, request_id: str) -> None:
         """After the core's abort of `request_id` failed (engine thread): if the core still
@@ -396,34 +405,41 @@ class EngineLoop:
         and the future fails with AbortFailedError."""
         future: Future[list[str]] = Future()
 
-        def command() -> list[RequestOutput]:
-            try:
-                outputs = self.core.abort_all()
-            except Exception as exc:
-                logger.exception("aborting every request failed; aborting them one by one")
-                outputs = self._abort_each(taken_in, f"aborting every request failed: {exc}")
-                ended = {o.request_id for o in outputs if o.usage is not None}
-                failed = {o.request_id for o in outputs if o.finish_reason is FinishReason.ERROR}
-                future.set_exception(
-                    AbortFailedError(
-                        "aborting every request failed in the engine; each was aborted on its "
-                        f"own: {len(failed)} of {len(ended)} ended with an error"
-                    )
+        def command() -> list[_Item]:
+            items, error = self._abort_all(taken_in)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(
+                    sorted({o.request_id for o in items if isinstance(o, RequestOutput)})
                 )
-                return outputs
-            future.set_result(sorted({o.request_id for o in outputs}))
-            return outputs
+            return items
 
         with self._cond:  # the requests the core has taken in when the command runs
             taken_in = dict(self._sinks)
             self._enqueue(command, future)
         return future
 
-    def _abort_each(self, requests: dict[str, _Live], message: str) -> list[RequestOutput]:
+    def _abort_all(self, requests: dict[str, _Live]) -> tuple[list[_Item], Exception | None]:
+        """The core's abort of every request (engine thread); should it fail, each of
+        `requests` is aborted on its own (`_abort_each`), and the error says so."""
+        try:
+            return [*self.core.abort_all()], None
+        except Exception as exc:
+            logger.exception("aborting every request failed; aborting them one by one")
+            items = self._abort_each(requests, f"aborting every request failed: {exc}")
+        ended = {o.request_id for o in items if isinstance(o, RequestOutput)}
+        failed = {i.live.request.request_id for i in items if isinstance(i, _Failed)}
+        return items, AbortFailedError(
+            "aborting every request failed in the engine; each was aborted on its own: "
+            f"{len(failed)} of {len(ended | failed)} ended with an error"
+        )
+
+    def _abort_each(self, requests: dict[str, _Live], message: str) -> list[_Item]:
         """Abort each of `requests` still live (not ended, abandoned or replaced since) in
         the core, on the engine thread; one whose abort fails, or that the core no longer
         holds (it ended it without emitting the end), ends ERROR with `message`."""
-        outputs: list[RequestOutput] = []
+        items: list[_Item] = []
         for request_id, entry in requests.items():
             with self._cond:
                 if self._sinks.get(request_id) is not entry:
@@ -434,8 +450,8 @@ class EngineLoop:
                 logger.exception("aborting request %s failed", request_id)
                 self._keep_off(request_id)
                 ended = []
-            outputs.extend(ended or _failed_outputs(entry, message))
-        return outputs
+            items.extend(ended or [_Failed(entry, message)])
+        return items
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         """Run `fn(core)` in the engine thread between steps (snapshots, cache resets).
@@ -445,7 +461,7 @@ class EngineLoop:
         runs; once begun it cannot be cancelled and runs to its end."""
         future: Future[T] = Future()
 
-        def command() -> list[RequestOutput]:
+        def command() -> list[_Item]:
             if not future.set_running_or_notify_cancel():
                 return []  # cancelled while queued
             try:
@@ -459,7 +475,7 @@ class EngineLoop:
         self._enqueue(command, future)
         return future
 
-    def _enqueue(self, command: Callable[[], list[RequestOutput]], future: Future[Any]) -> None:
+    def _enqueue(self, command: _Command, future: Future[Any]) -> None:
         with self._cond:
             if self._stopped:
                 future.set_exception(EngineStoppedError("the engine has stopped"))
@@ -487,18 +503,19 @@ class EngineLoop:
                     # Every request submitted so far is among `commands`: the load measured
                     # after them counts its sequences.
                     submitted = self._submitted
-                outputs: list[RequestOutput] = []
+                items: list[_Item] = []
                 for command in commands:
-                    outputs.extend(self._run_command(command))
-                if stopping:
-                    outputs.extend(self.core.abort_all())
-                    self._publish(StepResult(outputs, None), submitted)
+                    items.extend(self._run_command(command))
+                if stopping:  # (every request: none is submitted from now on)
+                    with self._cond:
+                        taken_in = dict(self._sinks)
+                    items.extend(self._abort_all(taken_in)[0])
+                    self._publish(items, submitted)
                     return
-                result = StepResult(outputs, None)
                 stepped = self.core.has_work()
-                if stepped:
-                    result = self._step(outputs, submitted)
-                stalled = not self._publish(result, submitted) and stepped
+                result = self._step(items, submitted) if stepped else StepResult([], None)
+                changed = self._publish(items, submitted, result.stats, result.num_preempted)
+                stalled = not changed and stepped
                 self._let_go()
         except Exception:
             logger.exception("the engine thread failed; failing every live request")
@@ -520,85 +537,79 @@ class EngineLoop:
             for live in orphans:
                 for output in _failed_outputs(live, "the engine stopped"):
                     try:
-                        live.sink(_plain(output))
+                        live.sink(output)
                     except Exception:
                         logger.warning("output sink of %s failed", live.request.request_id)
             if self._on_exit is not None:
                 self._on_exit()
 
-    def _run_command(self, command: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+    def _run_command(self, command: _Command) -> list[_Item]:
         try:
             return command()
         except Exception as exc:  # a request that failed validation late, e.g. a duplicate
             logger.warning("engine command failed: %s", exc)
             return []
 
-    def _step(self, outputs: list[RequestOutput], submitted: _Submitted) -> StepResult:
-        """One pass; its start is published too, with the commands' outputs (`outputs`), so
-        the load says what runs during the pass (`EngineCore.step`)."""
+    def _step(self, items: list[_Item], submitted: _Submitted) -> StepResult:
+        """One pass, its outputs appended to `items` (the commands' before them): their
+        start is published at the pass's (and `items` cleared), so the load says what runs
+        during the pass (`EngineCore.step`). Returns the pass's stats (no outputs)."""
 
         def on_pass_start() -> None:
-            self._publish(StepResult(list(outputs), None), submitted)
-            outputs.clear()
+            self._publish(list(items), submitted)
+            items.clear()
 
         try:
             result = self.core.step(on_pass_start)
         except Exception:
             logger.exception("engine step failed; failing every running request")
             # What it produced before it failed first: the ends of requests it ended included.
-            outputs.extend(self.core.take_failed_step_outputs())
-            outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
-            return StepResult(outputs, None)
-        outputs.extend(result.outputs)
-        return StepResult(outputs, result.stats, result.num_preempted)
+            items.extend(self.core.take_failed_step_outputs())
+            items.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
+            return StepResult([], None)
+        items.extend(result.outputs)
+        return StepResult([], result.stats, result.num_preempted)
 
-    def _publish(self, result: StepResult, submitted: _Submitted) -> bool:
-        """`submitted`: the submitted sequences the engine thread has taken in. Returns
-        whether anything changed (outputs, a pass, KV events or the load)."""
+    def _publish(
+        self,
+        items: list[_Item],
+        submitted: _Submitted,
+        stats: ForwardPassStats | None = None,
+        num_preempted: int = 0,
+    ) -> bool:
+        """Hand `items` over in order, by the id rules (the module docstring), and report them
+        (`on_step`). `submitted`: the submitted sequences the engine thread has taken in.
+        Returns whether anything changed (outputs, a pass, KV events or the load)."""
         load = self.core.load()
         with self._cond:
             previous, self._load = self._load, load
             self._submitted_in_load = submitted
+        reported: list[RequestOutput] = []  # (an abandoned request's outputs too)
         failed: list[str] = []  # requests whose sink failed, dropped as abandoned ones
-        # Requests whose end this result handed over: an output of theirs after it (an end a
-        # failing abort made up for a request a command before it had ended) is stale, and
-        # reaches no sink (though a request may have taken the id as the end was handed over)
-        # nor the report, dropped as the marks of abandoned requests' aborts are; so are those
-        # of a stray request (`_stray`), whose client had its end (or left).
-        ended: set[str] = set()
-        kept: list[RequestOutput] = []
-        for output in result.outputs:
-            if not isinstance(output, _AbandonSettled):
-                if output.request_id in ended:
-                    continue
-                if output.request_id in self._stray and not isinstance(output, _MadeUp):
-                    continue
-                kept.append(output)
-            with self._cond:
-                if self._take_abandoned(output):
-                    continue
-                live = self._sinks.get(output.request_id)
-                if output.usage is not None:
-                    self._sinks.pop(output.request_id, None)
-                    ended.add(output.request_id)
-            if live is None:
+        for item in items:
+            if isinstance(item, _AbandonSettled):
+                with self._cond:  # the id's next outputs are a newer request's
+                    if item.request_id in self._abandoned:  # (else abandoned as it stopped)
+                        self._settle_abandoned(item.request_id)
                 continue
-            live.sent_tokens += len(output.new_token_ids)
-            if output.finished:
-                live.ended.add(output.output_index)
-            try:
-                live.sink(_plain(output))
-            except Exception:  # e.g. the consumer's event loop is closed: drop the request
-                logger.warning("output sink of %s failed; aborting it", output.request_id)
+            if isinstance(item, _Failed):
+                with self._cond:  # an end made up for a request ended or dropped since: stale
+                    current = self._sinks.get(item.live.request.request_id) is item.live
+                outputs = _failed_outputs(item.live, item.message) if current else []
+            elif item.request_id in self._stray:  # the core's, of a request no one's
+                continue
+            else:
+                outputs = [item]
+            for output in outputs:
+                reported.append(output)
                 with self._cond:
-                    # Unless it was abandoned (its abort queued) or ended while its sink ran,
-                    # when the id may be another request's by now: dropped as abandoned, so
-                    # its outputs left in this result and the end of its abort below reach no
-                    # sink, a request that takes the id once it is free included.
-                    if self._sinks.get(output.request_id) is live:
+                    if output.request_id in self._abandoned:
+                        continue
+                    live = self._sinks.get(output.request_id)
+                    if live is not None and output.usage is not None:
                         del self._sinks[output.request_id]
-                        self._abandoned[output.request_id] += 1
-                        failed.append(output.request_id)
+                if live is not None:
+                    self._hand_over(live, output, failed)
         # Aborted once every output of this result is handed over: the core has not taken a
         # request of those ids since (commands run on this thread only).
         dropped: list[RequestOutput] = []
@@ -613,9 +624,7 @@ class EngineLoop:
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()
-        if dropped or len(kept) != len(result.outputs) or any(isinstance(o, _MadeUp) for o in kept):
-            kept = [_plain(o) for o in kept]
-            result = StepResult([*kept, *dropped], result.stats, result.num_preempted)
+        result = StepResult([*reported, *dropped], stats, num_preempted)
         events = self.core.take_kv_events()
         # A command may change the load alone (releasing a KV session frees blocks).
         changed = bool(
@@ -631,3 +640,23 @@ class EngineLoop:
             except Exception:  # a broken observer must not take the engine thread down
                 logger.exception("on_step observer failed")
         return changed
+
+    def _hand_over(self, live: _Live, output: RequestOutput, failed: list[str]) -> None:
+        """`output` to `live`'s sink; a sink that fails drops its request (as abandoned) into
+        `failed`, to abort once the result is handed over."""
+        live.sent_tokens += len(output.new_token_ids)
+        if output.finished:
+            live.ended.add(output.output_index)
+        try:
+            live.sink(output)
+        except Exception:  # e.g. the consumer's event loop is closed: drop the request
+            logger.warning("output sink of %s failed; aborting it", output.request_id)
+            with self._cond:
+                # Unless it was abandoned (its abort queued) or ended while its sink ran, when
+                # the id may be another request's by now: dropped as abandoned, so its outputs
+                # left in this result and the end of its abort reach no sink, a request that
+                # takes the id once it is free included.
+                if self._sinks.get(output.request_id) is live:
+                    del self._sinks[output.request_id]
+                    self._abandoned[output.request_id] += 1
+                    failed.append(output.request_id)

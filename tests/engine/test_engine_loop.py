@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -373,14 +374,19 @@ async def test_an_end_made_up_for_a_request_carries_what_its_client_was_sent() -
     sampling = SamplingParams(
         max_tokens=10_000, num_sequences=2, stop_token_ids=(stop,), include_stop_in_output=True
     )
-    engine.submit(
-        EngineRequest("same", (1, 2, 3), sampling), asyncio_sink(asyncio.get_running_loop(), queue)
-    )
-    outputs = [await asyncio.wait_for(queue.get(), timeout=10)]
-    while not (outputs[-1].output_index == 0 and outputs[-1].finished):
-        outputs.append(await asyncio.wait_for(queue.get(), timeout=10))
-    assert await asyncio.wait_for(asyncio.wrap_future(engine.abort("same")), timeout=10)
-    outputs += await collect(queue)
+    to_queue = asyncio_sink(asyncio.get_running_loop(), queue)
+    aborted: list[Future[bool]] = []
+
+    def aborting(output: RequestOutput) -> None:
+        to_queue(output)
+        if output.output_index == 0 and output.finished:  # on the engine thread: the second
+            aborted.append(engine.abort("same"))  # output is far from its end as it runs
+        # (aborted from the event loop, the request could end first: the sim has no pace)
+
+    engine.submit(EngineRequest("same", (1, 2, 3), sampling), aborting)
+    outputs = await collect(queue)
+    assert len(aborted) == 1
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted[0]), timeout=10)
     assert core.failed
     assert [(o.output_index, o.finish_reason) for o in outputs if o.finished] == [
         (0, FinishReason.STOP),
@@ -616,6 +622,31 @@ async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for
     engine.stop(timeout_s=10)
 
 
+@pytest.mark.timeout(30)
+async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request() -> None:
+    """The engine stops as two requests stream, and the core's abort of them all fails before
+    it did anything: each is aborted on its own, as an abort of all does then, and ends
+    CANCELLED (both its outputs), and the core holds none of them. The engine thread failed
+    instead ("the engine thread failed"): each request ended ERROR, "the engine stopped"."""
+    core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0.05))
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
+    for request_id, queue in zip(["a", "b"], queues, strict=True):
+        sampling = SamplingParams(max_tokens=100_000, num_sequences=2, ignore_eos=True)
+        engine.submit(EngineRequest(request_id, (5, 6, 7), sampling), asyncio_sink(loop, queue))
+    for queue in queues:  # streaming has started: both are in the core
+        assert (await asyncio.wait_for(queue.get(), timeout=10)).new_token_ids
+    await asyncio.to_thread(engine.stop, 10)
+    assert core.failures == 1
+    for queue in queues:
+        outputs = await collect(queue)
+        assert sorted(o.output_index for o in outputs if o.finished) == [0, 1]
+        assert {o.finish_reason for o in outputs if o.finished} == {FinishReason.CANCELLED}
+    assert not core.holds("a") and not core.holds("b")
+
+
 class AdapterFreeingFailsOnce(SimRunner):
     """A runner whose freeing of an adapter's weights fails once (a device error, say)."""
 
@@ -657,6 +688,43 @@ async def test_the_last_request_of_an_unloaded_adapter_ends_though_freeing_it_fa
     assert outputs[-1].finish_reason is FinishReason.LENGTH
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
     await a_request_of_the_id_runs_to_its_end(engine)
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+async def test_a_retry_refused_as_its_id_runs_on_ends_though_freeing_its_adapter_fails() -> None:
+    """A request is abandoned and retried under its id at once, the retry with an adapter it
+    holds (acquired at acceptance) and that is unloaded before the retry is taken in; the
+    core's abort of the old request fails before it did anything: it runs on. The retry,
+    refused (its id taken), frees the adapter's weights, which fails: it still ends ERROR,
+    and its id takes a request once the old one ends. Its client waited for ever (the
+    command taking it in failed, no end made), and its id stayed taken for good."""
+    runner = AdapterFreeingFailsOnce(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortFailsKeeping(runner, max_loras=2)
+    engine = EngineLoop(core)
+    engine.start()
+    weights = AdapterConfig(
+        rank=4, alpha=8.0, target_modules=TargetModules(names=frozenset({"q_proj"}))
+    )
+    await asyncio.wrap_future(
+        engine.call(lambda core: core.load_lora(LoraAdapter(1, "ad", "/ad"), weights))
+    )
+    retry = EngineRequest("same", (4, 5), SamplingParams(max_tokens=2), lora_name="ad")
+    slot = core.acquire_lora(retry)  # (as a server's `end_pull` holds one for its request)
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async with engine_thread_held(engine):
+        engine.submit(
+            EngineRequest("same", (1, 2, 3), SamplingParams(max_tokens=3000)), lambda _o: None
+        )
+        engine.abandon("same")
+        unloaded = engine.call(lambda core: core.unload_lora("ad"))  # its slot held: kept
+        engine.submit(retry, asyncio_sink(asyncio.get_running_loop(), retried), lora=slot)
+    await asyncio.wrap_future(unloaded)
+    outputs = await collect(retried)
+    assert core.abort_failures == 1 and runner.failed
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    assert "still runs in the engine" in outputs[-1].message
+    await own_outputs_once_its_id_is_free(engine, runner)
     engine.stop(timeout_s=10)
 
 
@@ -903,6 +971,25 @@ def test_a_failed_engine_thread_releases_what_its_requests_held() -> None:
     core.armed = False
     assert core.held_import_bytes == 0
     assert core.block_manager.num_used_blocks == 0 and not core.has_work()
+
+
+@pytest.mark.timeout(30)
+def test_a_request_submitted_once_the_engine_thread_died_is_refused() -> None:
+    """The engine thread fails (not a step: the thread itself); a request submitted after it
+    (a server that checked `running` just before) is refused: the engine stopped. It used to
+    be accepted, its add queued for a thread that would never run it: its client waited for
+    an output for ever."""
+    core = DyingCore(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    exited = threading.Event()
+    engine = EngineLoop(core, on_exit=exited.set)
+    core.armed = True
+    engine.start()
+    assert exited.wait(timeout=10)
+    core.armed = False
+    got: list[RequestOutput] = []
+    with pytest.raises(EngineStoppedError):
+        engine.submit(EngineRequest("late", (1, 2, 3), SamplingParams(max_tokens=2)), got.append)
+    assert engine.num_live_requests() == 0
 
 
 @pytest.mark.timeout(30)

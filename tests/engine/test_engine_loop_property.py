@@ -19,6 +19,7 @@ chance. Once everything has settled:
   its sink failed;
 - the loop holds no sink and no abandoned id, and accepts a new request under every id, which
   gets its own outputs to its end;
+- every output reported (`on_step`) is a plain RequestOutput;
 - while the engine thread is held (nothing runs on it), and in a sink (on it), an id is free
   exactly when the model says so (its request abandoned, ended or dropped): submit accepts it
   or refuses a duplicate.
@@ -41,6 +42,7 @@ from engine.core.api import (
     RequestOutput,
     SamplingParams,
     SchedulerConfig,
+    StepReport,
 )
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.engine_loop import OutputSink
@@ -106,7 +108,7 @@ class EngineLoopIds(RuleBasedStateMachine):
         self.core = FailingAborts(self.runner, config)
         self.core.armed.acquire()  # its abort of all fails only as `abort` arms it
         self.core.abort_armed.acquire()  # its abort of one only as `fail_an_abort` arms it
-        self.engine = EngineLoop(self.core)
+        self.engine = EngineLoop(self.core, on_step=self._on_step)
         self.engine.start()
         # Guards the model; taken before the loop's lock (never held while waiting for the
         # engine thread), by the test thread and by sinks on the engine thread.
@@ -132,6 +134,12 @@ class EngineLoopIds(RuleBasedStateMachine):
             for index in range(num_seqs)
         )
         return Req(serial, EngineRequest(request_id, prompt, sampling), expected)
+
+    def _on_step(self, report: StepReport) -> None:
+        """The report (metrics, publishers) holds the engine's outputs as they are: no mark
+        of the loop's, no output type of its own."""
+        for output in report.result.outputs:
+            self._expect(type(output) is RequestOutput, f"reported {output!r}")
 
     def _expect(self, holds: bool, what: str) -> None:
         """A check that may run on the engine thread (inside a sink, where an AssertionError
