@@ -45,7 +45,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   cleared and rebuilt as on a first message;
 - the SUB's connection ends (the monitor's disconnect; an engine killed publishes no last
   word): the worker is cleared at once, and the next connection rebuilds it from a replay
-  from seq 0, as a start does (a sequence break: the publisher may be a new process). A
+  from seq 0, as a start does (a sequence break: the publisher may be a new process); after
+  a disconnection with nothing applied to clear (nothing published yet, a failed rebuild),
+  the next connection rebuilds from the replay all the same. A
   connection that ends while another stays open is no such end (`_OpenConnections`: a binding
   SUB accepts stray connections, a port scan or a TCP probe, besides the publisher's);
 - a publisher that falls silent without closing its connection (its host frozen or cut off,
@@ -569,6 +571,14 @@ class ZmqSource:
             )
             self._cleared_by_disconnect = True
             await self._reset_worker(self.last_seq or 0)
+        elif ends:
+            # Nothing applied since the start, a reset or a resync (an idle engine, or a
+            # rebuild whose replay failed): the next connection may be a new process that
+            # publishes before the SUB's reconnect reaches it and then goes idle, so it
+            # rebuilds from the replay as a start's pending one does (before, the worker
+            # missed that batch until the engine's next one; tests/indexer/
+            # test_zmq_intake_property.py found it).
+            self._rebuild_at_connection = True
         # (A rebuild pending from the start matters only while nothing is applied: the first
         # message may have rebuilt the worker since, and this connection's first message is then
         # checked as any new connection's.)

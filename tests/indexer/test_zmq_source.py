@@ -795,6 +795,37 @@ async def test_a_healthy_start_beside_an_engine_yet_to_publish_clears_the_worker
     assert source.counters.num_resets == 2  # the start's, then the disconnect's
 
 
+async def test_an_engine_restarted_before_its_first_batch_is_rebuilt_at_its_reconnection(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The source follows an engine that has published nothing (its start's replay empty,
+    nothing applied); the engine restarts, and the new process publishes before the SUB's
+    reconnect reaches it, then goes idle. The reconnection rebuilds the worker from the replay,
+    as after a publisher that had published (found by tests/indexer/
+    test_zmq_intake_property.py: before, the worker missed that batch until the engine's next
+    one)."""
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    index = PrefixIndex()
+    source = _starting_source(publisher, context, index)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await source.wait_until(
+                lambda: source.link.up and source.counters.num_resets == 1, WAIT_S
+            )
+            publisher.close_pub()  # the engine gone
+            await source.wait_until(lambda: not source.link.up, WAIT_S)
+            publisher.buffer.clear()  # a new process, which publishes before the SUB reaches it
+            await publisher.publish(_message(0, _stored(1, 2)), live=False)
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
