@@ -231,7 +231,18 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
     def _publish(self, specs: list[EventSpec]) -> bool:
         """Publish one batch of the events `specs` stand for; whether there was one."""
         events = [e for e in (self._event(*spec) for spec in specs) if e is not None]
-        return self.log.append(events) is not None
+        return self._append(events)
+
+    def _append(self, events: list[KvEvent]) -> bool:
+        """Append `events` to the engine's log as one batch, from within the machine's event
+        loop, as the engine does (the publisher's asyncio socket sends there: outside it, it
+        would need a current event loop, which an earlier test may have unset); whether
+        there was one."""
+
+        async def append() -> bool:
+            return self.log.append(events) is not None
+
+        return self.loop.run_until_complete(append())
 
     # -- rules -----------------------------------------------------------------------------
 
@@ -297,7 +308,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         stored = BlockStored(
             block_keys=(key,), parent_key=None, token_ids=block, block_size=BLOCK_SIZE
         )
-        self.log.append([stored, BlockRemoved(block_keys=(key,))])
+        self._append([stored, BlockRemoved(block_keys=(key,))])
 
     def _check(self, done: Callable[[], bool] = lambda: True) -> None:
         """Wait until the source has caught up (`done` too), then compare."""
