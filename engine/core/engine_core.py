@@ -312,7 +312,9 @@ class EngineCore:
         return request_id in self._requests
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
+        """Finish every unfinished output as CANCELLED; [] when unknown or already finished.
+        One that raises partway has forgotten the request all the same (`holds` is false,
+        its blocks free), its end never emitted."""
         return self._finish_request(request_id, FinishReason.CANCELLED, "aborted")
 
     def abort_all(
@@ -333,11 +335,41 @@ class EngineCore:
         state = self._requests.get(request_id)
         if state is None:
             return []
-        return [
-            self._finish(state, out, reason, None, out.stop.finish(), message=message, error=error)
-            for out in state.outputs
-            if not out.finished
-        ]
+        try:
+            return [
+                self._finish(
+                    state, out, reason, None, out.stop.finish(), message=message, error=error
+                )
+                for out in state.outputs
+                if not out.finished
+            ]
+        except BaseException:
+            self._forget(state)
+            raise
+
+    def _forget(self, state: _RequestState) -> None:
+        """A request whose end raised partway (an output marked finished, its blocks not freed
+        yet, say): out of the core all the same, its end never emitted, rather than held with
+        nothing left to finish, its id taken for ever. Each of its sequences leaves the
+        scheduler wherever it is and frees its blocks, its LoRA slot and held pulled KV go."""
+        request_id = state.request.request_id
+        held = self._requests.get(request_id) is state  # (else it ended, its slot released)
+        if held:
+            del self._requests[request_id]
+        self._drop_held_import(request_id)
+        for out in state.outputs:
+            out.finished = True
+            self._outputs_by_seq.pop(out.sequence.seq_id, None)
+            try:
+                self.scheduler.forget(out.sequence)
+            except Exception:
+                logger.exception("freeing sequence %d failed", out.sequence.seq_id)
+        state.num_unfinished = 0
+        if held and state.lora is not None:
+            try:
+                self.release_lora(state.lora)
+            except Exception:
+                logger.exception("freeing LoRA slot %s failed", state.lora.key)
 
     def _finish(
         self,

@@ -1,5 +1,6 @@
 """EngineLoop's request ids against a naive model, under any order of submit, abandon (the
-client gone), abort (the RPC), abort_all (which may fail in the core), a sink that fails once,
+client gone), abort (the RPC), abort_all (which may fail in the core), an abort of one request
+that fails in the core (at once, or partway through ending it), a sink that fails once,
 a failing forward pass and the engine thread held or let run, over three ids reused all the
 time (hypothesis stateful).
 
@@ -47,15 +48,21 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.engine_loop import OutputSink
 from engine.core.errors import AbortFailedError, DuplicateRequestError
-from tests.engine.test_engine_loop import AbortAllFails, AbortFailsKeeping, FlakyRunner
+from tests.engine.test_engine_loop import (
+    AbortAllFails,
+    AbortFailsKeeping,
+    AbortFailsPartway,
+    FlakyRunner,
+)
 
 IDS = ("a", "b", "c")
 
 
-class FailingAborts(AbortAllFails, AbortFailsKeeping):
+class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway):
     """A core whose abort of every request fails as `armed` says (before it did anything,
     or after it ended them all: `forgets`), and whose abort of one request fails as
-    `abort_armed` says, before it did anything (the request runs on)."""
+    `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
+    says, partway (it forgets the request, its end never emitted)."""
 
 
 WAIT_S = 10.0
@@ -272,6 +279,13 @@ class EngineLoopIds(RuleBasedStateMachine):
         abort of all) fails before it did anything: the request runs on in the core, its
         outputs reaching no one, its id taken till it ends."""
         self.core.abort_armed.release()
+
+    @rule()
+    def fail_an_abort_partway(self) -> None:
+        """The core's next abort of one request fails partway, as it frees the blocks of an
+        output it marked finished: the core forgets the request, its end never emitted (the
+        loop makes one up for its client, if any), and its id is free."""
+        self.core.partway_armed.release()
 
     @rule()
     def fail_a_pass(self) -> None:
