@@ -349,12 +349,13 @@ class EngineCore:
 
     def _forget(self, state: _RequestState) -> None:
         """A request whose end raised partway (an output marked finished, its blocks not freed
-        yet, say): out of the core all the same, its end never emitted, rather than held with
-        nothing left to finish, its id taken for ever. Each of its sequences leaves the
-        scheduler wherever it is and frees its blocks, its LoRA slot and held pulled KV go."""
+        yet, say; in an abort or in a step): out of the core all the same, its end never
+        emitted, rather than held with nothing left to finish, its id taken for ever. Each of
+        its sequences leaves the scheduler wherever it is and frees its blocks, its LoRA slot
+        and held pulled KV go, and so does the KV session it held (which only its end
+        announces). Forgetting it again does nothing."""
         request_id = state.request.request_id
-        held = self._requests.get(request_id) is state  # (else it ended, its slot released)
-        if held:
+        if self._requests.get(request_id) is state:  # (else its end got that far)
             del self._requests[request_id]
         self._drop_held_import(request_id)
         for out in state.outputs:
@@ -365,11 +366,25 @@ class EngineCore:
             except Exception:
                 logger.exception("freeing sequence %d failed", out.sequence.seq_id)
         state.num_unfinished = 0
-        if held and state.lora is not None:
+        if state.held_kv_session:
+            state.held_kv_session = False
+            session_id = state.request.kv_session_id
+            assert session_id is not None  # (held for it alone)
             try:
-                self.release_lora(state.lora)
+                self.release_kv_session(session_id)
             except Exception:
-                logger.exception("freeing LoRA slot %s failed", state.lora.key)
+                logger.exception("releasing KV session %s failed", session_id)
+        self._release_request_lora(state)
+
+    def _release_request_lora(self, state: _RequestState) -> None:
+        """Release the LoRA slot `state` holds, once (its end, or `_forget`)."""
+        lora, state.lora = state.lora, None
+        if lora is not None:
+            try:
+                self.release_lora(lora)
+            except Exception:  # (its weights freed by the runner): the request ends all the
+                # same, or its end, the request forgotten already, would never come
+                logger.exception("freeing LoRA slot %s failed", lora.key)
 
     def _finish(
         self,
@@ -384,45 +399,48 @@ class EngineCore:
         new_token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> RequestOutput:
-        out.finished = True
-        if (
-            state.request.kv_session_id is not None
-            and out.sequence.output_index == 0
-            and reason in (FinishReason.STOP, FinishReason.LENGTH)
-        ):
-            if out.sequence.caches_blocks:
-                # Before `remove` frees the sequence's blocks: they must not become evictable.
-                state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
-            else:
-                message = message or _superseded_session_message(state.request)
-        self.scheduler.remove(out.sequence)
-        del self._outputs_by_seq[out.sequence.seq_id]
-        state.num_unfinished -= 1
-        usage = None
-        if state.num_unfinished == 0:
-            usage = state.usage()
-            del self._requests[state.request.request_id]
-            self._drop_held_import(state.request.request_id)
-            if state.lora is not None:
-                try:
-                    self.release_lora(state.lora)
-                except Exception:  # (its weights freed by the runner): the request ends all
-                    # the same, or its end, the request forgotten already, would never come
-                    logger.exception("freeing LoRA slot %s failed", state.lora.key)
-        return RequestOutput(
-            request_id=state.request.request_id,
-            output_index=out.sequence.output_index,
-            new_token_ids=new_token_ids,
-            new_text=text,
-            logprobs=logprobs,
-            prompt_logprobs=self._take_prompt_logprobs(state, out),
-            finish_reason=reason,
-            stop_match=stop_match,
-            message=message,
-            error=error,
-            usage=usage,
-            held_kv_session=usage is not None and state.held_kv_session,
-        )
+        """End `out` (its request too, with `usage`, if it was the last): an abort's, or a
+        step's (STOP, LENGTH, "KV cache full", a guide's dead end). One that raises partway
+        forgets the request (`_forget`), its end never emitted: a step that raises so leaves
+        it to `EngineLoop`, which makes up an ERROR end for it."""
+        try:
+            out.finished = True
+            if (
+                state.request.kv_session_id is not None
+                and out.sequence.output_index == 0
+                and reason in (FinishReason.STOP, FinishReason.LENGTH)
+            ):
+                if out.sequence.caches_blocks:
+                    # Before `remove` frees the sequence's blocks: they must not become evictable.
+                    state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
+                else:
+                    message = message or _superseded_session_message(state.request)
+            self.scheduler.remove(out.sequence)
+            del self._outputs_by_seq[out.sequence.seq_id]
+            state.num_unfinished -= 1
+            usage = None
+            if state.num_unfinished == 0:
+                usage = state.usage()
+                del self._requests[state.request.request_id]
+                self._drop_held_import(state.request.request_id)
+                self._release_request_lora(state)
+            return RequestOutput(
+                request_id=state.request.request_id,
+                output_index=out.sequence.output_index,
+                new_token_ids=new_token_ids,
+                new_text=text,
+                logprobs=logprobs,
+                prompt_logprobs=self._take_prompt_logprobs(state, out),
+                finish_reason=reason,
+                stop_match=stop_match,
+                message=message,
+                error=error,
+                usage=usage,
+                held_kv_session=usage is not None and state.held_kv_session,
+            )
+        except BaseException:
+            self._forget(state)
+            raise
 
     # ---------------------------------------------------------------- LoRA adapters
 
@@ -650,7 +668,8 @@ class EngineCore:
         so that GetLoad never misses a request during the pass that admits it.
 
         One that raises has produced outputs maybe (a request it ended among them, whose end
-        is nowhere else): `take_failed_step_outputs` hands them over."""
+        is nowhere else): `take_failed_step_outputs` hands them over. One that raised as it
+        ended a request has forgotten it (`holds` is false), its end never emitted."""
         outputs: list[RequestOutput] = []
         try:
             return self._step(outputs, on_pass_start)

@@ -26,14 +26,16 @@ Request ids: the engine thread hands each output to the sink of the live request
    counting the tokens its sink was handed and each matched stop token left out of them (as
    the core's end counts them). Made up for: a request whose abort fails in the
    core (or that the core forgot, its end never emitted); one whose add fails or whose id is
-   stray; every live one when the engine thread dies.
+   stray; after a failed step, every live one the core no longer runs (its end raised in the
+   step: forgotten, its end never emitted); every live one when the engine thread dies.
 
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
-outputs it produced before it failed (the ends of requests it ended), and the loop carries
-on; a failing sink aborts its request; if the core's abort of every request fails (`abort_all`
-or `stop`), each is aborted on its own (by `abort`'s rule), `abort_all`'s future failing
-(AbortFailedError); a failing `on_step` observer is logged; if the thread itself dies, every
-live request still gets a terminal ERROR output, and `submit` refuses from then on.
+outputs it produced before it failed (the ends of requests it ended; one whose end raised, the
+core forgot: made up), and the loop carries on; a failing sink aborts its request; if the
+core's abort of every request fails (`abort_all` or `stop`), each is aborted on its own (by
+`abort`'s rule), `abort_all`'s future failing (AbortFailedError); a failing `on_step`
+observer is logged; if the thread itself dies, every live request still gets a terminal ERROR
+output, and `submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -592,6 +594,16 @@ class EngineLoop:
             # What it produced before it failed first: the ends of requests it ended included.
             items.extend(self.core.take_failed_step_outputs())
             items.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
+            # A request whose end raised in the step is gone from the core, its end never
+            # emitted (and not the abort's): made up. (Stale at hand-over for one whose end
+            # is among `items`.)
+            with self._cond:
+                taken_in = [live for live in self._sinks.values() if live.added]
+            items.extend(
+                _Failed(live, "engine step failed")
+                for live in taken_in
+                if not self.core.holds(live.request.request_id)
+            )
             return StepResult([], None)
         items.extend(result.outputs)
         return StepResult([], result.stats, result.num_preempted)

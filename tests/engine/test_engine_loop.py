@@ -23,6 +23,7 @@ from engine.core.api import (
     SchedulerConfig,
     SequenceResult,
     StepReport,
+    StepResult,
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.engine_loop import OutputSink
@@ -33,6 +34,7 @@ from engine.core.errors import (
     InvalidRequestError,
 )
 from engine.core.lora import AdapterConfig, LoraAdapter, TargetModules
+from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner
 from engine.server.metrics import EngineMetrics
 from tests.engine.test_kv_sessions_core import BytesRunner
@@ -942,6 +944,79 @@ class ForgetfulRunner(SimRunner):
         if forgotten:
             self.forget = None
         return [r for r in results if r.seq_id not in forgotten]
+
+
+class EndFailsInAStep(EngineCore):
+    """A core whose end of an output in a step (STOP, LENGTH, "KV cache full") fails once per
+    `end_armed.release()` (none at first) partway: as it takes the output it marked finished
+    out of the scheduler, its blocks not freed yet."""
+
+    end_failures = 0
+    _stepping = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.end_armed = threading.Semaphore(0)
+        remove = self.scheduler.remove
+
+        def failing_remove(sequence: Sequence) -> None:
+            if self._stepping and self.end_armed.acquire(blocking=False):
+                self.end_failures += 1
+                raise RuntimeError("freeing the output's blocks failed")
+            remove(sequence)
+
+        self.scheduler.remove = failing_remove  # type: ignore[method-assign]
+
+    def step(self, on_pass_start: Callable[[], object] | None = None) -> StepResult:
+        self._stepping = True
+        try:
+            return super().step(on_pass_start)
+        finally:
+            self._stepping = False
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("end", "num_sequences"),
+    [("length", 1), ("length", 2), ("stop token", 1), ("KV cache full", 1)],
+)
+async def test_a_request_whose_end_fails_in_a_step_ends_and_leaves_the_core(
+    end: str, num_sequences: int
+) -> None:
+    """A request's end in a step (its last token, its stop token, or the KV cache full)
+    fails partway, as the core takes an output it marked finished out of the scheduler. The
+    step fails; the request's client gets an ERROR end for each output, its usage counting
+    the tokens it got; the core holds neither the request nor its blocks, and a request of
+    its id is accepted at once and gets its own outputs to its end. The core kept the request
+    with nothing left to finish, which the failed step's abort of every request passed over:
+    its client waited for ever, and its id was refused for ever."""
+    runner = SimRunner(block_size=4, num_blocks=4 if end == "KV cache full" else 256, time_scale=0)
+    core = EndFailsInAStep(runner)
+    core.end_armed.release()
+    engine = EngineLoop(core)
+    engine.start()
+    stop = runner.next_tokens(3, 0, 0, 3)[-1]  # the output's third token
+    sampling = SamplingParams(
+        max_tokens=3 if end == "length" else 100,
+        num_sequences=num_sequences,
+        stop_token_ids=(stop,) if end == "stop token" else (),
+    )
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (1, 2, 3), sampling),
+        asyncio_sink(asyncio.get_running_loop(), queue),
+    )
+    outputs = await collect(queue)
+    assert core.end_failures == 1
+    assert sorted(o.output_index for o in outputs if o.finished) == list(range(num_sequences))
+    assert {o.finish_reason for o in outputs if o.finished} == {FinishReason.ERROR}
+    usage = outputs[-1].usage
+    assert usage is not None and usage.prompt_tokens == 3
+    assert usage.completion_tokens == sum(len(o.new_token_ids) for o in outputs)
+    left = engine.call(lambda core: (core.holds("same"), core.load().num_used_blocks))
+    assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, 0)
+    await own_outputs_once_its_id_is_free(engine, runner)
+    engine.stop(timeout_s=10)
 
 
 @pytest.mark.timeout(30)

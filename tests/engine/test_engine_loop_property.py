@@ -1,8 +1,8 @@
 """EngineLoop's request ids against a naive model, under any order of submit, abandon (the
 client gone), abort (the RPC), abort_all (which may fail in the core), an abort of one request
 that fails in the core (at once, or partway through ending it), a sink that fails once,
-a failing forward pass and the engine thread held or let run, over three ids reused all the
-time (hypothesis stateful).
+a failing forward pass, a request's end in a step that fails partway and the engine thread
+held or let run, over three ids reused all the time (hypothesis stateful).
 
 The model is each request's own outputs: the sim runner's tokens are a function of the prompt's
 last token, so every request (a prompt of its own) knows the tokens it may get. Sinks may also
@@ -52,17 +52,19 @@ from tests.engine.test_engine_loop import (
     AbortAllFails,
     AbortFailsKeeping,
     AbortFailsPartway,
+    EndFailsInAStep,
     FlakyRunner,
 )
 
 IDS = ("a", "b", "c")
 
 
-class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway):
+class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep):
     """A core whose abort of every request fails as `armed` says (before it did anything,
-    or after it ended them all: `forgets`), and whose abort of one request fails as
+    or after it ended them all: `forgets`), whose abort of one request fails as
     `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
-    says, partway (it forgets the request, its end never emitted)."""
+    says, partway (it forgets the request, its end never emitted), and whose end of an output
+    in a step fails partway as `end_armed` says (the step fails, the request forgotten)."""
 
 
 WAIT_S = 10.0
@@ -286,6 +288,13 @@ class EngineLoopIds(RuleBasedStateMachine):
         output it marked finished: the core forgets the request, its end never emitted (the
         loop makes one up for its client, if any), and its id is free."""
         self.core.partway_armed.release()
+
+    @rule()
+    def fail_an_end(self) -> None:
+        """The core's next end of an output in a step (its last token) fails partway: the
+        step fails, the core forgets the request, its end never emitted (the loop makes one
+        up for its client, ERROR), and its id is free."""
+        self.core.end_armed.release()
 
     @rule()
     def fail_a_pass(self) -> None:
