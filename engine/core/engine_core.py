@@ -312,7 +312,9 @@ class EngineCore:
         return request_id in self._requests
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
+        """Finish every unfinished output as CANCELLED; [] when unknown or already finished.
+        One that raises partway has forgotten the request all the same (`holds` is false,
+        its blocks free), its end never emitted."""
         return self._finish_request(request_id, FinishReason.CANCELLED, "aborted")
 
     def abort_all(
@@ -333,11 +335,56 @@ class EngineCore:
         state = self._requests.get(request_id)
         if state is None:
             return []
-        return [
-            self._finish(state, out, reason, None, out.stop.finish(), message=message, error=error)
-            for out in state.outputs
-            if not out.finished
-        ]
+        try:
+            return [
+                self._finish(
+                    state, out, reason, None, out.stop.finish(), message=message, error=error
+                )
+                for out in state.outputs
+                if not out.finished
+            ]
+        except BaseException:
+            self._forget(state)
+            raise
+
+    def _forget(self, state: _RequestState) -> None:
+        """A request whose end raised partway (an output marked finished, its blocks not freed
+        yet, say; in an abort or in a step): out of the core all the same, its end never
+        emitted, rather than held with nothing left to finish, its id taken for ever. Each of
+        its sequences leaves the scheduler wherever it is and frees its blocks, its LoRA slot
+        and held pulled KV go, and so does the KV session it held (which only its end
+        announces). Forgetting it again does nothing."""
+        request_id = state.request.request_id
+        if self._requests.get(request_id) is state:  # (else its end got that far)
+            del self._requests[request_id]
+        self._drop_held_import(request_id)
+        for out in state.outputs:
+            out.finished = True
+            self._outputs_by_seq.pop(out.sequence.seq_id, None)
+            try:
+                self.scheduler.forget(out.sequence)
+            except Exception:
+                logger.exception("freeing sequence %d failed", out.sequence.seq_id)
+        state.num_unfinished = 0
+        if state.held_kv_session:
+            state.held_kv_session = False
+            session_id = state.request.kv_session_id
+            assert session_id is not None  # (held for it alone)
+            try:
+                self.release_kv_session(session_id)
+            except Exception:
+                logger.exception("releasing KV session %s failed", session_id)
+        self._release_request_lora(state)
+
+    def _release_request_lora(self, state: _RequestState) -> None:
+        """Release the LoRA slot `state` holds, once (its end, or `_forget`)."""
+        lora, state.lora = state.lora, None
+        if lora is not None:
+            try:
+                self.release_lora(lora)
+            except Exception:  # (its weights freed by the runner): the request ends all the
+                # same, or its end, the request forgotten already, would never come
+                logger.exception("freeing LoRA slot %s failed", lora.key)
 
     def _finish(
         self,
@@ -352,45 +399,48 @@ class EngineCore:
         new_token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> RequestOutput:
-        out.finished = True
-        if (
-            state.request.kv_session_id is not None
-            and out.sequence.output_index == 0
-            and reason in (FinishReason.STOP, FinishReason.LENGTH)
-        ):
-            if out.sequence.caches_blocks:
-                # Before `remove` frees the sequence's blocks: they must not become evictable.
-                state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
-            else:
-                message = message or _superseded_session_message(state.request)
-        self.scheduler.remove(out.sequence)
-        del self._outputs_by_seq[out.sequence.seq_id]
-        state.num_unfinished -= 1
-        usage = None
-        if state.num_unfinished == 0:
-            usage = state.usage()
-            del self._requests[state.request.request_id]
-            self._drop_held_import(state.request.request_id)
-            if state.lora is not None:
-                try:
-                    self.release_lora(state.lora)
-                except Exception:  # (its weights freed by the runner): the request ends all
-                    # the same, or its end, the request forgotten already, would never come
-                    logger.exception("freeing LoRA slot %s failed", state.lora.key)
-        return RequestOutput(
-            request_id=state.request.request_id,
-            output_index=out.sequence.output_index,
-            new_token_ids=new_token_ids,
-            new_text=text,
-            logprobs=logprobs,
-            prompt_logprobs=self._take_prompt_logprobs(state, out),
-            finish_reason=reason,
-            stop_match=stop_match,
-            message=message,
-            error=error,
-            usage=usage,
-            held_kv_session=usage is not None and state.held_kv_session,
-        )
+        """End `out` (its request too, with `usage`, if it was the last): an abort's, or a
+        step's (STOP, LENGTH, "KV cache full", a guide's dead end). One that raises partway
+        forgets the request (`_forget`), its end never emitted: a step that raises so leaves
+        it to `EngineLoop`, which makes up an ERROR end for it."""
+        try:
+            out.finished = True
+            if (
+                state.request.kv_session_id is not None
+                and out.sequence.output_index == 0
+                and reason in (FinishReason.STOP, FinishReason.LENGTH)
+            ):
+                if out.sequence.caches_blocks:
+                    # Before `remove` frees the sequence's blocks: they must not become evictable.
+                    state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
+                else:
+                    message = message or _superseded_session_message(state.request)
+            self.scheduler.remove(out.sequence)
+            del self._outputs_by_seq[out.sequence.seq_id]
+            state.num_unfinished -= 1
+            usage = None
+            if state.num_unfinished == 0:
+                usage = state.usage()
+                del self._requests[state.request.request_id]
+                self._drop_held_import(state.request.request_id)
+                self._release_request_lora(state)
+            return RequestOutput(
+                request_id=state.request.request_id,
+                output_index=out.sequence.output_index,
+                new_token_ids=new_token_ids,
+                new_text=text,
+                logprobs=logprobs,
+                prompt_logprobs=self._take_prompt_logprobs(state, out),
+                finish_reason=reason,
+                stop_match=stop_match,
+                message=message,
+                error=error,
+                usage=usage,
+                held_kv_session=usage is not None and state.held_kv_session,
+            )
+        except BaseException:
+            self._forget(state)
+            raise
 
     # ---------------------------------------------------------------- LoRA adapters
 
@@ -618,7 +668,8 @@ class EngineCore:
         so that GetLoad never misses a request during the pass that admits it.
 
         One that raises has produced outputs maybe (a request it ended among them, whose end
-        is nowhere else): `take_failed_step_outputs` hands them over."""
+        is nowhere else): `take_failed_step_outputs` hands them over. One that raised as it
+        ended a request has forgotten it (`holds` is false), its end never emitted."""
         outputs: list[RequestOutput] = []
         try:
             return self._step(outputs, on_pass_start)

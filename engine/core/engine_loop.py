@@ -19,19 +19,23 @@ Request ids: the engine thread hands each output to the sink of the live request
 3. Stray (`_stray`): a request the core still runs after its abort failed (in `abort`,
    `abandon`, `abort_all`, `stop`, a failing sink's). Its outputs from the core reach no one,
    and its id, no sink's, is taken until the core ends it (seen at the end of each round of the
-   engine thread): `submit` refuses it as a duplicate, a request queued under it ends ERROR.
+   engine thread): `submit` refuses it as a duplicate, a request queued under it ends ERROR;
+   `abort_all`, which ends it in the core too, does not name it (no client waits on it).
 4. Made up (`_Failed`): an ERROR end the loop makes up for a request reaches it if it is still
    live when handed over (else no one), and ends only its outputs not ended yet, its usage
-   counting the tokens its sink was handed. Made up for: a request whose abort fails in the
+   counting the tokens its sink was handed and each matched stop token left out of them (as
+   the core's end counts them). Made up for: a request whose abort fails in the
    core (or that the core forgot, its end never emitted); one whose add fails or whose id is
-   stray; every live one when the engine thread dies.
+   stray; after a failed step, every live one the core no longer runs (its end raised in the
+   step: forgotten, its end never emitted); every live one when the engine thread dies.
 
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
-outputs it produced before it failed (the ends of requests it ended), and the loop carries
-on; a failing sink aborts its request; if the core's abort of every request fails (`abort_all`
-or `stop`), each is aborted on its own (by `abort`'s rule), `abort_all`'s future failing
-(AbortFailedError); a failing `on_step` observer is logged; if the thread itself dies, every
-live request still gets a terminal ERROR output, and `submit` refuses from then on.
+outputs it produced before it failed (the ends of requests it ended; one whose end raised, the
+core forgot: made up), and the loop carries on; a failing sink aborts its request; if the
+core's abort of every request fails (`abort_all` or `stop`), each is aborted on its own (by
+`abort`'s rule), `abort_all`'s future failing (AbortFailedError); a failing `on_step`
+observer is logged; if the thread itself dies, every live request still gets a terminal ERROR
+output, and `submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from engine.core.api import (
     RequestOutput,
     StepReport,
     StepResult,
+    StopKind,
     Usage,
 )
 from engine.core.errors import AbortFailedError, DuplicateRequestError, EngineStoppedError
@@ -98,13 +103,16 @@ class _Live:
     sink: OutputSink
     request: EngineRequest
     added: bool = False  # by the core (a command queued before its add finds it not there)
-    sent_tokens: int = 0
+    # The tokens the core counted for what its sink was handed: theirs, and each matched stop
+    # token the core left out of them (`completion_tokens` counts it, docs/engine.md).
+    counted_tokens: int = 0
     ended: set[int] = field(default_factory=set)
 
 
 def _failed_outputs(live: _Live, message: str) -> list[RequestOutput]:
     """ERROR outputs ending every output of a request the core never finished that has not
-    ended yet; the last carries the usage its sink was handed (the tokens it got)."""
+    ended yet; the last carries the usage of what its sink was handed (the tokens it got, and
+    a matched stop token left out of them, counted as the core's own end counts it)."""
     request = live.request
     last = request.sampling.num_sequences - 1
     left = [i for i in range(last + 1) if i not in live.ended] or [last]  # (its end lost)
@@ -116,13 +124,24 @@ def _failed_outputs(live: _Live, message: str) -> list[RequestOutput]:
             message=message,
             error=ErrorKind.ENGINE,
             usage=(
-                Usage(len(request.prompt_token_ids), live.sent_tokens, 0)
+                Usage(len(request.prompt_token_ids), live.counted_tokens, 0)
                 if index == left[-1]
                 else None
             ),
         )
         for index in left
     ]
+
+
+def _withheld_stop(live: _Live, output: RequestOutput) -> int:
+    """1 where `output` ends on a matched stop token (a caller's id or EOS) that the core
+    counted but left out of its tokens (neither `include_stop_in_output` nor
+    `emit_stop_token`), else 0."""
+    match = output.stop_match
+    if match is None or match.kind not in (StopKind.EOS, StopKind.STOP_TOKEN):
+        return 0
+    sampling = live.request.sampling
+    return 0 if sampling.include_stop_in_output or sampling.emit_stop_token else 1
 
 
 class _Failed(NamedTuple):
@@ -144,6 +163,11 @@ class _AbandonSettled(NamedTuple):
 # What the engine thread publishes: the core's outputs, and the loop's marks among them.
 _Item = RequestOutput | _Failed | _AbandonSettled
 _Command = Callable[[], list[_Item]]
+
+
+def _ended(items: list[_Item]) -> set[str]:
+    """The ids of the core's outputs among `items`."""
+    return {item.request_id for item in items if isinstance(item, RequestOutput)}
 
 
 class _Submitted(NamedTuple):
@@ -399,20 +423,21 @@ class EngineLoop:
             del self._abandoned[request_id]
 
     def abort_all(self) -> Future[list[str]]:
-        """Cancel every request submitted so far; the future lists those still running. Should
-        the core's abort of them all fail, each is aborted on its own (`abort`'s rules: one
-        whose abort fails too, or that the core forgot, its end never emitted, ends ERROR),
-        and the future fails with AbortFailedError."""
+        """Cancel every request submitted so far; the future lists those still running (the
+        requests clients wait on: not a stray one, which the core ends too). Should the core's
+        abort of them all fail, each is aborted on its own (`abort`'s rules: one whose abort
+        fails too, or that the core forgot, its end never emitted, ends ERROR), and the future
+        fails with AbortFailedError."""
         future: Future[list[str]] = Future()
 
         def command() -> list[_Item]:
-            items, error = self._abort_all(taken_in)
+            with self._cond:  # (ids of requests no client waits on, whose ends reach no one)
+                stray = set(self._stray)
+            items, error = self._abort_all(taken_in, stray)
             if error is not None:
                 future.set_exception(error)
             else:
-                future.set_result(
-                    sorted({o.request_id for o in items if isinstance(o, RequestOutput)})
-                )
+                future.set_result(sorted(_ended(items).intersection(taken_in) - stray))
             return items
 
         with self._cond:  # the requests the core has taken in when the command runs
@@ -420,15 +445,18 @@ class EngineLoop:
             self._enqueue(command, future)
         return future
 
-    def _abort_all(self, requests: dict[str, _Live]) -> tuple[list[_Item], Exception | None]:
+    def _abort_all(
+        self, requests: dict[str, _Live], stray: set[str]
+    ) -> tuple[list[_Item], Exception | None]:
         """The core's abort of every request (engine thread); should it fail, each of
-        `requests` is aborted on its own (`_abort_each`), and the error says so."""
+        `requests` is aborted on its own (`_abort_each`), and the error says so, counting
+        them (not `stray` ones, the core's requests of ids no client waits on)."""
         try:
             return [*self.core.abort_all()], None
         except Exception as exc:
             logger.exception("aborting every request failed; aborting them one by one")
             items = self._abort_each(requests, f"aborting every request failed: {exc}")
-        ended = {o.request_id for o in items if isinstance(o, RequestOutput)}
+        ended = _ended(items) - stray
         failed = {i.live.request.request_id for i in items if isinstance(i, _Failed)}
         return items, AbortFailedError(
             "aborting every request failed in the engine; each was aborted on its own: "
@@ -508,8 +536,8 @@ class EngineLoop:
                     items.extend(self._run_command(command))
                 if stopping:  # (every request: none is submitted from now on)
                     with self._cond:
-                        taken_in = dict(self._sinks)
-                    items.extend(self._abort_all(taken_in)[0])
+                        taken_in, stray = dict(self._sinks), set(self._stray)
+                    items.extend(self._abort_all(taken_in, stray)[0])
                     self._publish(items, submitted)
                     return
                 stepped = self.core.has_work()
@@ -566,6 +594,16 @@ class EngineLoop:
             # What it produced before it failed first: the ends of requests it ended included.
             items.extend(self.core.take_failed_step_outputs())
             items.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
+            # A request whose end raised in the step is gone from the core, its end never
+            # emitted (and not the abort's): made up. (Stale at hand-over for one whose end
+            # is among `items`.)
+            with self._cond:
+                taken_in = [live for live in self._sinks.values() if live.added]
+            items.extend(
+                _Failed(live, "engine step failed")
+                for live in taken_in
+                if not self.core.holds(live.request.request_id)
+            )
             return StepResult([], None)
         items.extend(result.outputs)
         return StepResult([], result.stats, result.num_preempted)
@@ -644,7 +682,7 @@ class EngineLoop:
     def _hand_over(self, live: _Live, output: RequestOutput, failed: list[str]) -> None:
         """`output` to `live`'s sink; a sink that fails drops its request (as abandoned) into
         `failed`, to abort once the result is handed over."""
-        live.sent_tokens += len(output.new_token_ids)
+        live.counted_tokens += len(output.new_token_ids) + _withheld_stop(live, output)
         if output.finished:
             live.ended.add(output.output_index)
         try:

@@ -149,6 +149,20 @@ class Scheduler:
         sequence.status = SequenceStatus.FINISHED
         self.block_manager.free(sequence.seq_id)
 
+    def forget(self, sequence: Sequence) -> None:
+        """Take a sequence out wherever it is, whatever its status says (its request's end
+        raised partway, see `EngineCore.abort`), and free its blocks."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        for priority, level in list(self._waiting.items()):
+            if sequence in level:
+                level.remove(sequence)
+                self._num_waiting -= 1
+                if not level:
+                    del self._waiting[priority]
+        sequence.status = SequenceStatus.FINISHED
+        self.block_manager.free(sequence.seq_id)
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self, now_s: float) -> SchedulerOutput:

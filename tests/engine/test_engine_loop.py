@@ -23,6 +23,7 @@ from engine.core.api import (
     SchedulerConfig,
     SequenceResult,
     StepReport,
+    StepResult,
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.engine_loop import OutputSink
@@ -33,6 +34,7 @@ from engine.core.errors import (
     InvalidRequestError,
 )
 from engine.core.lora import AdapterConfig, LoraAdapter, TargetModules
+from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner
 from engine.server.metrics import EngineMetrics
 from tests.engine.test_kv_sessions_core import BytesRunner
@@ -359,12 +361,15 @@ async def test_a_request_whose_abort_fails_ends_and_its_abort_is_answered() -> N
 
 
 @pytest.mark.timeout(30)
-async def test_an_end_made_up_for_a_request_carries_what_its_client_was_sent() -> None:
-    """A request of two outputs: the first stops early (its stop token sent), the second
-    streams on; the request is aborted, and the core's abort of it fails after it ended the
-    request, its end never emitted. The end made up for it (ERROR) ends the second output
-    alone and counts every token its client got. It used to end both outputs again, the
-    first a second time, and count no token at all."""
+@pytest.mark.parametrize("sent", [True, False])
+async def test_an_end_made_up_for_a_request_carries_what_its_client_was_sent(sent: bool) -> None:
+    """A request of two outputs: the first stops early on a stop token (sent to the client,
+    or left out of its tokens), the second streams on; the request is aborted, and the core's
+    abort of it fails after it ended the request, its end never emitted. The end made up for
+    it (ERROR) ends the second output alone and counts every token its client got, and the
+    stop token left out, as the core's own end counts it (`completion_tokens`). It used to
+    end both outputs again, the first a second time, and count no token at all; then to
+    count a stop token left out as no token, one below the core's count."""
     engine, core = engine_with_abort_failing_once()
     runner = core.runner
     assert isinstance(runner, SimRunner)
@@ -372,7 +377,7 @@ async def test_an_end_made_up_for_a_request_carries_what_its_client_was_sent() -
     assert stop not in runner.next_tokens(3, 0, 1, 10_000)
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     sampling = SamplingParams(
-        max_tokens=10_000, num_sequences=2, stop_token_ids=(stop,), include_stop_in_output=True
+        max_tokens=10_000, num_sequences=2, stop_token_ids=(stop,), include_stop_in_output=sent
     )
     to_queue = asyncio_sink(asyncio.get_running_loop(), queue)
     aborted: list[Future[bool]] = []
@@ -394,7 +399,8 @@ async def test_an_end_made_up_for_a_request_carries_what_its_client_was_sent() -
     ]
     usage = outputs[-1].usage
     assert usage is not None and usage.prompt_tokens == 3
-    assert usage.completion_tokens == sum(len(o.new_token_ids) for o in outputs) > 3
+    withheld = 0 if sent else 1
+    assert usage.completion_tokens == sum(len(o.new_token_ids) for o in outputs) + withheld > 3
     engine.stop(timeout_s=10)
 
 
@@ -413,6 +419,45 @@ class AbortFailsKeeping(EngineCore):
             self.abort_failures += 1
             raise RuntimeError("aborting the request failed")
         return super().abort(request_id)
+
+
+class AbortFailsPartway(EngineCore):
+    """A core whose abort of a request fails once (per `partway_armed.release()`, none at
+    first) partway: as it frees the blocks of the request's first output, which it marked
+    finished already (as a block free that raises)."""
+
+    partway_failures = 0
+    _aborting = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.partway_armed = threading.Semaphore(0)
+        free = self.block_manager.free
+
+        def failing_free(seq_id: int) -> None:
+            if self._aborting and self.partway_armed.acquire(blocking=False):
+                self.partway_failures += 1
+                raise RuntimeError("freeing the request's blocks failed")
+            free(seq_id)
+
+        self.block_manager.free = failing_free  # type: ignore[method-assign]
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        self._aborting = True
+        try:
+            return super().abort(request_id)
+        finally:
+            self._aborting = False
+
+
+def engine_with_an_abort_failing_at_once() -> tuple[EngineLoop, AbortFailsKeeping, SimRunner]:
+    """A started engine whose core's first abort of a request fails before it did anything
+    (the request runs on), and its runner."""
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortFailsKeeping(runner)
+    engine = EngineLoop(core)
+    engine.start()
+    return engine, core, runner
 
 
 def submit_or_refused(engine: EngineLoop, request: EngineRequest, sink: OutputSink) -> bool:
@@ -443,10 +488,7 @@ async def test_a_request_whose_abort_fails_as_it_runs_on_keeps_its_id_till_it_en
     (a duplicate) until the core ends the request; then a request of the id gets its own
     outputs. The id was free at once, and the request that took it got the tokens of the one
     still running, then an ERROR end (the core refused it as a duplicate)."""
-    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
-    core = AbortFailsKeeping(runner)
-    engine = EngineLoop(core)
-    engine.start()
+    engine, core, runner = engine_with_an_abort_failing_at_once()
     outputs = await aborted_in_the_core(engine, max_tokens=3000)
     assert core.abort_failures == 1
     assert outputs[-1].finish_reason is FinishReason.ERROR
@@ -460,16 +502,83 @@ async def test_a_request_whose_abort_fails_as_it_runs_on_keeps_its_id_till_it_en
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("num_sequences", [1, 2])
+async def test_a_request_whose_abort_fails_partway_leaves_the_core(num_sequences: int) -> None:
+    """A request is aborted, and the core's abort of it fails partway, as it frees the
+    blocks of an output it marked finished. Its client gets its end (ERROR); the core holds
+    neither the request nor its blocks, and a request of its id is accepted at once and gets
+    its own outputs to its end. The core kept the request with nothing left to finish (one
+    output) or ran its other output on, its blocks held: its id was refused as still running
+    in the engine, for ever with one output."""
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortFailsPartway(runner)
+    core.partway_armed.release()
+    engine = EngineLoop(core)
+    engine.start()
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    to_queue = asyncio_sink(asyncio.get_running_loop(), queue)
+    commands: list[Future[Any]] = []
+
+    def aborting(output: RequestOutput) -> None:
+        to_queue(output)
+        if not commands:  # on the engine thread, its blocks held: aborted before its next step
+            commands.append(engine.abort("same"))
+            commands.append(
+                engine.call(lambda core: (core.holds("same"), core.load().num_used_blocks))
+            )
+
+    sampling = SamplingParams(max_tokens=3000, num_sequences=num_sequences)
+    engine.submit(EngineRequest("same", (1, 2, 3, 4, 5, 6), sampling), aborting)
+    outputs = await collect(queue)
+    aborted, left = commands
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    assert core.partway_failures == 1
+    assert sorted(o.output_index for o in outputs if o.finished) == list(range(num_sequences))
+    assert {o.finish_reason for o in outputs if o.finished} == {FinishReason.ERROR}
+    assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, 0)
+    retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    request = EngineRequest("same", (4, 5), SamplingParams(max_tokens=2))
+    engine.submit(request, asyncio_sink(asyncio.get_running_loop(), retried))
+    outputs = await collect(retried)
+    assert [t for o in outputs for t in o.new_token_ids] == runner.next_tokens(5, 0, 0, 2)
+    assert [o.finish_reason for o in outputs if o.finished] == [FinishReason.LENGTH]
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_an_abort_of_all_names_only_the_requests_clients_wait_on() -> None:
+    """A request's abort fails in the core, which runs it on (no client's now); an abort of
+    all then comes, with another request running. The core ends both, but the abort of all
+    names the other alone: the one the core ran on was no client's any more (its client had
+    its ERROR end), and its id is free again once the core ended it. It used to be named,
+    an aborted request no client waited on (AbortAll's "aborted 2 requests")."""
+    engine, core, runner = engine_with_an_abort_failing_at_once()
+    loop = asyncio.get_running_loop()
+    same: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    other: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    sampling = SamplingParams(max_tokens=3000)
+    async with engine_thread_held(engine):  # one round: both in the core as the aborts run
+        engine.submit(EngineRequest("same", (1, 2, 3), sampling), asyncio_sink(loop, same))
+        aborted = engine.abort("same")
+        engine.submit(EngineRequest("other", (1, 2, 3), sampling), asyncio_sink(loop, other))
+        aborted_all = engine.abort_all()
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    assert core.abort_failures == 1
+    assert await asyncio.wait_for(asyncio.wrap_future(aborted_all), timeout=10) == ["other"]
+    assert (await collect(same))[-1].finish_reason is FinishReason.ERROR
+    assert (await collect(other))[-1].finish_reason is FinishReason.CANCELLED
+    await own_outputs_once_its_id_is_free(engine, runner)
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
 async def test_a_request_submitted_after_an_abort_that_fails_is_left_alone() -> None:
     """An abort of an id comes before any request of it, and the core's abort fails; a
     request of the id is submitted before that abort runs (its add after it). The abort, of
     nothing, says so (not running); the request, not in the core as the abort ran, runs to
     its own end. It used to get an ERROR end made up as though the core had forgotten it,
     the core then ran it with no sink, and a request taking its id got its tokens."""
-    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
-    core = AbortFailsKeeping(runner)
-    engine = EngineLoop(core)
-    engine.start()
+    engine, core, runner = engine_with_an_abort_failing_at_once()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     async with engine_thread_held(engine):
         aborted = engine.abort("same")
@@ -493,10 +602,7 @@ async def test_a_retry_of_an_abandoned_request_that_runs_on_gets_none_of_its_out
     already, ends ERROR (its id taken), with no output of the old request; a request of the
     id is refused until the core ends the old one, then gets its own outputs. A request
     that took the id as the old one ran on used to get its tokens."""
-    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
-    core = AbortFailsKeeping(runner)
-    engine = EngineLoop(core)
-    engine.start()
+    engine, core, runner = engine_with_an_abort_failing_at_once()
     loop = asyncio.get_running_loop()
     retried: asyncio.Queue[RequestOutput] = asyncio.Queue()
     async with engine_thread_held(engine):
@@ -838,6 +944,79 @@ class ForgetfulRunner(SimRunner):
         if forgotten:
             self.forget = None
         return [r for r in results if r.seq_id not in forgotten]
+
+
+class EndFailsInAStep(EngineCore):
+    """A core whose end of an output in a step (STOP, LENGTH, "KV cache full") fails once per
+    `end_armed.release()` (none at first) partway: as it takes the output it marked finished
+    out of the scheduler, its blocks not freed yet."""
+
+    end_failures = 0
+    _stepping = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.end_armed = threading.Semaphore(0)
+        remove = self.scheduler.remove
+
+        def failing_remove(sequence: Sequence) -> None:
+            if self._stepping and self.end_armed.acquire(blocking=False):
+                self.end_failures += 1
+                raise RuntimeError("freeing the output's blocks failed")
+            remove(sequence)
+
+        self.scheduler.remove = failing_remove  # type: ignore[method-assign]
+
+    def step(self, on_pass_start: Callable[[], object] | None = None) -> StepResult:
+        self._stepping = True
+        try:
+            return super().step(on_pass_start)
+        finally:
+            self._stepping = False
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("end", "num_sequences"),
+    [("length", 1), ("length", 2), ("stop token", 1), ("KV cache full", 1)],
+)
+async def test_a_request_whose_end_fails_in_a_step_ends_and_leaves_the_core(
+    end: str, num_sequences: int
+) -> None:
+    """A request's end in a step (its last token, its stop token, or the KV cache full)
+    fails partway, as the core takes an output it marked finished out of the scheduler. The
+    step fails; the request's client gets an ERROR end for each output, its usage counting
+    the tokens it got; the core holds neither the request nor its blocks, and a request of
+    its id is accepted at once and gets its own outputs to its end. The core kept the request
+    with nothing left to finish, which the failed step's abort of every request passed over:
+    its client waited for ever, and its id was refused for ever."""
+    runner = SimRunner(block_size=4, num_blocks=4 if end == "KV cache full" else 256, time_scale=0)
+    core = EndFailsInAStep(runner)
+    core.end_armed.release()
+    engine = EngineLoop(core)
+    engine.start()
+    stop = runner.next_tokens(3, 0, 0, 3)[-1]  # the output's third token
+    sampling = SamplingParams(
+        max_tokens=3 if end == "length" else 100,
+        num_sequences=num_sequences,
+        stop_token_ids=(stop,) if end == "stop token" else (),
+    )
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("same", (1, 2, 3), sampling),
+        asyncio_sink(asyncio.get_running_loop(), queue),
+    )
+    outputs = await collect(queue)
+    assert core.end_failures == 1
+    assert sorted(o.output_index for o in outputs if o.finished) == list(range(num_sequences))
+    assert {o.finish_reason for o in outputs if o.finished} == {FinishReason.ERROR}
+    usage = outputs[-1].usage
+    assert usage is not None and usage.prompt_tokens == 3
+    assert usage.completion_tokens == sum(len(o.new_token_ids) for o in outputs)
+    left = engine.call(lambda core: (core.holds("same"), core.load().num_used_blocks))
+    assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, 0)
+    await own_outputs_once_its_id_is_free(engine, runner)
+    engine.stop(timeout_s=10)
 
 
 @pytest.mark.timeout(30)

@@ -1,7 +1,8 @@
 """EngineLoop's request ids against a naive model, under any order of submit, abandon (the
-client gone), abort (the RPC), abort_all (which may fail in the core), a sink that fails once,
-a failing forward pass and the engine thread held or let run, over three ids reused all the
-time (hypothesis stateful).
+client gone), abort (the RPC), abort_all (which may fail in the core), an abort of one request
+that fails in the core (at once, or partway through ending it), a sink that fails once,
+a failing forward pass, a request's end in a step that fails partway and the engine thread
+held or let run, over three ids reused all the time (hypothesis stateful).
 
 The model is each request's own outputs: the sim runner's tokens are a function of the prompt's
 last token, so every request (a prompt of its own) knows the tokens it may get. Sinks may also
@@ -47,15 +48,23 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.engine_loop import OutputSink
 from engine.core.errors import AbortFailedError, DuplicateRequestError
-from tests.engine.test_engine_loop import AbortAllFails, AbortFailsKeeping, FlakyRunner
+from tests.engine.test_engine_loop import (
+    AbortAllFails,
+    AbortFailsKeeping,
+    AbortFailsPartway,
+    EndFailsInAStep,
+    FlakyRunner,
+)
 
 IDS = ("a", "b", "c")
 
 
-class FailingAborts(AbortAllFails, AbortFailsKeeping):
+class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep):
     """A core whose abort of every request fails as `armed` says (before it did anything,
-    or after it ended them all: `forgets`), and whose abort of one request fails as
-    `abort_armed` says, before it did anything (the request runs on)."""
+    or after it ended them all: `forgets`), whose abort of one request fails as
+    `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
+    says, partway (it forgets the request, its end never emitted), and whose end of an output
+    in a step fails partway as `end_armed` says (the step fails, the request forgotten)."""
 
 
 WAIT_S = 10.0
@@ -272,6 +281,20 @@ class EngineLoopIds(RuleBasedStateMachine):
         abort of all) fails before it did anything: the request runs on in the core, its
         outputs reaching no one, its id taken till it ends."""
         self.core.abort_armed.release()
+
+    @rule()
+    def fail_an_abort_partway(self) -> None:
+        """The core's next abort of one request fails partway, as it frees the blocks of an
+        output it marked finished: the core forgets the request, its end never emitted (the
+        loop makes one up for its client, if any), and its id is free."""
+        self.core.partway_armed.release()
+
+    @rule()
+    def fail_an_end(self) -> None:
+        """The core's next end of an output in a step (its last token) fails partway: the
+        step fails, the core forgets the request, its end never emitted (the loop makes one
+        up for its client, ERROR), and its id is free."""
+        self.core.end_armed.release()
 
     @rule()
     def fail_a_pass(self) -> None:

@@ -4,6 +4,7 @@ released, and pulled blocks imported into a DECODE core's prefix cache (engine_c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import pytest
 
@@ -19,6 +20,7 @@ from engine.core.api import (
 )
 from engine.core.engine_core import EngineCore
 from engine.core.lora import AdapterConfig, LoraAdapter, LoraLoad, TargetModules
+from engine.core.sequence import Sequence as SchedulerSequence
 from engine.core.sim_runner import SimRunner
 
 BLOCK = 4
@@ -394,3 +396,54 @@ def test_dropped_pulled_blocks_are_logged_with_their_cause(
     assert "request full" in no_room and "no room" in no_room
     assert "max_held_kv_bytes 2" in no_room
     assert core.held_import_bytes == 0
+
+
+def failing_once(core: EngineCore) -> list[bool]:
+    """Arm (append True to the list returned) the core's next removal of an output from its
+    scheduler to fail before it did anything: the output is marked finished, its blocks not
+    freed yet (an end that raises partway)."""
+    armed: list[bool] = []
+    remove = core.scheduler.remove
+
+    def failing_remove(sequence: SchedulerSequence) -> None:
+        if armed:
+            armed.clear()
+            raise RuntimeError("freeing the output's blocks failed")
+        remove(sequence)
+
+    core.scheduler.remove = failing_remove  # type: ignore[method-assign]
+    return armed
+
+
+@pytest.mark.parametrize("ending", ["its end in a step", "an abort"])
+def test_a_request_whose_end_fails_partway_holds_no_session(ending: str) -> None:
+    """A request with a KV session ends its first output (held the session for it), and
+    its end fails partway: in the step that ends it (as it takes the output it marked
+    finished out of the scheduler), or in an abort of its second output. The core forgets
+    the request, its end (which alone announces the session) never emitted, and holds no
+    session, no block: the session's blocks stay cached. The session was held for ever,
+    its blocks with it, by no one who knew of it (and, failing in a step, the request
+    too)."""
+    runner = SimRunner(block_size=BLOCK, num_blocks=16, time_scale=0)
+    core = EngineCore(runner)
+    armed = failing_once(core)
+    if ending == "an abort":  # its first output stops on its third token, its second runs on
+        stop = runner.next_tokens(PROMPT[-1], 0, 0, 3)[-1]
+        assert stop not in runner.next_tokens(PROMPT[-1], 0, 1, 30)
+        sampling = SamplingParams(max_tokens=30, num_sequences=2, stop_token_ids=(stop,))
+    else:
+        sampling = SamplingParams(max_tokens=1)
+        armed.append(True)
+    core.add_request(EngineRequest("p", PROMPT, sampling, kv_session_id="s1"))
+    with pytest.raises(RuntimeError, match="blocks failed") if armed else nullcontext():
+        while core.holds("p") and not core.num_kv_sessions:
+            core.step()
+    if ending == "an abort":
+        assert core.holds("p") and core.num_kv_sessions == 1  # its first output ended
+        armed.append(True)
+        with pytest.raises(RuntimeError, match="blocks failed"):
+            core.abort("p")
+    assert not core.holds("p") and not core.has_work()
+    assert core.kv_session_tokens("s1") is None and core.block_manager.num_used_blocks == 0
+    assert core.block_manager.count_hit_tokens(PROMPT) == 8
+    core.block_manager.check_invariants()
