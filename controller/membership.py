@@ -594,7 +594,7 @@ class Membership:
         fields = {
             _REGISTERED + r.address: r.kv_events
             for r in records
-            if r.source == "admin" or self._stamps.get(_REGISTERED + r.address, (0, False))[1]
+            if r.source == "admin" or self._held(_REGISTERED + r.address)
         }
         fields.update({_OWNER + r.address: r.owner for r in records if r.owner})
         fields.update({_CORDONED + r.address: "1" for r in records if r.cordoned})
@@ -613,6 +613,11 @@ class Membership:
             if not held and f not in fields
         ]
         await self._change(changes, mode)
+
+    def _held(self, field: str) -> bool:
+        """Whether `field` was set (not deleted) as last read or written here; False for one
+        never seen."""
+        return self._stamps.get(field, (0, False))[1]
 
     def _stamp_of(self, field: str, held: bool) -> int:
         """The stamp of `field` as last read or written here, if it was `held` (set or not)

@@ -1193,10 +1193,11 @@ class Registry:
         elif ejected and state in ROUTABLE_STATES:
             state = EngineState.EJECTED
         elif held:
-            # Where it stands until the cap decides: as it was if routed by the cap before
-            # with the same health (no change, no bump of `version`), else held out.
+            # Where it stands until the cap decides: as its health says if routed by the cap
+            # already (READY or DEGRADED, either: no routing by the cap counted again, no bump
+            # of `version` for the same answer), else held out.
             record.ready_as = state
-            if record.state is not state:
+            if record.state not in ROUTABLE_STATES:
                 state = EngineState.HELD_DOWN
         if not ejected:
             record.ejected_until_s = None

@@ -13,6 +13,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.registry import (
+    CAPPED_HOLD_DOWN,
     ROUTABLE_MEMO_SIZE,
     EjectionPolicy,
     EngineIdentity,
@@ -1006,6 +1007,22 @@ def test_a_held_down_engine_is_routed_when_the_rest_of_the_fleet_leaves_traffic(
     registry.on_poll_failed("h:2", 5.0, "UNAVAILABLE: refused")
     assert [r.address for r in registry.routable()] == ["h:1"]
     assert registry.get("h:1").last_error.startswith("held down but routed: ")
+
+
+def test_a_held_down_engine_routed_by_the_cap_is_counted_once_whatever_its_health() -> None:
+    """Routed by the cap (the only engine taking traffic), its health turning DEGRADED and
+    READY again keeps it routed: one routing by the cap counted, not one per change."""
+    registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1), steady=0)
+    flap(registry, 1.0)
+    flap(registry, 3.0)
+    record = registry.get("h:1")
+    assert record.state is EngineState.READY and record.hold_s == 10.0
+    assert registry.routed_by_cap[CAPPED_HOLD_DOWN] == 1
+    for now_s, state in ((5.0, EngineState.DEGRADED), (6.0, EngineState.READY)):
+        registry.on_health("h:1", state, now_s)
+        assert record.state is state and record.routable
+        assert record.last_error.startswith("held down but routed: ")
+    assert registry.routed_by_cap[CAPPED_HOLD_DOWN] == 1
 
 
 def test_hold_down_after_one_flap_is_refused(tmp_path: Path) -> None:

@@ -10,12 +10,17 @@ of routing, how an engine is found by address or instance id, which models are s
 default, what a refusal names of each engine, and that `on_change` fired whenever routing
 changed.
 
-Hold-down is off (`after_flaps` 0: its flaps are still counted) and no request outcome is
-reported (no ejection): those rules have tests of their own in test_registry.py."""
+The same run covers "Outlier ejection" and "Hold-down of flapping engines" (short policies,
+the time passing in whole seconds at each call and in jumps, `wait`): the gateway reports
+requests an engine served or failed (by address or instance id), each flap counts toward a
+hold-down, and the cap they share (never more than half of the engines taking traffic held
+out) is decided again at every change of the fleet. The model checks every engine's state
+and error (why it is ejected or held down, until when), its flaps, and the counts of what
+the cap let through (`routed_by_cap`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -24,7 +29,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from controller.fleet import health_of
 from controller.registry import (
+    CAPPED_EJECTION,
+    CAPPED_HOLD_DOWN,
     DuplicateEngineError,
+    EjectionPolicy,
     EngineIdentity,
     EngineState,
     HoldDownPolicy,
@@ -60,7 +68,14 @@ HEALTH_ANSWERS = (
     99,
 )
 
+# Short policies, so that a run of a few dozen steps sees engines ejected, held down, put
+# back, ejected or held down again for twice as long, and their records forgotten.
+EJECTION = EjectionPolicy(after_failures=2, initial_s=15.0, max_s=60.0)
+HOLD_DOWN = HoldDownPolicy(after_flaps=2, window_s=40.0, initial_s=15.0, max_s=60.0, ready_polls=2)
+
 SERVING = frozenset({EngineState.READY, EngineState.DEGRADED})
+# Its health says it is ready, routed or not (leaving it is a flap).
+SAYS_READY = SERVING | {EngineState.EJECTED, EngineState.HELD_DOWN}
 LEFT_READY = frozenset(
     {
         EngineState.NOT_READY,
@@ -98,6 +113,23 @@ class Engine:
     loras: frozenset[str] | None = None
     conflicts: frozenset[str] = frozenset()
     flaps: int = 0
+    # Outlier ejection: its requests failed in a row, its ejections in a row, until when the
+    # last keeps it out (None: not ejected, or its time was up at a health answer), and why.
+    request_failures: int = 0
+    ejections: int = 0
+    ejected_until: float | None = None
+    ejected_for: str = ""
+    # Hold-down: when its flaps within the window were, hold-downs in a row, how long it
+    # must say ready (0: not held down), since when it has (None: not since its last flap),
+    # the ready polls it owes after that, when it was put back, and what its health said
+    # while held (what it is routed as, past the cap).
+    flap_times: list[float] = field(default_factory=list)
+    hold_downs: int = 0
+    hold_s: float = 0.0
+    ready_since: float | None = None
+    polls_left: int = 0
+    released: float | None = None
+    ready_as: EngineState = EngineState.READY
     # What its last GetLoad said; none while it does not answer, or another process does.
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     # Polls failed in a row (each doubles the retry's wait), until a health answer.
@@ -133,18 +165,19 @@ class Engine:
         )
 
     def leaves_ready(self, state: EngineState) -> bool:
-        """A flap: it said ready, and says otherwise now, neither drained nor cordoned."""
+        """A flap: it said ready (routed, ejected or held down), and says otherwise now,
+        neither drained nor cordoned."""
         return (
-            self.state in SERVING and state in LEFT_READY and not self.cordoned and not self.drain
+            self.state in SAYS_READY
+            and state in LEFT_READY
+            and not self.cordoned
+            and not self.drain
         )
 
-    def take(self, state: EngineState) -> None:
-        """A state not given by a health answer: a poll failed, another process answers (no
-        load of its own yet)."""
-        if self.leaves_ready(state):
-            self.flaps += 1
-        self.state = state
-        self.load = LoadSnapshot()
+    def hold_ends(self, now: float) -> float:
+        """When its hold-down's ready time is over, if it says ready from `now` on (or since
+        it has)."""
+        return (self.ready_since if self.ready_since is not None else now) + self.hold_s
 
     @property
     def answering(self) -> bool:
@@ -159,10 +192,16 @@ class RegistryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.registry = Registry(
-            backoff_initial_s=0.5, backoff_max_s=4.0, hold_down=HoldDownPolicy(after_flaps=0)
+            backoff_initial_s=0.5, backoff_max_s=4.0, ejection=EJECTION, hold_down=HOLD_DOWN
         )
         self.engines: dict[str, Engine] = {}
         self.now = 0.0
+        # The latest time a poll or a request failure was recorded at: what the error of a
+        # held-down engine says "until when" as of, when the cap decides between its polls.
+        self.recorded = 0.0
+        # Engines removed with flaps counting, by address, with when they left.
+        self.left_flapping: dict[str, tuple[float, Engine]] = {}
+        self.routed_by_cap = dict.fromkeys((CAPPED_HOLD_DOWN, CAPPED_EJECTION), 0)
         self.changes = 0
         self.registry.on_change(self._count_change)
         self.changes_seen = 0
@@ -174,6 +213,102 @@ class RegistryMachine(RuleBasedStateMachine):
     def tick(self) -> float:
         self.now += 1.0
         return self.now
+
+    def record_time(self, now: float) -> None:
+        self.recorded = max(self.recorded, now)
+
+    # ---- hold-down and ejection, as docs/controller.md has them ----
+
+    def take(self, engine: Engine, state: EngineState, now: float) -> None:
+        """A state not given by a health answer: a poll failed, another process answers (no
+        load of its own yet)."""
+        if engine.leaves_ready(state):
+            self.flap(engine, now)
+        engine.state = state
+        engine.load = LoadSnapshot()
+
+    def flap(self, engine: Engine, now: float) -> None:
+        """It left ready: from its `after_flaps`-th flap within the window it is held down,
+        and so at any flap while held or within a window of being put back, each time twice
+        as long (a whole window put back without a flap clears the record)."""
+        engine.flaps += 1
+        engine.flap_times = [t for t in engine.flap_times if now - t < HOLD_DOWN.window_s]
+        engine.flap_times.append(now)
+        if engine.released is not None and now - engine.released >= HOLD_DOWN.window_s:
+            engine.hold_downs = 0
+        if engine.hold_downs or len(engine.flap_times) >= HOLD_DOWN.after_flaps:
+            engine.hold_s = min(HOLD_DOWN.initial_s * 2**engine.hold_downs, HOLD_DOWN.max_s)
+            engine.hold_downs += 1
+            engine.ready_since = None
+            engine.polls_left = HOLD_DOWN.ready_polls
+            engine.released = None
+
+    def still_held(self, engine: Engine, now: float) -> bool:
+        """A ready health answer: held until it has said ready for `hold_s`, then for
+        `ready_polls` answers more; put back at the last."""
+        if not engine.hold_s:
+            return False
+        since = engine.ready_since = now if engine.ready_since is None else engine.ready_since
+        if now - since < engine.hold_s:
+            return True  # not ready long enough yet
+        engine.polls_left -= 1
+        if engine.polls_left > 0:
+            return True  # ready polls owed
+        engine.hold_s, engine.ready_since, engine.released = 0.0, None, now
+        return False
+
+    def held_for(self, engine: Engine, now: float, routed: bool) -> str:
+        """What a held-down engine's error says, as the docs' examples word it."""
+        flaps, polls = len(engine.flap_times), engine.polls_left
+        routed_anyway = (
+            "held down but routed: more than half of the engines taking traffic would be out "
+            "of routing otherwise; "
+        )
+        return (
+            (routed_anyway if routed else "")
+            + f"left ready {flaps} time{'s' if flaps != 1 else ''} in "
+            f"{HOLD_DOWN.window_s:g} s (hold-down {engine.hold_s:g} s); "
+            f"{'hold-down over' if routed else 'routable'} in "
+            f"{max(0.0, engine.hold_ends(now) - now):.0f} s and {polls} more ready "
+            f"poll{'s' if polls != 1 else ''}, if it stays ready"
+        )
+
+    def in_rotation(self) -> list[Engine]:
+        """The engines taking traffic: routable, ejected, held down (not cordoned)."""
+        return [
+            e
+            for e in self.engines.values()
+            if e.routable()
+            or e.state is EngineState.EJECTED
+            or (e.state is EngineState.HELD_DOWN and not e.cordoned)
+        ]
+
+    def ejected(self) -> int:
+        return sum(e.state is EngineState.EJECTED for e in self.engines.values())
+
+    def decide_cap(self) -> None:
+        """At every change of the fleet: of the held-down engines that say ready (not
+        cordoned), as many as leave the held out (ejected first) at most half of those taking
+        traffic are held out, the one whose hold-down ends last first, then the one with most
+        flaps, then by address; the others are routed as their health says."""
+        now = self.recorded
+        held = sorted(
+            (
+                e
+                for e in self.engines.values()
+                if e.hold_s and not e.cordoned and e.state in SERVING | {EngineState.HELD_DOWN}
+            ),
+            key=lambda e: (-e.hold_ends(now), -len(e.flap_times), e.address),
+        )
+        room = max(0, len(self.in_rotation()) // 2 - self.ejected())
+        for n, engine in enumerate(held):
+            if n < room:
+                engine.state = EngineState.HELD_DOWN
+            else:
+                if engine.state is EngineState.HELD_DOWN:
+                    self.routed_by_cap[CAPPED_HOLD_DOWN] += 1
+                engine.state = engine.ready_as
+            engine.error = self.held_for(engine, now, routed=n >= room)
 
     # ---- the model's answers ----
 
@@ -240,29 +375,46 @@ class RegistryMachine(RuleBasedStateMachine):
 
     # ---- membership ----
 
-    @initialize(registered=st.sets(addresses, min_size=1))
-    def start(self, registered: set[str]) -> None:
-        for address in sorted(registered):
+    @initialize(registered=st.sets(addresses, min_size=2), ready=st.booleans())
+    def start(self, registered: set[str], ready: bool) -> None:
+        """Engines registered; with `ready`, each polled once, ready (a fleet up and running,
+        whose engines the rest can eject or hold down)."""
+        for n, address in enumerate(sorted(registered)):
             self.add(address)
+            if ready:
+                self.poll(address, pb.HEALTH_STATE_READY, INSTANCES[n], ("m1",), None)
 
     @rule(address=addresses)
     def add(self, address: str) -> None:
+        """Registered again within a flap window of its removal, an engine at the address
+        takes back its flaps and hold-down (its ready time counted afresh)."""
+        now = self.tick()
         if address in self.engines:
             with pytest.raises(DuplicateEngineError):
-                self.registry.add(address, now_s=self.tick())
+                self.registry.add(address, now_s=now)
             return
-        self.registry.add(address, now_s=self.tick())
-        self.engines[address] = Engine(address)
+        self.registry.add(address, now_s=now)
+        engine = self.engines[address] = Engine(address)
+        left = self.left_flapping.pop(address, None)
+        if left is not None and now - left[0] < HOLD_DOWN.window_s:
+            gone = left[1]
+            engine.flaps, engine.flap_times = gone.flaps, list(gone.flap_times)
+            engine.hold_downs, engine.hold_s = gone.hold_downs, gone.hold_s
+            engine.polls_left, engine.released = gone.polls_left, gone.released
 
     @rule(key=keys)
     def remove(self, key: str) -> None:
         engine = self.resolve(key)
+        now = self.tick()
         if engine is None:
             with pytest.raises(UnknownEngineError):
-                self.registry.remove(key, self.tick())
+                self.registry.remove(key, now)
             return
-        assert self.registry.remove(key, self.tick()).address == engine.address
+        assert self.registry.remove(key, now).address == engine.address
         del self.engines[engine.address]
+        if engine.flap_times or engine.hold_downs:
+            self.left_flapping[engine.address] = (now, replace(engine))
+        self.decide_cap()
 
     # ---- what the pollers report, as the fleet reports it ----
 
@@ -309,21 +461,24 @@ class RegistryMachine(RuleBasedStateMachine):
         if previous is not None and identity != previous and (stream_broke or engine.poll_failed):
             same_instance = identity.instance_id == previous.instance_id
             self.registry.on_new_instance(address, now, same_instance)
-            self.new_process(engine, same_instance)
+            self.new_process(engine, same_instance, now)
             restarted = True
-        twin = any(
-            e.address != address
+        # Another address whose engine, answering its polls, has this instance id.
+        twins = [
+            e.address
+            for e in self.engines.values()
+            if e.address != address
             and e.identity is not None
             and e.identity.instance_id == instance
             and e.answering
-            for e in self.engines.values()
-        )
+        ]
+        twin = bool(twins)
         came_back = engine.state in POLL_FAILED and engine.connection_lost
         try:
             is_new = self.registry.on_identity(address, identity, restarted)
         except IncompatibleEngineError as exc:
             assert twin, f"{address} rejected: {exc}"
-            assert f"as {self.resolve(instance).address}" in str(exc)  # type: ignore[union-attr]
+            assert any(str(exc).endswith(f"as {a}") for a in twins), exc
             self.registry.mark_incompatible(address, str(exc))
             self.incompatible(engine, str(exc))
             return
@@ -338,15 +493,19 @@ class RegistryMachine(RuleBasedStateMachine):
         engine.connection_lost = False
         if is_new:
             # A new process: no drain of the old one's, no adapter known (until its listing,
-            # below); its cordon (the operator's, of the address) stays.
+            # below), a clean ejection record; its cordon (the operator's, of the address) and
+            # its hold-down (a crash loop flaps too) stay.
             engine.drain = False
             engine.loras = None
             engine.conflicts = frozenset()
+            engine.request_failures = engine.ejections = 0
+            engine.ejected_until = None
             record = self.registry.get(address)
             assert record.lora_adapters is None, f"{address}: a new process holds {record}"
             assert not any(record.holds_lora(lora) for lora in LORAS), address
         engine.identity = identity
         engine.need_identity = engine.restarted = engine.poll_failed = False
+        self.decide_cap()
         if is_new or listed:  # `Fleet.learn_loras`: a new process's listing always counts
             conflicts = conflicts & adapters if adapters is not None else frozenset()
             self.registry.on_loras(address, adapters, conflicts)
@@ -359,16 +518,19 @@ class RegistryMachine(RuleBasedStateMachine):
         engine.load = LoadSnapshot()  # perhaps an earlier process's
         # Whatever answers next is read as a new process.
         engine.need_identity = engine.restarted = True
+        self.decide_cap()
 
-    def new_process(self, engine: Engine, same_instance: bool) -> None:
+    def new_process(self, engine: Engine, same_instance: bool, now: float) -> None:
         """Out of routing until its identity is read; a flap unless under the same id."""
         if engine.state is EngineState.INCOMPATIBLE:
             return
+        self.record_time(now)
         if same_instance:
             engine.state = EngineState.UNKNOWN
             engine.load = LoadSnapshot()
         else:
-            engine.take(EngineState.UNKNOWN)
+            self.take(engine, EngineState.UNKNOWN, now)
+        self.decide_cap()
 
     @rule(address=addresses)
     def load_names_another_process(self, address: str) -> None:
@@ -376,8 +538,9 @@ class RegistryMachine(RuleBasedStateMachine):
         engine = self.engines.get(address)
         if engine is None or engine.need_identity:
             return
-        self.registry.on_new_instance(address, self.tick())
-        self.new_process(engine, same_instance=False)
+        now = self.tick()
+        self.registry.on_new_instance(address, now)
+        self.new_process(engine, same_instance=False, now=now)
         engine.need_identity = engine.restarted = True
 
     @rule(
@@ -427,16 +590,86 @@ class RegistryMachine(RuleBasedStateMachine):
         engine.load = load
 
     def take_health(self, engine: Engine, state: EngineState, message: str) -> None:
-        self.registry.on_health(engine.address, state, self.tick(), message)
+        now = self.tick()
+        self.registry.on_health(engine.address, state, now, message)
+        self.record_time(now)
+        ejected = engine.ejected_until is not None and now < engine.ejected_until
         if engine.leaves_ready(state):
-            engine.flaps += 1
+            self.flap(engine, now)
+        # A ready answer counts toward its hold-down whatever else keeps it out.
+        held = state in SERVING and self.still_held(engine, now)
         if engine.drain and state in SERVING:
             state = EngineState.DRAINING  # an answer sent before the drain took
         elif state is EngineState.DRAINING:
             engine.drain = False  # its own health decides from now on
+        elif ejected and state in SERVING:
+            state = EngineState.EJECTED  # back once its time is up
+        elif held:
+            engine.ready_as = state
+            if engine.state not in SERVING:  # routed by the cap already: it decides again
+                state = EngineState.HELD_DOWN
+        if not ejected:
+            engine.ejected_until = None
         engine.state = state
-        engine.error = "" if state in SERVING else message
+        if state is EngineState.EJECTED:
+            engine.error = engine.ejected_for
+        elif state is EngineState.HELD_DOWN:
+            engine.error = self.held_for(engine, now, routed=False)
+        else:
+            engine.error = "" if state in SERVING else message
         engine.failures = 0
+        self.decide_cap()
+
+    @rule(
+        address=addresses,
+        answers=st.lists(
+            st.sampled_from(
+                (pb.HEALTH_STATE_READY,) * 3
+                + (pb.HEALTH_STATE_DEGRADED, pb.HEALTH_STATE_NOT_READY, pb.HEALTH_STATE_NOT_READY)
+                + tuple(PollFailure)
+            ),
+            min_size=2,
+            max_size=6,
+        ),
+    )
+    def polls(self, address: str, answers: list[int | PollFailure]) -> None:
+        """Its polls one after the other, each READY, DEGRADED, NOT_READY or failed: a
+        flapping engine's."""
+        for answer in answers:
+            if isinstance(answer, PollFailure):
+                self.poll_fails(address, answer)
+            else:
+                self.poll(address, answer, INSTANCES[ADDRESSES.index(address)], ("m1",), None)
+
+    @rule(address=addresses)
+    def flaps(self, address: str) -> None:
+        """One poll NOT_READY, the next READY."""
+        for answer in (pb.HEALTH_STATE_NOT_READY, pb.HEALTH_STATE_READY):
+            self.poll(address, answer, INSTANCES[ADDRESSES.index(address)], (), None)
+
+    @rule()
+    def every_engine_answers_ready(self) -> None:
+        """A round of polls every engine answers READY: the fleet's steady state, which the
+        rest upsets (and from which engines are ejected and flap)."""
+        for address in sorted(self.engines):
+            self.poll(address, pb.HEALTH_STATE_READY, INSTANCES[ADDRESSES.index(address)], (), None)
+
+    def poll(
+        self,
+        address: str,
+        answer: int,
+        instance: str,
+        models: tuple[str, ...],
+        adapters: frozenset[str] | None,
+    ) -> None:
+        self.health(
+            address=address,
+            answer=answer,
+            running=0,
+            instance=instance,
+            models=models,
+            adapters=adapters,
+        )
 
     @rule(address=addresses, failure=st.sampled_from(PollFailure))
     def poll_fails(self, address: str, failure: PollFailure) -> None:
@@ -447,17 +680,20 @@ class RegistryMachine(RuleBasedStateMachine):
 
     def fail_poll(self, engine: Engine, failure: PollFailure) -> None:
         error = f"{failure.value}: the poll failed"
-        delay = self.registry.on_poll_failed(engine.address, self.tick(), error, failure)
+        now = self.tick()
+        delay = self.registry.on_poll_failed(engine.address, now, error, failure)
+        self.record_time(now)
         assert delay == min(0.5 * 2**engine.failures, 4.0), engine
         engine.failures += 1
         engine.load = LoadSnapshot()
         if engine.state is not EngineState.INCOMPATIBLE:
             if engine.state not in POLL_FAILED:
                 engine.connection_lost = False
-            engine.take(failure.state)
+            self.take(engine, failure.state, now)
         engine.connection_lost |= failure is PollFailure.CONNECTION_LOST
         engine.error = error
         engine.need_identity = engine.poll_failed = True
+        self.decide_cap()
 
     @rule(
         address=addresses,
@@ -497,8 +733,9 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         assert self.registry.request_drain(key).address == engine.address
         engine.drain = True
-        if engine.state in SERVING:
+        if engine.state in SAYS_READY:  # a drain outranks an ejection and a hold-down
             engine.state = EngineState.DRAINING  # out of routing before the engine answers
+            self.decide_cap()
 
     @rule(address=addresses)
     def withdraw_drain(self, address: str) -> None:
@@ -516,6 +753,7 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         assert self.registry.set_cordoned(key, cordoned).address == engine.address
         engine.cordoned = cordoned
+        self.decide_cap()
 
     @rule(address=addresses, adapters=held_loras, conflicts=lora_sets)
     def list_loras(
@@ -543,6 +781,60 @@ class RegistryMachine(RuleBasedStateMachine):
             engine.loras -= {lora}
             engine.conflicts -= {lora}
 
+    # ---- what the gateway reports of requests, and time ----
+
+    @rule(key=st.sampled_from(ADDRESSES * 2 + INSTANCES), times=st.integers(1, 3))
+    def requests_fail(self, key: str, times: int) -> None:
+        for n in range(times):
+            self.request_failed(key, n)
+
+    def request_failed(self, key: str, n: int) -> None:
+        """A request the engine failed by a fault of its own: counted only while its health
+        says ready; after `after_failures` in a row it is ejected (unless that would hold out
+        more than half of the engines taking traffic), for twice as long at each ejection in
+        a row, and at its next failure once back (its probation)."""
+        engine = self.resolve(key)
+        now = self.tick()
+        error = f"INTERNAL: request {n} failed"
+        got = self.registry.on_request_failed(key, now, error)
+        if engine is None or engine.state not in SERVING:
+            assert got is None, engine
+            return
+        self.record_time(now)
+        engine.request_failures += 1
+        if engine.request_failures < EJECTION.after_failures:
+            assert got is None, engine
+            return
+        if self.ejected() + 1 > len(self.in_rotation()) // 2:
+            self.routed_by_cap[CAPPED_EJECTION] += 1
+            assert got is None, engine
+            return
+        duration = min(EJECTION.initial_s * 2**engine.ejections, EJECTION.max_s)
+        assert got == duration, engine
+        engine.ejections += 1
+        engine.ejected_until = now + duration
+        engine.state = EngineState.EJECTED
+        engine.error = engine.ejected_for = (
+            f"{engine.request_failures} requests failed in a row (last: {error}); "
+            f"out of routing for {duration:g} s"
+        )
+        self.decide_cap()
+
+    @rule(key=keys)
+    def request_served(self, key: str) -> None:
+        """A request served clears the count, but not while ejected (a stream begun before
+        proves nothing of what failed since)."""
+        engine = self.resolve(key)
+        self.registry.on_request_served(key)
+        if engine is not None and engine.state is not EngineState.EJECTED:
+            engine.request_failures = engine.ejections = 0
+
+    @rule(seconds=st.sampled_from((5.0, 15.0, 41.0)))
+    def wait(self, seconds: float) -> None:
+        """Time passes: an ejection or a hold-down's ready time runs out, flaps leave their
+        window, a removed engine's record is forgotten."""
+        self.now += seconds
+
     # ---- every query agrees with the model ----
 
     @invariant()
@@ -559,6 +851,7 @@ class RegistryMachine(RuleBasedStateMachine):
             assert record.drain_requested == engine.drain, what
             assert record.lora_adapters == engine.loras, what
             assert record.num_flaps == engine.flaps, what
+            assert record.request_failures == engine.request_failures, what
             assert record.engine_id == engine.engine_id, what
             assert record.routable == engine.routable(), what
             assert record.availability == engine.availability, what
@@ -570,6 +863,16 @@ class RegistryMachine(RuleBasedStateMachine):
                 assert self.registry.would_flap(record.address, state) == engine.leaves_ready(
                     state
                 ), f"{what} taking {state}"
+
+    @invariant()
+    def the_cap_agrees(self) -> None:
+        """Held-down engines held out, with the ejected ones, are never more than half of
+        those taking traffic (ejections alone are capped when they are made)."""
+        held_out = sum(
+            e.state is EngineState.HELD_DOWN and not e.cordoned for e in self.engines.values()
+        )
+        assert held_out <= max(0, len(self.in_rotation()) // 2 - self.ejected())
+        assert self.registry.routed_by_cap == self.routed_by_cap
 
     @invariant()
     def lookups_agree(self) -> None:
@@ -616,8 +919,8 @@ class RegistryMachine(RuleBasedStateMachine):
 
 
 RegistryMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=300,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
