@@ -19,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from indexer.batch import Batch
+from indexer.batch import ActionType, Batch
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
@@ -826,6 +826,67 @@ async def test_an_engine_restarted_before_its_first_batch_is_rebuilt_at_its_reco
     assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
 
 
+async def test_a_batch_published_between_the_start_replay_and_the_subs_connection_is_indexed(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The source starts as the engine comes up: the engine's replay ROUTER answers the
+    start's replay with its first batch, the engine publishes its next one before the SUB's
+    connection reaches its PUB (the SUB misses it) and goes idle. The connection checks the
+    stream against the replay at once: the missed batch is indexed with no later batch to
+    show the gap (found by tests/indexer/test_zmq_intake_property.py: before, the check
+    waited for the connection's first message, and the worker lacked the batch until the
+    engine's next one)."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    await publisher.publish(_message(0, _stored(1, 2)), live=False)
+    index = PrefixIndex()
+    source = _starting_source(publisher, context, index)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+            await publisher.publish(_message(1, _stored(3, parent=2)), live=False)  # missed
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0, 0]  # the start's, then the connection's check
+    assert (source.counters.num_resets, source.counters.num_resyncs) == (1, 0)
+
+
+async def test_a_new_process_behind_the_start_replay_is_rebuilt_at_the_subs_connection(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay reads an engine process's buffer before the SUB's connection
+    reaches its PUB; that process is replaced by a new one (on the same ports), which
+    publishes before the SUB's connection and goes idle. The connection's check finds
+    another batch at the last applied seq: the worker is rebuilt from the new process's
+    buffer, the old process's blocks gone, with no later batch."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    await publisher.publish(_message(0, _stored(1, 2)), live=False)
+    index = PrefixIndex()
+    breaks: list[int] = []
+    source = _starting_source(publisher, context, index)
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+            publisher.buffer.clear()  # a new process, publishing before the SUB reaches it
+            await publisher.publish(_message(0, _stored(7)), live=False)
+            await publisher.publish(_message(1, _stored(8, parent=7)), live=False)
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0, 0, 0]  # the start's, the check's, the rebuild's
+    assert breaks == [1]  # a sequence break: another process
+    assert source.counters.num_resyncs == 0
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
@@ -1523,6 +1584,57 @@ async def test_a_publisher_back_in_the_read_that_ends_a_silent_handshake_leaves_
     finally:
         await publisher.close()
     assert _keys(index) == {3}  # cleared at the publisher's end, rebuilt from seq 2
+
+
+class ClearLosingSink(GatedSink):
+    """A `GatedSink` that, once `armed`, loses the worker (asks its source for a resync, as a
+    restarted Redis does) while it applies the next clear of it."""
+
+    def __init__(self, backend: MemoryBackend) -> None:
+        super().__init__(backend)
+        self.armed = False
+        self.source: ZmqSource | None = None
+
+    async def apply(self, batch: Batch) -> None:
+        await super().apply(batch)
+        clear = batch.actions[0].type == ActionType.CLEAR_ALL_AT_TIER
+        if self.armed and clear and self.source is not None:
+            self.armed = False
+            self.source.request_resync()
+
+
+async def test_a_resync_asked_as_the_publisher_comes_back_counts_as_a_resync(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index loses the worker (asks for a resync) while it applies the clear the
+    publisher's disconnection made, and the publisher is back in the same read of the SUB's
+    monitor. The reconnection's rebuild serves the resync: it counts as one (`resyncs`, what
+    `kvplane_indexer_source_resyncs_total` exports) and is logged as the index's (before,
+    the reconnection's rebuild took it over, uncounted)."""
+    index = PrefixIndex()
+    sink = ClearLosingSink(MemoryBackend(index))
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = _source(publisher.endpoint, context, sink, replay=publisher.replay_endpoint)
+    sink.source = source
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1)))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+            sink.armed = True
+            sink.gate.clear()
+            await publisher.publish(_message(1, _stored(2, parent=1)))
+            await asyncio.wait_for(sink.held.wait(), WAIT_S)  # the source waits in seq 1's
+            await publisher.restart()  # its end and its new connection, read together
+            await publisher.publish(_message(0, _stored(5)), live=False)  # before the SUB
+            await publisher.wait_subscribed()
+            sink.gate.set()
+            await source.wait_until(lambda: _keys(index) == {5}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_resyncs == 1
+    assert any("the index asked for a resync" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_replay_holds_at_most_replay_bytes_of_replies(
