@@ -849,9 +849,10 @@ class ZmqSource:
         new_connection, self._new_connection = self._new_connection, False
         if expected is None:
             await self._rebuild(message, reason=None)
-        elif new_connection and self._replay_failed_on_connection:
+        elif new_connection and self._replay_failed_on_connection and message.seq >= expected:
             # The connection's check failed (`_resync`): rebuilt from this message alone,
-            # rather than stall the source on a second replay.
+            # rather than stall the source on a second replay. (A live copy of a replayed
+            # batch shows the same process, the SUB connected before it: a duplicate.)
             await self._rebuild(message, reason="no replay to check the new connection against")
         elif message.seq == expected and not new_connection and not self._is_new_rank(message):
             self._replayed = {}  # past any replayed range
@@ -1144,8 +1145,10 @@ class ZmqSource:
                     replies[1].seq,
                     replies[-1].seq,
                 )
-            # Their live copies, if any come (sent once the SUB was connected), are duplicates.
-            self._replayed = {r.seq: r.payload for r in replies[1:]}
+            # Their live copies, if any come (sent once the SUB was connected), are duplicates,
+            # and so are those of the batches the replay before the connection applied (no
+            # live batch has come since to pass them: they may still be on their way).
+            self._replayed.update((r.seq, r.payload) for r in replies[1:])
             return
         # Live messages after the trigger that the replay already applied are duplicates.
         self._replayed = {r.seq: r.payload for r in replies if r.seq > trigger.seq}

@@ -887,6 +887,77 @@ async def test_a_new_process_behind_the_start_replay_is_rebuilt_at_the_subs_conn
     assert source.counters.num_resyncs == 0
 
 
+async def test_a_live_copy_of_a_start_replay_batch_read_after_the_connections_check_is_a_duplicate(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay applied seq 0 and 1; the SUB's connection is checked against the
+    replay (nothing new), and only then is a live copy of seq 1 read (published as the SUB
+    connected, still on its way while the check ran). It is a duplicate, not an engine
+    restart: the worker keeps its blocks, no sequence break (before, the check forgot what
+    the start's replay had applied, and the copy cleared the worker as a seq reset)."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    first, second = _message(0, _stored(1, 2)), _message(1, _stored(3, parent=2))
+    await publisher.publish(first, live=False)
+    await publisher.publish(second, live=False)
+    index = PrefixIndex()
+    breaks: list[int] = []
+    source = _starting_source(publisher, context, index)
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            # The check's replay (seq 1 alone) answered and handled.
+            await source.wait_until(lambda: source.counters.num_replayed_messages == 3, WAIT_S)
+            await publisher.send(second)  # the live copy, read after the check
+            await publisher.publish(_message(2, _stored(4, parent=3)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0, 1]  # the start's, the connection's check
+    assert _keys(index) == {1, 2, 3, 4}
+    assert source.counters.num_duplicates == 1
+    assert (source.counters.num_resets, breaks) == (1, [])
+
+
+async def test_a_live_copy_of_a_replayed_batch_after_a_failed_connection_check_is_a_duplicate(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay applied seq 0 and 1, then the replay stops answering: the SUB's
+    connection cannot be checked. The first live message is a copy of seq 1 (the same bytes:
+    the same process, and the SUB connected before it was sent): a duplicate, which the
+    worker's blocks survive, with no sequence break (before, a failed check rebuilt the
+    worker from that old batch alone)."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    first, second = _message(0, _stored(1, 2)), _message(1, _stored(3, parent=2))
+    await publisher.publish(first, live=False)
+    await publisher.publish(second, live=False)
+    index = PrefixIndex()
+    breaks: list[int] = []
+    source = _starting_source(publisher, context, index, replay_timeout_s=0.2)
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+            await publisher.stop_replay()
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: source.counters.num_replay_failures >= 1, WAIT_S)
+            await publisher.send(second)  # the live copy
+            await publisher.publish(_message(2, _stored(4, parent=3)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {1, 2, 3, 4}
+    assert source.counters.num_duplicates == 1
+    assert (source.counters.num_resets, breaks) == (1, [])
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
