@@ -30,9 +30,11 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   replay brought after the last applied seq is applied (their live copies are duplicates); a
   replay that shows another process rebuilds the worker from the replay. One that fails is
   retried with the backoff while the SUB stays connected, and the connection's first message,
-  should it come first, rebuilds from itself alone (no second stall). Without a replay
-  endpoint, or when the message comes with the connection, its first message is checked so
-  (an engine restart is a new connection; the SUB may have missed the new process's first
+  should it come first, rebuilds from itself alone (no second stall), unless it is a live copy
+  of a replayed batch (a duplicate: the same process, the SUB connected before it was sent;
+  copies read after the check are duplicates too, whichever replay applied them). Without a
+  replay endpoint, or when the message comes with the connection, its first message is checked
+  so (an engine restart is a new connection; the SUB may have missed the new process's first
   messages, exactly as many as the old one had sent);
 - seq == expected: applied (unless the connection's check above is still to be made);
 - seq > expected (a gap): replay from the last applied seq. A gap may hide an engine restart
