@@ -28,9 +28,11 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   whatever the publisher sent before its connection was up, and the publisher may have sent
   batches after that replay and then gone idle (or be another process by now). Whatever the
   replay brought after the last applied seq is applied (their live copies are duplicates); a
-  replay that shows another process rebuilds the worker from the replay. One that fails is
-  retried with the backoff while the SUB stays connected, and the connection's first message,
-  should it come first, rebuilds from itself alone (no second stall), unless it is a live copy
+  replay that shows another process rebuilds the worker from the replay; a connection that
+  ends (or another made) while the check replays makes it moot (`_connection_changed_meanwhile`:
+  one sequence break for a process replaced meanwhile). One that fails is retried with the
+  backoff while the SUB stays connected, and the connection's first message, should it come
+  first, rebuilds from itself alone (no second stall), unless it is a live copy
   of a replayed batch (a duplicate: the same process, the SUB connected before it was sent;
   copies read after the check are duplicates too, whichever replay applied them). Without a
   replay endpoint, or when the message comes with the connection, its first message is checked
@@ -1111,6 +1113,8 @@ class ZmqSource:
             )
             return
         replies = await self._replay(last)
+        if trigger is None and await self._connection_changed_meanwhile():
+            return  # (what the events asked for replaces the check: see there)
         if replies is None and trigger is None:
             # Checked at the first message (from it alone: no second stall) or at a retry.
             self._new_connection = True
@@ -1158,6 +1162,18 @@ class ZmqSource:
             await self._apply(trigger)
         else:
             self.counters.num_duplicates += 1
+
+    async def _connection_changed_meanwhile(self) -> bool:
+        """Whether the SUB's connection changed (ended, or another was made) while a new
+        connection's check replayed, acted on now (`_on_connection_events`): the check is then
+        moot. An end clears the worker, and a connection after it rebuilds the worker from the
+        replay, a sequence break; a new connection is checked anew. (Before, a check whose
+        replay reached the publisher's next process rebuilt the worker, and the end read next
+        cleared and rebuilt it again: two sequence breaks for one restart.) Not while messages
+        are queued: those of a connection are handled before its end (`_follow`)."""
+        if self.receive_queue:
+            return False
+        return await self._handle_queued_connection_events()
 
     async def _replay(self, start_seq: int) -> list[ZmqMessage] | None:
         """The buffered messages from `start_seq` on, as one run of consecutive seqs that ends

@@ -887,6 +887,36 @@ async def test_a_new_process_behind_the_start_replay_is_rebuilt_at_the_subs_conn
     assert source.counters.num_resyncs == 0
 
 
+# An engine's seq 1, storing block 3 after blocks 1 and 2 (seq 0).
+SEQ_1 = _message(1, _stored(3, parent=2))
+
+
+@contextlib.asynccontextmanager
+async def _started_before_the_pub_is_up(
+    context: zmq.asyncio.Context,
+    index: PrefixIndex,
+    breaks: list[int],
+    *,
+    replay_timeout_s: float = 5.0,
+) -> AsyncIterator[tuple[FakeKvPublisher, ZmqSource]]:
+    """An engine whose replay ROUTER holds seq 0 and 1 (blocks 1 and 2, then 3) and whose PUB
+    is not up yet (`open_pub_when_free`), and a source running on it into `index` (its
+    sequence breaks appended to `breaks`), once its start's replay has applied both."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    await publisher.publish(_message(0, _stored(1, 2)), live=False)
+    await publisher.publish(SEQ_1, live=False)
+    source = _starting_source(publisher, context, index, replay_timeout_s=replay_timeout_s)
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+            yield publisher, source
+    finally:
+        await publisher.close()
+
+
 async def test_a_live_copy_of_a_start_replay_batch_read_after_the_connections_check_is_a_duplicate(
     context: zmq.asyncio.Context,
 ) -> None:
@@ -895,29 +925,17 @@ async def test_a_live_copy_of_a_start_replay_batch_read_after_the_connections_ch
     connected, still on its way while the check ran). It is a duplicate, not an engine
     restart: the worker keeps its blocks, no sequence break (before, the check forgot what
     the start's replay had applied, and the copy cleared the worker as a seq reset)."""
-    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
-    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
-    publisher.start_replay()
-    first, second = _message(0, _stored(1, 2)), _message(1, _stored(3, parent=2))
-    await publisher.publish(first, live=False)
-    await publisher.publish(second, live=False)
     index = PrefixIndex()
     breaks: list[int] = []
-    source = _starting_source(publisher, context, index)
-    source.on_sequence_break = lambda: breaks.append(1)
-    try:
-        async with running(source.run()):
-            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
-            await publisher.open_pub_when_free()
-            await publisher.wait_subscribed()
-            # The check's replay (seq 1 alone) answered and handled.
-            await source.wait_until(lambda: source.counters.num_replayed_messages == 3, WAIT_S)
-            await publisher.send(second)  # the live copy, read after the check
-            await publisher.publish(_message(2, _stored(4, parent=3)))
-            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
-    finally:
-        await publisher.close()
-    assert publisher.replay_requests == [0, 1]  # the start's, the connection's check
+    async with _started_before_the_pub_is_up(context, index, breaks) as (publisher, source):
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        # The check's replay (seq 1 alone) answered and handled.
+        await source.wait_until(lambda: source.counters.num_replayed_messages == 3, WAIT_S)
+        await publisher.send(SEQ_1)  # the live copy, read after the check
+        await publisher.publish(_message(2, _stored(4, parent=3)))
+        await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+        assert publisher.replay_requests == [0, 1]  # the start's, the connection's check
     assert _keys(index) == {1, 2, 3, 4}
     assert source.counters.num_duplicates == 1
     assert (source.counters.num_resets, breaks) == (1, [])
@@ -931,31 +949,51 @@ async def test_a_live_copy_of_a_replayed_batch_after_a_failed_connection_check_i
     the same process, and the SUB connected before it was sent): a duplicate, which the
     worker's blocks survive, with no sequence break (before, a failed check rebuilt the
     worker from that old batch alone)."""
-    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
-    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
-    publisher.start_replay()
-    first, second = _message(0, _stored(1, 2)), _message(1, _stored(3, parent=2))
-    await publisher.publish(first, live=False)
-    await publisher.publish(second, live=False)
     index = PrefixIndex()
     breaks: list[int] = []
-    source = _starting_source(publisher, context, index, replay_timeout_s=0.2)
-    source.on_sequence_break = lambda: breaks.append(1)
-    try:
-        async with running(source.run()):
-            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
-            await publisher.stop_replay()
-            await publisher.open_pub_when_free()
-            await publisher.wait_subscribed()
-            await source.wait_until(lambda: source.counters.num_replay_failures >= 1, WAIT_S)
-            await publisher.send(second)  # the live copy
-            await publisher.publish(_message(2, _stored(4, parent=3)))
-            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
-    finally:
-        await publisher.close()
+    started = _started_before_the_pub_is_up(context, index, breaks, replay_timeout_s=0.2)
+    async with started as (publisher, source):
+        await publisher.stop_replay()
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        await source.wait_until(lambda: source.counters.num_replay_failures >= 1, WAIT_S)
+        await publisher.send(SEQ_1)  # the live copy
+        await publisher.publish(_message(2, _stored(4, parent=3)))
+        await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
     assert _keys(index) == {1, 2, 3, 4}
     assert source.counters.num_duplicates == 1
     assert (source.counters.num_resets, breaks) == (1, [])
+
+
+async def test_a_restart_while_the_connections_check_replays_is_one_sequence_break(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The SUB connects to an engine process whose replay ROUTER is slow: while the
+    connection's check waits for its replay, the process is replaced by a new one (on the
+    same ports), which answers the check. The worker is cleared at the old connection's end
+    and rebuilt once from the new process's buffer, one sequence break told (before, the
+    check rebuilt the worker from the new process, then the end read after it cleared and
+    rebuilt it again: two breaks, two rebuilds)."""
+    index = PrefixIndex()
+    breaks: list[int] = []
+    rebuilt = [0, 1, 0]  # the start's replay, the check's, the rebuild's
+    async with _started_before_the_pub_is_up(context, index, breaks) as (publisher, source):
+        await publisher.stop_replay()  # the check's request waits
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        await eventually(lambda: source.counters.num_replays == 2, WAIT_S)
+        await publisher.restart()  # the new process
+        await publisher.publish(_message(0, _stored(7)), live=False)
+        await publisher.wait_subscribed()  # the SUB's new connection
+        publisher.start_replay()  # the new process answers the check
+        await source.wait_until(
+            lambda: publisher.replay_requests == rebuilt and _keys(index) == {7}, WAIT_S
+        )
+        await publisher.publish(_message(1, _stored(8, parent=7)))
+        await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
+        assert publisher.replay_requests == rebuilt  # (no second rebuild)
+    assert breaks == [1]
+    assert source.counters.num_resets == 2  # at the start, at the old connection's end
 
 
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
