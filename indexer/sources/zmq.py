@@ -22,10 +22,23 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   says when the replay answers again). A rebuild that follows a replay failed on the same
   connection (timed out: an endpoint that never answers) does not ask again at once: it
   rebuilds from its message alone rather than stall the source a second time;
-- seq == expected: applied, unless it is the first message since the SUB made or accepted a
-  new connection (an engine restart is a new connection; the SUB may have missed the new
-  process's first messages, exactly as many as the old one had sent): then it is checked as
-  a gap is;
+- a new connection (the SUB made or accepted one, its handshake done) with batches applied
+  (a replay brought them before it: the start's, a resync's) is checked at once as a gap is,
+  from one replay from the last applied seq, with no message to wait for: the SUB misses
+  whatever the publisher sent before its connection was up, and the publisher may have sent
+  batches after that replay and then gone idle (or be another process by now). Whatever the
+  replay brought after the last applied seq is applied (their live copies are duplicates); a
+  replay that shows another process rebuilds the worker from the replay; a connection that
+  ends (or another made) while the check replays makes it moot (`_connection_changed_meanwhile`:
+  one sequence break for a process replaced meanwhile). One that fails is retried with the
+  backoff while the SUB stays connected, and the connection's first message, should it come
+  first, rebuilds from itself alone (no second stall), unless it is a live copy
+  of a replayed batch (a duplicate: the same process, the SUB connected before it was sent;
+  copies read after the check are duplicates too, whichever replay applied them). Without a
+  replay endpoint, or when the message comes with the connection, its first message is checked
+  so (an engine restart is a new connection; the SUB may have missed the new process's first
+  messages, exactly as many as the old one had sent);
+- seq == expected: applied (unless the connection's check above is still to be made);
 - seq > expected (a gap): replay from the last applied seq. A gap may hide an engine restart
   (the new process's seq already passed the old one while the SUB missed its first messages),
   so the replayed batch at the last applied seq must be byte for byte the one applied: vLLM and
@@ -72,7 +85,11 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   already covered are then dropped as duplicates. Without a replay endpoint it only clears the
   worker (at once, even one its publisher left: a Redis back with older data holds blocks
   cleared since) and the next message rebuilds as on a first message (older blocks stay
-  missing, never stale).
+  missing, never stale). A rebuild of the source's own pending when the index asks (the
+  publisher back after a disconnection) is served by the index's, which counts as a resync
+  (`resyncs`) and is logged as the index's. A resync whose replay fails is retried as the
+  source's own rebuild is (with the backoff while the SUB is connected, else at its next
+  connection), until one answers or a message comes.
 
 `on_sequence_break`, when given, is called (synchronously) each time a message out of sequence
 (a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages,
@@ -152,6 +169,9 @@ TWO_FRAME_SUBSCRIPTION = b"\x00"
 # Why a rebuild from the replay runs with no request from the index (see `_resync`).
 _STARTING = "starting"
 _RECONNECTED = "the publisher is back"
+_INDEX_ASKED = "the index asked for a resync"
+# (Not a rebuild: the check a new connection makes of the stream, `_heal_gap`.)
+_CONNECTED = "a new connection to the publisher"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
 # Replay requests at most per replay: the first, then one per hole left (see `_replay`).
@@ -274,12 +294,13 @@ class ZmqSource:
         # Payloads of the batches the last replay applied that may still arrive live (seq ->
         # payload); a live message matching one is a duplicate, not a seq reset.
         self._replayed: dict[int, bytes] = {}
-        # A connection was made or accepted since the last message: the next one must prove
-        # that it continues the stream applied so far.
+        # A connection was made or accepted and the stream applied so far not checked against
+        # the replay since (`_heal_gap`): the check runs at once with a replay endpoint, or at
+        # the connection's first message when that comes first (or without one).
         self._new_connection = False
         self._progress = asyncio.Condition()
-        # Set by request_resync (and at start, with a replay endpoint); handled between two
-        # messages. `_resync_cause` says why, for the log.
+        # Set by request_resync (and at start, with a replay endpoint, and at a new connection:
+        # `_want_resync`); handled between two messages. `_resync_cause` says why.
         self._resync_wanted = asyncio.Event()
         self._resync_cause = _STARTING
         # The worker was cleared because the publisher disconnected: its next connection
@@ -292,9 +313,10 @@ class ZmqSource:
         # went idle, unindexed: a writer lease taken over while the engine restarted; indexer
         # soak, seeds 6 and 13.)
         self._rebuild_at_connection = False
-        # The rebuild from the replay at start (or at a reconnection) failed while the SUB was
-        # connected: no connection is coming to retry it, so it is retried after a backoff
-        # (`_retry_start_replay_later`); the pending retry, and the wait before the next one.
+        # The rebuild from the replay at start (or at a reconnection, or a new connection's
+        # check) failed while the SUB was connected: no connection is coming to retry it, so it
+        # is retried after a backoff (`_retry_replay`); the pending retry, and the wait before
+        # the next one.
         self._start_replay_retry: asyncio.TimerHandle | None = None
         self._start_replay_backoff = settings.backoff_initial_s
         # Replays failed since the last one that answered: a dead replay ROUTER beside a live
@@ -360,8 +382,18 @@ class ZmqSource:
         """The index dropped or lost this worker's entries: clear and rebuild it (from a replay
         from seq 0) before the next message. Synchronous, for index-backend callbacks.
         (`worker_id` matters to sources feeding several workers; this one feeds one.)"""
-        self._resync_cause = "the index asked for a resync"
+        self._resync_cause = _INDEX_ASKED
         self._worker_clear = False
+        self._resync_wanted.set()
+
+    def _want_resync(self, cause: str) -> None:
+        """Have the loop rebuild the worker from the replay (or check the stream against it, at
+        a new connection) between two messages, for `cause` (`_resync`). A resync the index
+        asked for and still pending stays the one that runs: it clears and rebuilds the worker
+        from the replay, which serves whatever else asked, and it counts as the index's
+        (`resyncs`; before, a reconnection's rebuild took it over, uncounted)."""
+        if not (self._resync_wanted.is_set() and self._resync_cause == _INDEX_ASKED):
+            self._resync_cause = cause
         self._resync_wanted.set()
 
     async def run(self) -> None:
@@ -538,7 +570,10 @@ class ZmqSource:
 
     async def _on_connection_events(self, events: list[int]) -> None:
         """Act on the SUB's monitor events. A connection made or accepted (its handshake done)
-        marks the next message for a check (`_new_connection`). A disconnection means the
+        has the stream applied so far checked against the replay at once (`_new_connection`,
+        `_heal_gap`): what the publisher sent before the SUB's connection was up is lost to
+        the SUB, and an idle publisher sends nothing after it that would show the gap. A
+        disconnection means the
         publisher went away (its process ended: a killed engine publishes no last word, or
         it fell silent past the heartbeat timeout): the blocks indexed from it
         are cleared at once rather than left stale until it publishes again, which a dead
@@ -589,10 +624,17 @@ class ZmqSource:
             self._new_connection = self._cleared_by_disconnect = False
             self._rebuild_at_connection = False
             if self.settings.replay_endpoint:
-                self._resync_cause = _RECONNECTED
-                self._resync_wanted.set()
+                self._want_resync(_RECONNECTED)
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
+        if self._new_connection and self._expected is not None and self.settings.replay_endpoint:
+            # The worker holds batches a replay brought before this connection (the start's,
+            # a resync's): the publisher may have published after that replay and before the
+            # connection, then gone idle (before, its first message checked, and the worker
+            # missed those batches until the engine's next one; tests/indexer/
+            # test_zmq_intake_property.py found it). Without a replay endpoint the first
+            # message rebuilds.
+            self._want_resync(_CONNECTED)
         # (An end followed by a connection read with it: the SUB is connected again, however
         # that end came.)
         if ends and not connected_since and not self.settings.bind and self._monitor is not None:
@@ -686,13 +728,22 @@ class ZmqSource:
     async def _resync(self) -> None:
         """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring).
         At start a failed replay changes nothing (it is retried, see below) and an empty one
-        only clears: the first message then rebuilds the worker as ever."""
+        only clears: the first message then rebuilds the worker as ever. At a new connection
+        (`_CONNECTED`), check the stream applied so far against the replay instead, unless a
+        message has since (`_heal_gap`)."""
+        cause = self._resync_cause
+        if cause == _CONNECTED:
+            expected = self._expected
+            if self._new_connection and expected is not None:
+                self._new_connection = False
+                await self._heal_gap(expected, None)
+            return
         floor = self._expected
         # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
         # the index asked for. One the index asked for clears the worker even with nothing to
         # rebuild it from: a Redis back with older data holds blocks this source cleared (a
         # departed publisher's, which sends no next message to clear them).
-        starting = self._resync_cause in (_STARTING, _RECONNECTED)
+        starting = cause in (_STARTING, _RECONNECTED)
         if starting and floor is None and not self.settings.replay_endpoint:
             return  # the next message clears and rebuilds the worker anyway
         if starting and floor is not None:
@@ -702,34 +753,22 @@ class ZmqSource:
                 logging.DEBUG if self._replay_failures_in_a_row else logging.INFO,
                 "worker %s: %s; rebuilding it from the replay",
                 self.worker_id,
-                self._resync_cause,
+                cause,
             )
         else:
             self.counters.num_resyncs += 1
-            log.warning(
-                "worker %s: %s; clearing and rebuilding", self.worker_id, self._resync_cause
-            )
+            log.warning("worker %s: %s; clearing and rebuilding", self.worker_id, cause)
         replies = await self._replay(0)
-        if starting and not replies:  # (nothing applied yet: `floor` is None)
-            if replies is not None:
-                # The publisher holds nothing it published: the worker's entries are stale.
-                await self._reset_worker(self.last_seq or 0)
-            # Failed (None) or empty: retried at the SUB's next connection, or rebuilt by the
-            # first message, whichever comes first. When the SUB connected while the replay
-            # ran (its connection is handled first), an empty replay is not retried: the SUB
-            # then receives whatever the replay could not hold; a failed one is retried after
-            # a backoff (the publisher may have published before that connection, then gone
-            # idle).
-            await self._handle_queued_connection_events()
-            self._rebuild_at_connection = not self.link.up
-            if replies is None and self.link.up:
-                self._retry_start_replay_later()
+        if starting:
+            await self._refill(replies, cause)
             return
         # Seqs an earlier replay applied whose live copies may still be queued (this may be
         # the second replay before the first message: the start's replay set `floor`).
         still_queued = self._replayed
         await self._reset_worker(self.last_seq or 0)
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
+            if self.settings.replay_endpoint:
+                self._retry_replay(_RECONNECTED)  # (a reconnection's rebuild it served, too)
             return
         for reply in replies:
             await self._apply(reply, replayed=True)
@@ -745,29 +784,67 @@ class ZmqSource:
                 if floor is None or r.seq >= floor or r.seq in still_queued
             }
 
-    def _retry_start_replay_later(self) -> None:
-        """Retry the failed start replay after the source's backoff (doubling, as `run`'s):
-        the SUB is connected, so no connection will retry it, and a publisher that published
-        before that connection and went idle sends no message that would rebuild the worker
-        (nor clear what an earlier process of it left in the index)."""
+    async def _refill(self, replies: list[ZmqMessage] | None, cause: str) -> None:
+        """Rebuild the worker, with nothing applied since it was cleared or the source started,
+        from `replies`: a replay (of the whole buffer) made just now for `cause` (`_STARTING`,
+        `_RECONNECTED`), None when it failed.
+        Failed (None) or empty: retried at the SUB's next connection, or rebuilt by the first
+        message, whichever comes first. When the SUB connected while the replay ran (its
+        connection is handled first), an empty replay is not retried: the SUB then receives
+        whatever the replay could not hold; a failed one is retried after a backoff (the
+        publisher may have published before that connection, then gone idle)."""
+        if not replies:
+            if replies is not None:
+                # The publisher holds nothing it published: the worker's entries are stale.
+                await self._reset_worker(self.last_seq or 0)
+            await self._handle_queued_connection_events()
+            if replies is None:
+                self._retry_replay(cause)
+            else:
+                self._rebuild_at_connection = not self.link.up
+            return
+        await self._reset_worker(self.last_seq or 0)
+        for reply in replies:
+            await self._apply(reply, replayed=True)
+        # Their live copies may still be queued, or come: duplicates.
+        self._replayed = {r.seq: r.payload for r in replies}
+
+    def _retry_replay(self, cause: str) -> None:
+        """A rebuild from the replay (or a new connection's check, `_CONNECTED`) failed: retry
+        it at the SUB's next connection, or, while the SUB is connected (no connection is
+        coming to retry it), after the source's backoff (doubling, as `run`'s): a publisher
+        that published before that connection and went idle sends no message that would
+        rebuild the worker (nor clear what an earlier process of it left in the index), or
+        show the gap."""
+        if not self.link.up:
+            if cause != _CONNECTED:  # (a new connection is checked anyway)
+                self._rebuild_at_connection = True
+            return
+        self._rebuild_at_connection = False
         if self._start_replay_retry is not None:
             self._start_replay_retry.cancel()
         delay = self._start_replay_backoff
         self._start_replay_backoff = min(delay * 2, self.settings.backoff_max_s)
         self._start_replay_retry = asyncio.get_running_loop().call_later(
-            delay, self._retry_start_replay, self._resync_cause
+            delay, self._retry_replay_now, cause
         )
 
-    def _retry_start_replay(self, cause: str) -> None:
-        """The retry's time has come: rebuild from the replay, as the failed attempt would have,
-        unless a message has rebuilt the worker meanwhile or a rebuild is pending already. A
-        SUB that lost its connection meanwhile retries at its next one instead."""
+    def _retry_replay_now(self, cause: str) -> None:
+        """The retry's time has come: rebuild from the replay (or check the connection), as
+        the failed attempt would have, unless a message has rebuilt the worker (or checked
+        the connection) meanwhile or a rebuild is pending already. A SUB that lost its
+        connection meanwhile retries at its next one instead."""
         self._start_replay_retry = None
-        if self._expected is not None or self._resync_wanted.is_set():
+        if self._resync_wanted.is_set():
+            return
+        if cause == _CONNECTED:
+            if self._new_connection and self._expected is not None and self.link.up:
+                self._want_resync(cause)
+            return
+        if self._expected is not None:
             return
         if self.link.up:
-            self._resync_cause = cause
-            self._resync_wanted.set()
+            self._want_resync(cause)
         else:
             self._rebuild_at_connection = True
 
@@ -776,7 +853,12 @@ class ZmqSource:
         new_connection, self._new_connection = self._new_connection, False
         if expected is None:
             await self._rebuild(message, reason=None)
-        elif message.seq == expected and not new_connection:
+        elif new_connection and self._replay_failed_on_connection and message.seq >= expected:
+            # The connection's check failed (`_resync`): rebuilt from this message alone,
+            # rather than stall the source on a second replay. (A live copy of a replayed
+            # batch shows the same process, the SUB connected before it: a duplicate.)
+            await self._rebuild(message, reason="no replay to check the new connection against")
+        elif message.seq == expected and not new_connection and not self._is_new_rank(message):
             self._replayed = {}  # past any replayed range
             await self._apply(message)
         elif message.seq >= expected:
@@ -822,6 +904,16 @@ class ZmqSource:
         self._expected = message.seq + 1
         self.last_seq = message.seq
         self._last_payload = message.payload
+
+    def _is_new_rank(self, message: ZmqMessage) -> bool:
+        """Whether a live message is the first to tell the stream's data-parallel rank, and
+        another than the replayed batches' the worker holds (a replay endpoint left at another
+        rank's port filled the worker before any live batch; the connection's check had no
+        live rank to hold them against): then it is checked as a gap is, which rebuilds."""
+        if self._live_rank is not None or self._applied_rank is None:
+            return False
+        self._learn_rank(message)
+        return self._live_rank not in (None, self._applied_rank)
 
     def _learn_rank(self, message: ZmqMessage) -> None:
         """Take the data-parallel rank a live message's batch carries as the stream's (before
@@ -954,7 +1046,7 @@ class ZmqSource:
 
     async def _rebuild(
         self,
-        trigger: ZmqMessage,
+        trigger: ZmqMessage | None,
         *,
         reason: str | None,
         buffered: list[ZmqMessage] | None = None,
@@ -964,9 +1056,18 @@ class ZmqSource:
         catches up at once). A `reason` is a break in a stream followed until now (see
         `on_sequence_break`). `buffered`: what a replay made just now says the buffer holds
         (the whole buffer, or nothing when it failed), not asked for again; None: replay from
-        seq 0 (unless the last replay on this connection failed: from `trigger` alone)."""
+        seq 0 (unless the last replay on this connection failed: from `trigger` alone). No
+        `trigger` (a new connection's check, `_heal_gap`): from the replay alone, retried as a
+        reconnection's rebuild is when it fails (`_refill`)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
+        if trigger is None:
+            await self._reset_worker(self.last_seq or 0)
+            replies = buffered if buffered is not None else await self._replay(0)
+            await self._refill(replies, _RECONNECTED)
+            if reason is not None and self.on_sequence_break is not None:
+                self.on_sequence_break()
+            return
         self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
         await self._reset_worker(trigger.seq)
         newer: list[ZmqMessage] = []
@@ -992,13 +1093,19 @@ class ZmqSource:
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
 
-    async def _heal_gap(self, expected: int, trigger: ZmqMessage) -> None:
+    async def _heal_gap(self, expected: int, trigger: ZmqMessage | None) -> None:
         """Heal the gap (possibly empty, after a new connection) before `trigger` from one
         replay from the last applied seq, or clear and rebuild the worker when the replay shows
-        another publisher process (see the module docstring) or cannot cover the gap."""
+        another publisher process (see the module docstring) or cannot cover the gap. Without
+        `trigger`: a new connection's check, made as the connection is (`_resync`), which
+        applies whatever the replay brought after the last applied seq: what the publisher sent
+        before the SUB's connection was up never comes live."""
         last = expected - 1
-        self._learn_rank(trigger)
-        if self._applied_rank not in (None, self._live_rank):
+        if trigger is not None:
+            self._learn_rank(trigger)
+        # (With no live batch yet, no rank to hold the replayed ones against: `_is_new_rank`.)
+        known_rank = trigger is not None or self._live_rank is not None
+        if known_rank and self._applied_rank not in (None, self._live_rank):
             await self._rebuild(
                 trigger,
                 reason=f"the worker holds data-parallel rank {self._applied_rank}'s batches "
@@ -1006,6 +1113,13 @@ class ZmqSource:
             )
             return
         replies = await self._replay(last)
+        if trigger is None and await self._connection_changed_meanwhile():
+            return  # (what the events asked for replaces the check: see there)
+        if replies is None and trigger is None:
+            # Checked at the first message (from it alone: no second stall) or at a retry.
+            self._new_connection = True
+            self._retry_replay(_CONNECTED)
+            return
         if replies is None:  # (one that failed is not asked again at once: `_rebuild`)
             await self._rebuild(trigger, reason="no replay to check the stream against")
             return
@@ -1021,21 +1135,45 @@ class ZmqSource:
         if replies[0].payload != self._last_payload:
             await self._rebuild(trigger, reason=f"seq {last} changed: the engine restarted")
             return
-        covered = (
-            all(b.seq == a.seq + 1 for a, b in itertools.pairwise(replies))
-            and replies[-1].seq + 1 >= trigger.seq
+        covered = all(b.seq == a.seq + 1 for a, b in itertools.pairwise(replies)) and (
+            trigger is None or replies[-1].seq + 1 >= trigger.seq
         )
         if not covered:
             await self._rebuild(trigger, reason="replay cannot cover the gap")
             return
         for reply in replies[1:]:
             await self._apply(reply, replayed=True)
+        if trigger is None:
+            if len(replies) > 1:
+                log.info(
+                    "worker %s: new connection; the replay brought seq %d to %d",
+                    self.worker_id,
+                    replies[1].seq,
+                    replies[-1].seq,
+                )
+            # Their live copies, if any come (sent once the SUB was connected), are duplicates,
+            # and so are those of the batches the replay before the connection applied (no
+            # live batch has come since to pass them: they may still be on their way).
+            self._replayed.update((r.seq, r.payload) for r in replies[1:])
+            return
         # Live messages after the trigger that the replay already applied are duplicates.
         self._replayed = {r.seq: r.payload for r in replies if r.seq > trigger.seq}
         if trigger.seq >= (self._expected or 0):
             await self._apply(trigger)
         else:
             self.counters.num_duplicates += 1
+
+    async def _connection_changed_meanwhile(self) -> bool:
+        """Whether the SUB's connection changed (ended, or another was made) while a new
+        connection's check replayed, acted on now (`_on_connection_events`): the check is then
+        moot. An end clears the worker, and a connection after it rebuilds the worker from the
+        replay, a sequence break; a new connection is checked anew. (Before, a check whose
+        replay reached the publisher's next process rebuilt the worker, and the end read next
+        cleared and rebuilt it again: two sequence breaks for one restart.) Not while messages
+        are queued: those of a connection are handled before its end (`_follow`)."""
+        if self.receive_queue:
+            return False
+        return await self._handle_queued_connection_events()
 
     async def _replay(self, start_seq: int) -> list[ZmqMessage] | None:
         """The buffered messages from `start_seq` on, as one run of consecutive seqs that ends

@@ -167,6 +167,15 @@ class FakeKvPublisher:
     def start_replay(self) -> None:
         self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
+    async def stop_replay(self) -> None:
+        """The replay ROUTER stops answering (still bound: a request waits for ever, as on an
+        engine whose replay thread is stuck)."""
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+            self._replay_task = None
+
     async def _serve_replay(self) -> None:
         while True:
             identity, _empty, start = await self.router.recv_multipart()

@@ -19,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from indexer.batch import Batch
+from indexer.batch import ActionType, Batch
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
@@ -826,6 +826,176 @@ async def test_an_engine_restarted_before_its_first_batch_is_rebuilt_at_its_reco
     assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
 
 
+async def test_a_batch_published_between_the_start_replay_and_the_subs_connection_is_indexed(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The source starts as the engine comes up: the engine's replay ROUTER answers the
+    start's replay with its first batch, the engine publishes its next one before the SUB's
+    connection reaches its PUB (the SUB misses it) and goes idle. The connection checks the
+    stream against the replay at once: the missed batch is indexed with no later batch to
+    show the gap (found by tests/indexer/test_zmq_intake_property.py: before, the check
+    waited for the connection's first message, and the worker lacked the batch until the
+    engine's next one)."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    await publisher.publish(_message(0, _stored(1, 2)), live=False)
+    index = PrefixIndex()
+    source = _starting_source(publisher, context, index)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+            await publisher.publish(_message(1, _stored(3, parent=2)), live=False)  # missed
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0, 0]  # the start's, then the connection's check
+    assert (source.counters.num_resets, source.counters.num_resyncs) == (1, 0)
+
+
+async def test_a_new_process_behind_the_start_replay_is_rebuilt_at_the_subs_connection(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay reads an engine process's buffer before the SUB's connection
+    reaches its PUB; that process is replaced by a new one (on the same ports), which
+    publishes before the SUB's connection and goes idle. The connection's check finds
+    another batch at the last applied seq: the worker is rebuilt from the new process's
+    buffer, the old process's blocks gone, with no later batch."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    await publisher.publish(_message(0, _stored(1, 2)), live=False)
+    index = PrefixIndex()
+    breaks: list[int] = []
+    source = _starting_source(publisher, context, index)
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+            publisher.buffer.clear()  # a new process, publishing before the SUB reaches it
+            await publisher.publish(_message(0, _stored(7)), live=False)
+            await publisher.publish(_message(1, _stored(8, parent=7)), live=False)
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0, 0, 0]  # the start's, the check's, the rebuild's
+    assert breaks == [1]  # a sequence break: another process
+    assert source.counters.num_resyncs == 0
+
+
+# An engine's seq 1, storing block 3 after blocks 1 and 2 (seq 0).
+SEQ_1 = _message(1, _stored(3, parent=2))
+
+
+@contextlib.asynccontextmanager
+async def _started_before_the_pub_is_up(
+    context: zmq.asyncio.Context,
+    index: PrefixIndex,
+    breaks: list[int],
+    *,
+    replay_timeout_s: float = 5.0,
+) -> AsyncIterator[tuple[FakeKvPublisher, ZmqSource]]:
+    """An engine whose replay ROUTER holds seq 0 and 1 (blocks 1 and 2, then 3) and whose PUB
+    is not up yet (`open_pub_when_free`), and a source running on it into `index` (its
+    sequence breaks appended to `breaks`), once its start's replay has applied both."""
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    await publisher.publish(_message(0, _stored(1, 2)), live=False)
+    await publisher.publish(SEQ_1, live=False)
+    source = _starting_source(publisher, context, index, replay_timeout_s=replay_timeout_s)
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+            yield publisher, source
+    finally:
+        await publisher.close()
+
+
+async def test_a_live_copy_of_a_start_replay_batch_read_after_the_connections_check_is_a_duplicate(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay applied seq 0 and 1; the SUB's connection is checked against the
+    replay (nothing new), and only then is a live copy of seq 1 read (published as the SUB
+    connected, still on its way while the check ran). It is a duplicate, not an engine
+    restart: the worker keeps its blocks, no sequence break (before, the check forgot what
+    the start's replay had applied, and the copy cleared the worker as a seq reset)."""
+    index = PrefixIndex()
+    breaks: list[int] = []
+    async with _started_before_the_pub_is_up(context, index, breaks) as (publisher, source):
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        # The check's replay (seq 1 alone) answered and handled.
+        await source.wait_until(lambda: source.counters.num_replayed_messages == 3, WAIT_S)
+        await publisher.send(SEQ_1)  # the live copy, read after the check
+        await publisher.publish(_message(2, _stored(4, parent=3)))
+        await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+        assert publisher.replay_requests == [0, 1]  # the start's, the connection's check
+    assert _keys(index) == {1, 2, 3, 4}
+    assert source.counters.num_duplicates == 1
+    assert (source.counters.num_resets, breaks) == (1, [])
+
+
+async def test_a_live_copy_of_a_replayed_batch_after_a_failed_connection_check_is_a_duplicate(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay applied seq 0 and 1, then the replay stops answering: the SUB's
+    connection cannot be checked. The first live message is a copy of seq 1 (the same bytes:
+    the same process, and the SUB connected before it was sent): a duplicate, which the
+    worker's blocks survive, with no sequence break (before, a failed check rebuilt the
+    worker from that old batch alone)."""
+    index = PrefixIndex()
+    breaks: list[int] = []
+    started = _started_before_the_pub_is_up(context, index, breaks, replay_timeout_s=0.2)
+    async with started as (publisher, source):
+        await publisher.stop_replay()
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        await source.wait_until(lambda: source.counters.num_replay_failures >= 1, WAIT_S)
+        await publisher.send(SEQ_1)  # the live copy
+        await publisher.publish(_message(2, _stored(4, parent=3)))
+        await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+    assert _keys(index) == {1, 2, 3, 4}
+    assert source.counters.num_duplicates == 1
+    assert (source.counters.num_resets, breaks) == (1, [])
+
+
+async def test_a_restart_while_the_connections_check_replays_is_one_sequence_break(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The SUB connects to an engine process whose replay ROUTER is slow: while the
+    connection's check waits for its replay, the process is replaced by a new one (on the
+    same ports), which answers the check. The worker is cleared at the old connection's end
+    and rebuilt once from the new process's buffer, one sequence break told (before, the
+    check rebuilt the worker from the new process, then the end read after it cleared and
+    rebuilt it again: two breaks, two rebuilds)."""
+    index = PrefixIndex()
+    breaks: list[int] = []
+    rebuilt = [0, 1, 0]  # the start's replay, the check's, the rebuild's
+    async with _started_before_the_pub_is_up(context, index, breaks) as (publisher, source):
+        await publisher.stop_replay()  # the check's request waits
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        await eventually(lambda: source.counters.num_replays == 2, WAIT_S)
+        await publisher.restart()  # the new process
+        await publisher.publish(_message(0, _stored(7)), live=False)
+        await publisher.wait_subscribed()  # the SUB's new connection
+        publisher.start_replay()  # the new process answers the check
+        await source.wait_until(
+            lambda: publisher.replay_requests == rebuilt and _keys(index) == {7}, WAIT_S
+        )
+        await publisher.publish(_message(1, _stored(8, parent=7)))
+        await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
+        assert publisher.replay_requests == rebuilt  # (no second rebuild)
+    assert breaks == [1]
+    assert source.counters.num_resets == 2  # at the start, at the old connection's end
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
@@ -1523,6 +1693,57 @@ async def test_a_publisher_back_in_the_read_that_ends_a_silent_handshake_leaves_
     finally:
         await publisher.close()
     assert _keys(index) == {3}  # cleared at the publisher's end, rebuilt from seq 2
+
+
+class ClearLosingSink(GatedSink):
+    """A `GatedSink` that, once `armed`, loses the worker (asks its source for a resync, as a
+    restarted Redis does) while it applies the next clear of it."""
+
+    def __init__(self, backend: MemoryBackend) -> None:
+        super().__init__(backend)
+        self.armed = False
+        self.source: ZmqSource | None = None
+
+    async def apply(self, batch: Batch) -> None:
+        await super().apply(batch)
+        clear = batch.actions[0].type == ActionType.CLEAR_ALL_AT_TIER
+        if self.armed and clear and self.source is not None:
+            self.armed = False
+            self.source.request_resync()
+
+
+async def test_a_resync_asked_as_the_publisher_comes_back_counts_as_a_resync(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index loses the worker (asks for a resync) while it applies the clear the
+    publisher's disconnection made, and the publisher is back in the same read of the SUB's
+    monitor. The reconnection's rebuild serves the resync: it counts as one (`resyncs`, what
+    `kvplane_indexer_source_resyncs_total` exports) and is logged as the index's (before,
+    the reconnection's rebuild took it over, uncounted)."""
+    index = PrefixIndex()
+    sink = ClearLosingSink(MemoryBackend(index))
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = _source(publisher.endpoint, context, sink, replay=publisher.replay_endpoint)
+    sink.source = source
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1)))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+            sink.armed = True
+            sink.gate.clear()
+            await publisher.publish(_message(1, _stored(2, parent=1)))
+            await asyncio.wait_for(sink.held.wait(), WAIT_S)  # the source waits in seq 1's
+            await publisher.restart()  # its end and its new connection, read together
+            await publisher.publish(_message(0, _stored(5)), live=False)  # before the SUB
+            await publisher.wait_subscribed()
+            sink.gate.set()
+            await source.wait_until(lambda: _keys(index) == {5}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_resyncs == 1
+    assert any("the index asked for a resync" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_replay_holds_at_most_replay_bytes_of_replies(
