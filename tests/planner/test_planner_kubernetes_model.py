@@ -5,12 +5,14 @@ server (tests/planner/fake_kube.py: a ReplicaSet-like part, pods as real `kvplan
 --model sim` processes) and a real in-process controller.
 
 Rules: a start (its scale PATCH answered 500, or 504 though made, now and then); a drain of a
-serving engine; a removal (`stop`) of a draining one (its scale-down refused by RBAC, answered
-500, or 504 though made, now and then); a tick's look (`adopt`, `exited`, the exited engines
-stopped as the live planner does, `sync`); an engine's container crashed (restarted only when
-the test says: CrashLoopBackOff meanwhile), and a crashed pod that is no engine restarted; an
-engine's pod deleted by an operator; the Deployment scaled up by an operator; the planner
-restarted (a new actuator, its first look waited for).
+serving engine; a removal (`stop`) of a draining one, or of one drained just now (its scale-
+down refused by RBAC, answered 500, or 504 though made, now and then); a tick's look (`adopt`,
+`exited`, the exited engines stopped as the live planner does, `sync`); an engine's container
+crashed (restarted only when the test says: CrashLoopBackOff meanwhile), and a crashed pod that
+is no engine restarted; an engine's pod deleted by an operator; the Deployment scaled up by an
+operator; the planner restarted (a new actuator, its first look waited for). A rule drawn where
+it does not apply does nothing, so what is drawn does not depend on the cluster (pod names,
+timings).
 
 The model: the planner's engines (address -> pod, serving or draining, crashed), the
 Deployment's spec.replicas, and the removals not done yet (refused, or whose outcome was not
@@ -322,8 +324,12 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
         else:  # a scale-up; the pod taken may be a stand-in's, the new pod then goes instead
             self.replicas += 1
             assert address not in self.engines
+            if not self.stand_ins() + replaced:
+                assert address not in free_pods  # the new pod
         self.settle()
         pod = next(p for p in self.pods() if p.address == address and p.active)
+        # Never a pod a removal is still to scale away (a drained engine's).
+        assert pod.name not in self.unscaled, pod
         self.engines[address] = Engine(pod.name)
         assert self.registered().get(address) is True  # routed to once the start returns
 
@@ -352,9 +358,14 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
     def stop(self, pick: int, fault: int | None) -> None:
         """The removal of a drained engine: out of the controller, then the removals not done
         yet scaled away in order, its own last; the first that fails stops the others (they
-        wait for it), and the error names it."""
-        if not (draining := self.draining()) or not self.all_ready():
+        wait for it), and the error names it. None draining, one drained just now (the core
+        drains an engine, then removes it once empty)."""
+        if not self.all_ready():
             return
+        if not (draining := self.draining()):
+            self.drain(pick)
+            if not (draining := self.draining()):
+                return
         address = draining[pick % len(draining)]
         engine = self.engines.pop(address)
         if fault == 403:
@@ -447,13 +458,15 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
         """A new planner (a restart, the next leader) takes the fleet over as it finds it: its
         first look adopts every Ready pod, the draining ones included (its `sync` finds them
         draining at the controller), and a removal that did not scale its pod away yet is
-        cut short: that pod, its deletion cost cleared, is an engine again. (Not with an
-        engine crashed and not looked at: its pod not Ready, the new planner does not know
-        it, and the controller lists it until the pod runs again.)"""
+        cut short: that pod, its deletion cost cleared, is an engine again, registered again,
+        and found draining too (its engine drains still). (Not with an engine crashed and not
+        looked at: its pod not Ready, the new planner does not know it, and the controller
+        lists it until the pod runs again.)"""
         if any(e.crashed for e in self.engines.values()):
             return
         self.run(self.actor().close())
         draining = self.draining()
+        cut_short = set(self.unscaled)
         self.engines = {}
         # Made, its pod went; not made, the pod stays for the new planner to adopt.
         self.unscaled.clear()
@@ -463,6 +476,13 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
         assert sorted(a for a, _ in adopted) == sorted(pods)
         for address, pod in pods.items():
             self.engines[address] = Engine(pod.name)
+            if pod.name in cut_short:  # registered again: draining once its health is read
+                draining.append(address)
+        fleet = self.app.controller.fleet
+        again = [a for a in draining if self.engines[a].pod in cut_short]
+        self.run(
+            fleet.wait_for(lambda: all(self.controller_state(a) == "draining" for a in again), 30)
+        )
         self.reconcile(draining)  # found draining: the new planner counts them as leaving
         for address in draining:
             self.engines[address].draining = True
@@ -512,7 +532,7 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
 
 
 KubernetesActuatorMachine.TestCase.settings = settings(
-    max_examples=15,
+    max_examples=12,
     stateful_step_count=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
