@@ -32,7 +32,7 @@ import shutil
 import socket
 import tempfile
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -538,3 +538,53 @@ KubernetesActuatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKubernetesActuatorModel = KubernetesActuatorMachine.TestCase
+
+
+# Sequences the machine draws only now and then, replayed every run: each checks a rule whose
+# breakage the random runs find only sometimes.
+
+
+def replay(*steps: Callable[[KubernetesActuatorMachine], object]) -> None:
+    """Run `steps` on a fresh machine, its invariants checked after each, then a look."""
+    machine = KubernetesActuatorMachine()
+    invariants = (
+        machine.the_deployment_has_the_models_replicas,
+        machine.the_controller_lists_the_planners_engines_and_routes_to_serving_ones,
+        machine.each_engine_is_its_own_pod,
+        machine.no_serving_engines_pod_was_scaled_away,
+    )
+    try:
+        for step in (*steps, KubernetesActuatorMachine.tick):
+            step(machine)
+            for invariant_holds in invariants:
+                invariant_holds()
+    finally:
+        machine.teardown()
+
+
+def test_a_start_takes_a_free_replica_without_scaling_up() -> None:
+    """An operator's replica not adopted yet is the start's: no replica more."""
+    replay(
+        lambda m: m.a_fleet_left_running(1),
+        KubernetesActuatorMachine.operator_scales_up,
+        lambda m: m.start(None),
+    )
+
+
+def ready_first(machine: KubernetesActuatorMachine) -> int:
+    """The pick of the serving engine whose pod was Ready first."""
+    kube, serving = machine.kube, machine.serving()
+    since = kube.view(lambda: {kube.address(p): p.ready_since or 0.0 for p in kube.pods.values()})
+    return serving.index(min(serving, key=since.__getitem__))
+
+
+def test_a_removal_scales_away_the_drained_pod_not_a_newer_one() -> None:
+    """Of two pods, the one Ready first drained and removed: without the deletion cost, the
+    ReplicaSet would delete the other, Ready more recently."""
+    replay(lambda m: m.a_fleet_left_running(2), lambda m: m.stop(ready_first(m), None))
+
+
+def test_a_start_does_not_take_the_pod_of_a_removal_refused() -> None:
+    """A removal's scale-down refused (RBAC) leaves the drained pod Ready: a start scales up
+    and takes the new pod, not that one (its engine drains: never routed to)."""
+    replay(lambda m: m.a_fleet_left_running(2), lambda m: m.stop(0, 403), lambda m: m.start(None))
