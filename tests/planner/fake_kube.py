@@ -106,7 +106,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -127,6 +127,7 @@ _TERMINATION_GRACE_S = 30.0
 _GO_UNCHUNKED_BYTES = 2048
 _GO_CHUNK_BYTES = 4096
 _IMAGE = "ghcr.io/kvplane/kvplane:latest"
+T = TypeVar("T")
 
 
 @dataclass
@@ -318,6 +319,11 @@ class FakeKube:
         with self._changed:
             if not self._changed.wait_for(predicate, timeout_s):
                 raise TimeoutError("the fake cluster did not get there")
+
+    def view(self, read: Callable[[], T]) -> T:
+        """`read()` under the lock: the kubelet and ReplicaSet thread changes the pods."""
+        with self._changed:
+            return read()
 
     def ready_pods(self, deployment: str) -> list[Pod]:
         with self._changed:  # the kubelet thread changes the dict (the lock is re-entrant)
