@@ -51,6 +51,7 @@ first is kept."""
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -100,7 +101,8 @@ class LoraIntent:
     # them in the order they were loaded, whatever the order it reads them in. A Lamport
     # clock: a load is numbered above every load the intent knows of (`clock`), so a load
     # through a replica that has read another's comes after it; loads through two replicas
-    # that had not read each other's are ordered by name, alike on every replica.
+    # that had not read each other's come in the order of their numbers (by name where
+    # those are equal), alike on every replica.
     seqs: dict[tuple[str, str | None], int] = field(default_factory=dict)
     clock: int = 0
     # name -> where it was unloaded through this controller since it was last loaded there:
@@ -196,12 +198,14 @@ class LoraIntent:
         seqs = {address: self.seqs[(lora_name, address)] for address in on}
         return SharedLora(spec, on, frozenset(a for a in off if a is not None), seqs)
 
-    def adopt(self, lora_name: str, shared: SharedLora | None) -> None:
+    def adopt(self, lora_name: str, shared: SharedLora | None, *, ordered: bool = True) -> None:
         """Another controller replica loaded or unloaded `lora_name`: the intent holds for it
         what that replica's holds (`shared`; None: loaded nowhere). The unloads made through
         this controller that engines have not answered yet stay due (`unconfirmed`), but for
         the engines a load in `shared` is for. Its loads take their places in the loading
-        order as `shared` numbers them (`seqs`), not the order they are adopted in."""
+        order as `shared` numbers them (`seqs`), not the order they are adopted in; not
+        `ordered`: they stay out of place until `order` (adopting many at once: each put
+        in place would move every load held)."""
         self._decided(lora_name)
         on = shared.on if shared is not None else {}
         for key in [k for k in self.loads if k[0] == lora_name and k[1] not in on]:
@@ -212,13 +216,19 @@ class LoraIntent:
         if shared is None:
             return
         clock = self.clock  # (as numbered by `shared`, not as loads here)
+        moved: list[tuple[str, str | None]] = []
         for address, model in on.items():
+            key = (lora_name, address)
+            held = self.seqs.get(key)
             self.loaded(shared.spec, address, model)
             seq = shared.seqs.get(address, 0)
-            self.seqs[(lora_name, address)] = seq
+            if seq != held:
+                self.seqs[key] = seq
+                moved.append(key)
             clock = max(clock, seq)
         self.clock = clock
-        self.loads = dict(sorted(self.loads.items(), key=lambda item: self._place(item[0])))
+        if ordered:
+            self._reorder(moved)
         if shared.off:
             self.unloaded_from.setdefault(lora_name, set()).update(shared.off)
 
@@ -357,6 +367,18 @@ class LoraIntent:
                 wanted.setdefault(name, spec)
         return list(wanted.values())
 
+    def wants(self, lora_name: str, address: str, models: Collection[str]) -> bool:
+        """Whether `wanted_on(address, models)` names `lora_name`: read from its loads alone,
+        not from every load of every adapter."""
+        if (lora_name, address) in self.loads:
+            return True
+        model = self.models.get(lora_name)
+        return (
+            (lora_name, None) in self.loads
+            and address not in self.unloaded_from.get(lora_name, ())
+            and (model is None or model in models)
+        )
+
     def _put(self, key: tuple[str, str | None], spec: LoraSpec) -> None:
         """Hold `spec` for `key`: a new load comes last in the loading order (a load held
         already keeps its place)."""
@@ -364,6 +386,27 @@ class LoraIntent:
             self.clock += 1
             self.seqs[key] = self.clock
         self.loads[key] = spec
+
+    def order(self) -> None:
+        """Put every load in its place in the loading order (after `adopt` not `ordered`)."""
+        self.loads = dict(sorted(self.loads.items(), key=lambda item: self._place(item[0])))
+
+    def _reorder(self, keys: list[tuple[str, str | None]]) -> None:
+        """Move the loads `keys` to their places in the loading order (`_place`), the others
+        being in theirs: each found by bisection, not by sorting every load again (a replica
+        adopting a hash of thousands of adapters, at its start, adopts each)."""
+        mine = sorted(((key, self.loads.pop(key)) for key in keys), key=lambda i: self._place(i[0]))
+        last = next(reversed(self.loads), None)
+        if last is None or not mine or self._place(last) <= self._place(mine[0][0]):
+            self.loads.update(mine)  # (after every other: a load numbered last, the usual)
+            return
+        items = list(self.loads.items())
+        for item in mine:
+            at = bisect.bisect_right(
+                items, self._place(item[0]), key=lambda other: self._place(other[0])
+            )
+            items.insert(at, item)
+        self.loads = dict(items)
 
     def _drop(self, key: tuple[str, str | None]) -> None:
         self.loads.pop(key, None)

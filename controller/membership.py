@@ -559,6 +559,19 @@ class Membership:
         replica finds there was loaded since."""
         intent = self.fleet.lora_intent
         shared = {f.removeprefix(_LORA): v for f, v in fields.items() if f[:2] == _LORA}
+        adopted: list[str] = []
+        try:
+            self._adopt_loras(shared, first, adopted)
+        finally:
+            if adopted:
+                # Their loads in their places at once (at a start, thousands of fields each
+                # put in place would move every load held, each time).
+                intent.order()
+
+    def _adopt_loras(self, shared: dict[str, str], first: bool, adopted: list[str]) -> None:
+        """(`_apply_loras`.) Adopt the fields `shared` (by adapter name) that changed, each
+        name adopted out of place (`LoraIntent.adopt`) added to `adopted`."""
+        intent = self.fleet.lora_intent
         for name in [n for n in self._loras if n not in shared]:
             if _is_unload(self._loras.pop(name)):
                 continue  # an unload marker expired (`TOMBSTONE_READS`): taken already
@@ -571,14 +584,15 @@ class Membership:
             if first and _is_unload(value):
                 continue
             try:
-                adopted = _decode_lora(name, value)
+                lora = _decode_lora(name, value)
             except (ValueError, TypeError, KeyError) as exc:  # (another release's, say)
                 log.warning("LoRA adapter %r of the shared membership not understood: %s",
                             name, exc)  # fmt: skip
                 continue
-            change = "changed" if adopted is not None else "unloaded"
+            change = "changed" if lora is not None else "unloaded"
             log.info("LoRA adapter %r %s through another controller replica", name, change)
-            intent.adopt(name, adopted)
+            adopted.append(name)
+            intent.adopt(name, lora, ordered=False)
 
     async def _write_back(self, mode: str) -> None:
         """Redis lost the hash (or another replica wrote it back since this one's last read;

@@ -498,12 +498,10 @@ class Controller:
         adapter: a request naming one loaded on other engines alone is refused at once)."""
         registry = self.fleet.registry
         if self.router.decode_engines_prefill or any(
-            r.address not in exclude
-            for r in registry.routable(
-                model or None, Role.PREFILL, lora_name=lora_name, generating=True
-            )
+            r.address not in exclude and (not lora_name or r.holds_lora(lora_name))
+            for r in registry.routable(model or None, Role.PREFILL, generating=True)
         ):
-            return 0.0  # (the usual case; naming no adapter, read from the registry's memo)
+            return 0.0  # (the usual case, read from the registry's memo)
         return max(
             (
                 self._coming_back_s(r)
@@ -528,8 +526,7 @@ class Controller:
             models: Collection[str] = record.identity.models
         else:  # not reached yet: it may serve the request's model (`may_serve_records`)
             models = [model] if model else []
-        wanted = self.fleet.lora_intent.wanted_on(record.address, models)
-        return any(spec.lora_name == lora_name for spec in wanted)
+        return self.fleet.lora_intent.wants(lora_name, record.address, models)
 
     def _coming_back_s(self, record: EngineRecord) -> float:
         """How long an engine out of routing may still take traffic again by itself (0.0: it

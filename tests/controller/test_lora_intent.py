@@ -142,6 +142,30 @@ def test_a_replica_adopting_another_replicas_loads_keeps_the_order_they_were_loa
         assert other.shared("w") == SharedLora(w, {None: None}, seqs={None: 5})
 
 
+def test_a_replica_holding_loads_places_those_it_adopts_among_them_by_their_numbers() -> None:
+    """Replicas one and two load y and z, each before reading the other's; two then adopts
+    one's y, numbered between its own z and w, and one's x, unloaded and loaded again (last
+    now): two wants them in the order of their numbers, as a replica adopting them all
+    afresh does, and an adapter loaded again moves to the end."""
+    y, z, w = (LoraSpec(i, n, f"/adapters/{n}") for i, n in ((2, "y"), (3, "z"), (4, "w")))
+    one, two = LoraIntent(), LoraIntent()
+    one.loaded(X, None)  # 1
+    one.loaded(y, None)  # 2
+    two.loaded(z, None)  # 1
+    two.adopt("x", one.shared("x"))  # x 1, z 1: by name
+    two.loaded(w, None)  # 2
+    two.adopt("y", one.shared("y"))  # y 2, w 2: by name
+    assert two.wanted_on("a", ["m"]) == [X, z, w, y]
+    one.unloaded("x", None, ["a"])
+    one.loaded(X, None)  # 3: after y
+    two.adopt("x", one.shared("x"))
+    assert two.wanted_on("a", ["m"]) == [z, w, y, X]
+    fresh = LoraIntent()
+    for name, intent in (("x", one), ("w", two), ("y", one), ("z", two)):
+        fresh.adopt(name, intent.shared(name))
+    assert fresh.wanted_on("a", ["m"]) == two.wanted_on("a", ["m"])
+
+
 def test_an_adapter_found_on_engines_that_all_left_is_held_for_no_model() -> None:
     """x found on a (serving m1) while b was not read yet; a and b leave: x is loaded
     nowhere, and held for no model (it was m1's: a load of it for m2 was refused)."""

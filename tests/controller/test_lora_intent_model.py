@@ -451,6 +451,9 @@ class LoraIntentMachine(RuleBasedStateMachine):
             for served in ((), ("m1",), ("m2",), ("m1", "m2")):
                 got = self.intent.wanted_on(address, served)
                 assert got == self.model.wanted_on(address, served), (address, served)
+                for name in NAMES:  # (the one adapter the prefill wait asks of)
+                    wanted = any(spec.lora_name == name for spec in got)
+                    assert self.intent.wants(name, address, served) == wanted, (name, address)
             for name in NAMES:
                 got_model = self.intent.model_of(name, address)
                 assert got_model == self.model.model_of(name, address), (name, address)
