@@ -517,9 +517,12 @@ class Controller:
         """Whether the engine holds LoRA adapter `lora_name`, or will once it takes traffic
         again: the fleet's LoRA intent wants it there (loaded on the fleet for a model it
         serves, or on that engine), so the fleet service loads it on a new process before
-        routing requests naming it there (controller.lora_intent)."""
+        routing requests naming it there (controller.lora_intent); not where this process
+        refused that (`EngineRecord.lora_refused`)."""
         if record.holds_lora(lora_name):
             return True
+        if lora_name in record.lora_refused:
+            return False  # (its restore refused there: not tried again before a new process)
         if record.identity is not None:
             if record.identity.supports_lora is False:
                 return False  # (it serves no LoRA: given none)
