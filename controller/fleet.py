@@ -1387,6 +1387,8 @@ class Fleet:
         its LoRA task, started unless one runs (which does them before it ends)."""
         engine.restore_due |= restore
         engine.unloads_due |= unloads
+        if restore:
+            self.registry.on_lora_restore(engine.address)
         if engine.lora_task is None or engine.lora_task.done():
             engine.lora_task = asyncio.create_task(
                 self._lora_work(engine), name=f"loras {engine.address}"
@@ -1544,6 +1546,7 @@ class Fleet:
                             address, spec, exc.code().name, exc.details())  # fmt: skip
                 if exc.code() in _LORA_CALLS_UNANSWERED:
                     return  # gone again: its next process is restored then
+                self.registry.on_lora_refused(address, spec.lora_name)
                 continue
             finally:
                 engine.lora_calls.release()

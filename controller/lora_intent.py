@@ -51,6 +51,7 @@ first is kept."""
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -79,11 +80,14 @@ class SharedLora:
     """What an intent holds for one adapter name, as the controller replicas share it
     (`LoraIntent.shared`, `LoraIntent.adopt`): the adapter, where it is loaded (an engine's
     address; None: the fleet) with the model each load is for (None: not named), in the
-    order they were loaded, and the engines a fleet-wide load is kept off (unloaded there)."""
+    order they were loaded, the engines a fleet-wide load is kept off (unloaded there), and
+    each load's place in the fleet's loading order (`LoraIntent.seqs`; absent: 0, before
+    any, as a replica of an older release shared it)."""
 
     spec: LoraSpec
     on: dict[str | None, str | None]
     off: frozenset[str] = frozenset()
+    seqs: dict[str | None, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -92,6 +96,15 @@ class LoraIntent:
     # an engine that cannot take them all (out of LoRA slots) gets back those loaded first,
     # as it held them before it restarted.
     loads: dict[tuple[str, str | None], LoraSpec] = field(default_factory=dict)
+    # Each of `loads` -> its place in the fleet's loading order, shared with the other
+    # controller replicas (`shared`): a replica adopting another's loads (`adopt`) keeps
+    # them in the order they were loaded, whatever the order it reads them in. A Lamport
+    # clock: a load is numbered above every load the intent knows of (`clock`), so a load
+    # through a replica that has read another's comes after it; loads through two replicas
+    # that had not read each other's come in the order of their numbers (by name where
+    # those are equal), alike on every replica.
+    seqs: dict[tuple[str, str | None], int] = field(default_factory=dict)
+    clock: int = 0
     # name -> where it was unloaded through this controller since it was last loaded there:
     # an address (`--engine`; a fleet-wide adapter then stays off it), None (the whole
     # fleet). An engine found holding it there gives it back to no intent. Kept while
@@ -150,7 +163,7 @@ class LoraIntent:
         """`spec` was loaded on the fleet (`address` None), for the engines serving `model`
         (None: every engine), or on that engine alone."""
         name = spec.lora_name
-        self.loads[(name, address)] = spec
+        self._put((name, address), spec)
         self._decided(name)
         if address is None:
             self.unloaded_from.pop(name, None)
@@ -182,24 +195,40 @@ class LoraIntent:
             if name == lora_name
         }
         off = self.unloaded_from.get(lora_name, set()) if None in on else set()
-        return SharedLora(spec, on, frozenset(a for a in off if a is not None))
+        seqs = {address: self.seqs[(lora_name, address)] for address in on}
+        return SharedLora(spec, on, frozenset(a for a in off if a is not None), seqs)
 
-    def adopt(self, lora_name: str, shared: SharedLora | None) -> None:
+    def adopt(self, lora_name: str, shared: SharedLora | None, *, ordered: bool = True) -> None:
         """Another controller replica loaded or unloaded `lora_name`: the intent holds for it
         what that replica's holds (`shared`; None: loaded nowhere). The unloads made through
         this controller that engines have not answered yet stay due (`unconfirmed`), but for
-        the engines a load in `shared` is for."""
+        the engines a load in `shared` is for. Its loads take their places in the loading
+        order as `shared` numbers them (`seqs`), not the order they are adopted in; not
+        `ordered`: they stay out of place until `order` (adopting many at once: each put
+        in place would move every load held)."""
         self._decided(lora_name)
         on = shared.on if shared is not None else {}
         for key in [k for k in self.loads if k[0] == lora_name and k[1] not in on]:
-            del self.loads[key]
+            self._drop(key)
         self._forget_engine_models(lambda name, address: name == lora_name and address not in on)
         if None not in on:
             self.models.pop(lora_name, None)
         if shared is None:
             return
+        clock = self.clock  # (as numbered by `shared`, not as loads here)
+        moved: list[tuple[str, str | None]] = []
         for address, model in on.items():
+            key = (lora_name, address)
+            held = self.seqs.get(key)
             self.loaded(shared.spec, address, model)
+            seq = shared.seqs.get(address, 0)
+            if seq != held:
+                self.seqs[key] = seq
+                moved.append(key)
+            clock = max(clock, seq)
+        self.clock = clock
+        if ordered:
+            self._reorder(moved)
         if shared.off:
             self.unloaded_from.setdefault(lora_name, set()).update(shared.off)
 
@@ -218,12 +247,12 @@ class LoraIntent:
             self.unloaded_from[lora_name] = {None}
             self.models.pop(lora_name, None)
             for key in [k for k in self.loads if k[0] == lora_name]:
-                del self.loads[key]
+                self._drop(key)
             self._forget_engine_models(lambda name, _: name == lora_name)
             # Not the engines read serving no LoRA: they hold no adapter.
             self.unconfirmed[lora_name] = {a for a in fleet if self.read.get(a, True)}
         else:
-            self.loads.pop((lora_name, address), None)
+            self._drop((lora_name, address))
             self.engine_models.pop((lora_name, address), None)
             self.unloaded_from.setdefault(lora_name, set()).add(address)
             self.unconfirmed.setdefault(lora_name, set()).add(address)
@@ -295,7 +324,7 @@ class LoraIntent:
                 continue
             first_found = self._known(name) is None
             if (name, None) not in self.loads:
-                self.loads[(name, address)] = spec
+                self._put((name, address), spec)
             if first_found and not others_read:  # every engine read so far holds it
                 self.undecided[name] = set(fleet) - self.read.keys()
                 if model is not None:
@@ -309,7 +338,7 @@ class LoraIntent:
         what was unloaded from it alone (a fleet-wide adapter kept off it): registered
         again, it is an engine joining, given the fleet's adapters."""
         for key in [k for k in self.loads if k[1] == address]:
-            del self.loads[key]
+            self._drop(key)
         self._forget_engine_models(lambda _, on: on == address)
         for addresses in self.unloaded_from.values():
             addresses.discard(address)
@@ -337,6 +366,56 @@ class LoraIntent:
             ):
                 wanted.setdefault(name, spec)
         return list(wanted.values())
+
+    def wants(self, lora_name: str, address: str, models: Collection[str]) -> bool:
+        """Whether `wanted_on(address, models)` names `lora_name`: read from its loads alone,
+        not from every load of every adapter."""
+        if (lora_name, address) in self.loads:
+            return True
+        model = self.models.get(lora_name)
+        return (
+            (lora_name, None) in self.loads
+            and address not in self.unloaded_from.get(lora_name, ())
+            and (model is None or model in models)
+        )
+
+    def _put(self, key: tuple[str, str | None], spec: LoraSpec) -> None:
+        """Hold `spec` for `key`: a new load comes last in the loading order (a load held
+        already keeps its place)."""
+        if key not in self.loads:
+            self.clock += 1
+            self.seqs[key] = self.clock
+        self.loads[key] = spec
+
+    def order(self) -> None:
+        """Put every load in its place in the loading order (after `adopt` not `ordered`)."""
+        self.loads = dict(sorted(self.loads.items(), key=lambda item: self._place(item[0])))
+
+    def _reorder(self, keys: list[tuple[str, str | None]]) -> None:
+        """Move the loads `keys` to their places in the loading order (`_place`), the others
+        being in theirs: each found by bisection, not by sorting every load again (a replica
+        adopting a hash of thousands of adapters, at its start, adopts each)."""
+        mine = sorted(((key, self.loads.pop(key)) for key in keys), key=lambda i: self._place(i[0]))
+        last = next(reversed(self.loads), None)
+        if last is None or not mine or self._place(last) <= self._place(mine[0][0]):
+            self.loads.update(mine)  # (after every other: a load numbered last, the usual)
+            return
+        items = list(self.loads.items())
+        for item in mine:
+            at = bisect.bisect_right(
+                items, self._place(item[0]), key=lambda other: self._place(other[0])
+            )
+            items.insert(at, item)
+        self.loads = dict(items)
+
+    def _drop(self, key: tuple[str, str | None]) -> None:
+        self.loads.pop(key, None)
+        self.seqs.pop(key, None)
+
+    def _place(self, key: tuple[str, str | None]) -> tuple[int, str, str]:
+        """Where the load `key` comes in the loading order."""
+        name, address = key
+        return self.seqs[key], name, address or ""
 
     def _forget_engine_models(self, which: Callable[[str, str], bool]) -> None:
         """Drop the models of the one-engine loads `which(name, address)` picks."""
@@ -376,6 +455,11 @@ class LoraIntent:
             self.models.pop(lora_name, None)
         else:
             self.models[lora_name] = model
+        seqs: dict[tuple[str, str | None], int] = {}
+        for (name, on), seq in self.seqs.items():
+            key = (name, None if name == lora_name else on)
+            seqs[key] = min(seq, seqs.get(key, seq))
+        self.seqs = seqs
         self.loads = {
             (name, None if name == lora_name else on): spec
             for (name, on), spec in self.loads.items()

@@ -26,10 +26,11 @@ leave for the drain, not a flap, once per drain; cleared when the engine is remo
 registered, or did not take the drain; a drain Redis does not take goes on unshared),
 `l:<name>` the fleet's LoRA intent for an adapter (controller.lora_intent: what is restored
 on an engine's new process), as the replica a LoadLora or UnloadLora went through holds it
-after the call (JSON: its id, path, loads and the engines a fleet-wide load is kept off; no
-field: loaded nowhere; an unload of an adapter the hash had no load of, found on the
-engines, `{"unloaded": <token>}`, so that the replicas that found it drop it too, until its
-lifetime is over, below, or it is loaded again); each replica reads the hash before a LoRA
+after the call (JSON: its id, path, loads, each load's place in the fleet's loading order
+and the engines a fleet-wide load is kept off; no field: loaded nowhere; an unload of an
+adapter the hash had no load of, found on the engines, `{"unloaded": <token>}`, so that
+the replicas that found it drop it too, until its lifetime is over, below, or it is loaded
+again); each replica reads the hash before a LoRA
 call, writes the field after it, and takes a field that changed since its last read into its
 own intent (one gone: unloaded; an unload marker gone: nothing), `#<field>` the stamp of
 each field set or deleted (`_CHANGE`: Redis's clock in ms, above the field's last stamp and
@@ -558,6 +559,19 @@ class Membership:
         replica finds there was loaded since."""
         intent = self.fleet.lora_intent
         shared = {f.removeprefix(_LORA): v for f, v in fields.items() if f[:2] == _LORA}
+        adopted: list[str] = []
+        try:
+            self._adopt_loras(shared, first, adopted)
+        finally:
+            if adopted:
+                # Their loads in their places at once (at a start, thousands of fields each
+                # put in place would move every load held, each time).
+                intent.order()
+
+    def _adopt_loras(self, shared: dict[str, str], first: bool, adopted: list[str]) -> None:
+        """(`_apply_loras`.) Adopt the fields `shared` (by adapter name) that changed, each
+        name adopted out of place (`LoraIntent.adopt`) added to `adopted`."""
+        intent = self.fleet.lora_intent
         for name in [n for n in self._loras if n not in shared]:
             if _is_unload(self._loras.pop(name)):
                 continue  # an unload marker expired (`TOMBSTONE_READS`): taken already
@@ -570,14 +584,15 @@ class Membership:
             if first and _is_unload(value):
                 continue
             try:
-                adopted = _decode_lora(name, value)
+                lora = _decode_lora(name, value)
             except (ValueError, TypeError, KeyError) as exc:  # (another release's, say)
                 log.warning("LoRA adapter %r of the shared membership not understood: %s",
                             name, exc)  # fmt: skip
                 continue
-            change = "changed" if adopted is not None else "unloaded"
+            change = "changed" if lora is not None else "unloaded"
             log.info("LoRA adapter %r %s through another controller replica", name, change)
-            intent.adopt(name, adopted)
+            adopted.append(name)
+            intent.adopt(name, lora, ordered=False)
 
     async def _write_back(self, mode: str) -> None:
         """Redis lost the hash (or another replica wrote it back since this one's last read;
@@ -640,8 +655,10 @@ def _unavailable(exc: Exception) -> MembershipUnavailableError:
 
 def _encode_lora(shared: SharedLora | None) -> str | None:
     """An `l:<name>` field's value: the adapter's id and path, its loads in their order
-    (address, "" for the fleet; model, null when none was named), the engines kept off;
-    None for an adapter loaded nowhere (no field)."""
+    (address, "" for the fleet; model, null when none was named), each load's place in the
+    fleet's loading order (`at`, one for each load: a replica adopting it restores the
+    fleet's adapters in the order they were loaded, not in the hash's field order), the
+    engines kept off; None for an adapter loaded nowhere (no field)."""
     if shared is None:
         return None
     return json.dumps(
@@ -649,6 +666,7 @@ def _encode_lora(shared: SharedLora | None) -> str | None:
             "id": shared.spec.lora_id,
             "path": shared.spec.source_path,
             "on": [[address or "", model] for address, model in shared.on.items()],
+            "at": [shared.seqs.get(address, 0) for address in shared.on],
             "off": sorted(shared.off),
         }
     )
@@ -668,10 +686,14 @@ def _decode_lora(name: str, value: str) -> SharedLora | None:
     if _is_unload(value):
         return None
     record = json.loads(value)
+    on = {address or None: model for address, model in record["on"]}
+    # (No `at`: an older release's field, its loads before any numbered.)
+    seqs = record.get("at", [0] * len(on))
     return SharedLora(
         LoraSpec(int(record["id"]), name, str(record["path"])),
-        {address or None: model for address, model in record["on"]},
+        on,
         frozenset(record["off"]),
+        {address: int(seq) for address, seq in zip(on, seqs, strict=True)},
     )
 
 

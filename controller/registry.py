@@ -454,6 +454,11 @@ class EngineRecord:
     # under that name (`LoraIntent.conflict`): a request naming one is never sent there, it
     # would run other weights, until it is unloaded there.
     lora_conflicts: frozenset[str] = frozenset()
+    # The adapters (names) the fleet's LoRA intent wants there that this process refused
+    # when the fleet restored them (out of LoRA slots, say): not tried again until the
+    # fleet restores its adapters again (`on_lora_restore`; a new process), so a request
+    # naming one does not wait for it (`Controller.prefill_awaited`).
+    lora_refused: frozenset[str] = frozenset()
     # Outlier ejection: requests failed in a row, ejections in a row (each doubles the next),
     # until when the current one keeps it out of routing, and why (its `last_error` then).
     request_failures: int = 0
@@ -1102,6 +1107,7 @@ class Registry:
             record.ejected_until_s = None
             record.event_lag_s = None
             record.lora_adapters = None  # a new process has loaded nothing we know of
+            record.lora_refused = frozenset()
         record.identity = identity
         return is_new
 
@@ -1160,6 +1166,19 @@ class Registry:
         if record is not None:
             record.lora_adapters = (record.lora_adapters or frozenset()) | {lora_name}
             self._changed()
+
+    def on_lora_restore(self, address: str) -> None:
+        """The fleet restores the engine's adapters again: those refused may be taken."""
+        record = self._by_address.get(address)
+        if record is not None:
+            record.lora_refused = frozenset()
+
+    def on_lora_refused(self, address: str, lora_name: str) -> None:
+        """The engine refused the restore of `lora_name` (`lora_refused`)."""
+        record = self._by_address.get(address)
+        if record is not None:
+            record.lora_refused = record.lora_refused | {lora_name}
+            self._changed()  # (a request waiting for it to hold the adapter is told)
 
     def on_lora_unloaded(self, address: str, lora_name: str) -> None:
         record = self._by_address.get(address)

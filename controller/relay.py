@@ -743,16 +743,19 @@ class Relay:
         self._wake()
         return len(unrouted)
 
-    async def _await_prefill(self, model: str, exclude: frozenset[str], request_id: str) -> None:
-        """Where the disaggregated request would find no prefill engine (none in `exclude`)
-        to take it while one is in the fleet out of routing for a moment
-        (`Controller.prefill_awaited`), wait for one to take traffic again: at most
+    async def _await_prefill(
+        self, model: str, exclude: frozenset[str], request_id: str, lora_name: str
+    ) -> None:
+        """Where the disaggregated request would find no prefill engine (none in `exclude`;
+        one holding its LoRA adapter `lora_name`, where it names one) to take it while one is
+        in the fleet out of routing for a moment (for an adapter: one that holds it, or will
+        once back; `Controller.prefill_awaited`), wait for one to take traffic again: at most
         `router.prefill_wait_s`, woken by each registry change, and by the time where the
         engines awaited are dead for long. An abort of the request ends the wait, as its
         client leaving does (its call cancelled: a cancel, its deadline); whatever then, the
         request is routed as it would be then."""
         c = self.controller
-        if not c.prefill_wait_s or not c.prefill_awaited(model, exclude):
+        if not c.prefill_wait_s or not c.prefill_awaited(model, exclude, lora_name):
             return
         c.metrics.prefill_waits.inc()
         self._waiting.warn(
@@ -762,7 +765,7 @@ class Relay:
         with suppress(TimeoutError):
             async with asyncio.timeout(c.prefill_wait_s):
                 while request_id not in self.aborted_unrouted and (
-                    awaited_s := c.prefill_awaited(model, exclude)
+                    awaited_s := c.prefill_awaited(model, exclude, lora_name)
                 ):
                     timeout_s = None if math.isinf(awaited_s) else awaited_s
                     with suppress(TimeoutError):
@@ -829,7 +832,7 @@ class Relay:
         c = self.controller
         disaggregated = c.disaggregated(query.model)
         if disaggregated and handoff is not None:
-            await self._await_prefill(query.model, frozenset(), query.request_id)
+            await self._await_prefill(query.model, frozenset(), query.request_id, query.lora_name)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
         except (LoraRoutingError, ModelRequiredError, BeyondFleetError) as exc:
@@ -943,7 +946,7 @@ class Relay:
                  plan.request.request_id, lost)  # fmt: skip
         self.handed_over.pop(plan.request.request_id, None)
         excluded = frozenset() if lost.holder_up else frozenset({lost.holder})
-        await self._await_prefill(plan.model, excluded, plan.request.request_id)
+        await self._await_prefill(plan.model, excluded, plan.request.request_id, plan.lora_name)
         # Planned again, as a new request would be now: a prefill engine taking traffic only
         # since the first plan (back from a restart: a rolling restart's) is a candidate.
         # Where it is refused now (no engine takes it, its model gone), the first plan's

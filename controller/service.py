@@ -14,7 +14,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -484,17 +484,21 @@ class Controller:
         wait_s = self.config.router.prefill_wait_s
         return 2 * self.config.health.poll_interval_s if wait_s is None else wait_s
 
-    def prefill_awaited(self, model: str, exclude: frozenset[str] = frozenset()) -> float:
-        """How long a disaggregated request for `model` that would find no prefill engine
-        (none in `exclude`: addresses, as the router's candidates name engines) taking
-        traffic now, decode engines not prefilling, may wait for one by what the registry
-        says now: while one serving the model is in the fleet out of routing for a moment
-        (restarting, not READY again yet: `_coming_back_s`), until the last such is dead as
-        far as its calls are concerned (inf: no such limit); 0.0 where not worth waiting
-        (one takes traffic, or none may come back)."""
+    def prefill_awaited(
+        self, model: str, exclude: frozenset[str] = frozenset(), lora_name: str = ""
+    ) -> float:
+        """How long a disaggregated request for `model` (naming LoRA adapter `lora_name`, if
+        any) that would find no prefill engine (none in `exclude`: addresses, as the router's
+        candidates name engines) taking it now, decode engines not prefilling, may wait for
+        one by what the registry says now: while one serving the model is in the fleet out of
+        routing for a moment (restarting, not READY again yet: `_coming_back_s`), or, for an
+        adapter, taking traffic without it, that will hold the adapter (`_will_hold_lora`),
+        until the last such is dead as far as its calls are concerned (inf: no such limit);
+        0.0 where not worth waiting (one takes the request, or none may come back with the
+        adapter: a request naming one loaded on other engines alone is refused at once)."""
         registry = self.fleet.registry
         if self.router.decode_engines_prefill or any(
-            r.address not in exclude
+            r.address not in exclude and (not lora_name or r.holds_lora(lora_name))
             for r in registry.routable(model or None, Role.PREFILL, generating=True)
         ):
             return 0.0  # (the usual case, read from the registry's memo)
@@ -502,10 +506,30 @@ class Controller:
             (
                 self._coming_back_s(r)
                 for r in registry.may_serve_records(model or None)
-                if r.role is Role.PREFILL and r.address not in exclude
+                if r.role is Role.PREFILL
+                and r.address not in exclude
+                and (not lora_name or self._will_hold_lora(r, lora_name, model))
             ),
             default=0.0,
         )
+
+    def _will_hold_lora(self, record: EngineRecord, lora_name: str, model: str) -> bool:
+        """Whether the engine holds LoRA adapter `lora_name`, or will once it takes traffic
+        again: the fleet's LoRA intent wants it there (loaded on the fleet for a model it
+        serves, or on that engine), so the fleet service loads it on a new process before
+        routing requests naming it there (controller.lora_intent); not where this process
+        refused that (`EngineRecord.lora_refused`)."""
+        if record.holds_lora(lora_name):
+            return True
+        if lora_name in record.lora_refused:
+            return False  # (its restore refused there: not tried again before a new process)
+        if record.identity is not None:
+            if record.identity.supports_lora is False:
+                return False  # (it serves no LoRA: given none)
+            models: Collection[str] = record.identity.models
+        else:  # not reached yet: it may serve the request's model (`may_serve_records`)
+            models = [model] if model else []
+        return self.fleet.lora_intent.wants(lora_name, record.address, models)
 
     def _coming_back_s(self, record: EngineRecord) -> float:
         """How long an engine out of routing may still take traffic again by itself (0.0: it

@@ -664,13 +664,17 @@ async def _refused_no_prefill_engine(fleet: Fleet, request_id: str) -> None:
     """A new request is refused UNAVAILABLE "no prefill engine available" (within the
     test's bound)."""
     request = generate_request(request_id, PROMPT, max_tokens=2)
+    await _refused(fleet, request, grpc.StatusCode.UNAVAILABLE, "no prefill engine available")
+
+
+async def _refused(
+    fleet: Fleet, request: pb.GenerateRequest, code: grpc.StatusCode, details: str
+) -> None:
+    """The request is refused `code` `details` (within the test's bound)."""
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         async with asyncio.timeout(30):  # a bound, not a measurement
             [r async for r in fleet.gateway.Generate(request)]
-    assert (refused.value.code(), refused.value.details()) == (
-        grpc.StatusCode.UNAVAILABLE,
-        "no prefill engine available",
-    )
+    assert (refused.value.code(), refused.value.details()) == (code, details)
 
 
 async def test_a_new_request_does_not_wait_for_a_prefill_engine_dead_for_long() -> None:
@@ -855,3 +859,112 @@ async def test_vllm_generate_is_not_serving_while_only_prefill_engines_are_routa
         await eventually(lambda: status_is(serving), what="vllm.Generate SERVING again")
     finally:
         await close_fleet(fleet)
+
+
+@contextlib.asynccontextmanager
+async def lora_fleet_prefill_stopped(
+    tmp_path: Path, *loads: str, prefill_engines: int = 1
+) -> AsyncIterator[Fleet]:
+    """Prefill engines p0.. and a decode engine d0 (sim, LoRA), decode engines not
+    prefilling, waiting `router.prefill_wait_s` far longer than any test's bound; adapter x
+    loaded and unloaded by the `lora` commands `loads` (each its arguments after `lora`,
+    `{x}` standing for the adapter's path, `{y}` for another's), then p0 stopped, out of
+    routing (unreachable, not for long)."""
+    lora = LoraConfig(enabled=True)
+    engines = [
+        *[
+            await start_sim_engine(f"p{i}", role="prefill", lora=lora)
+            for i in range(prefill_engines)
+        ],
+        await start_sim_engine("d0", role="decode", lora=lora),
+    ]
+    fleet = await make_fleet(
+        engines=engines,
+        router={"prefill_wait_s": 3600.0},
+        health={"abandon_streams_after_s": 3600.0},
+    )
+    try:
+        paths = {name: str(write_adapter_config(tmp_path / name)) for name in "xy"}
+        for load in loads:
+            done = await cli("lora", *load.format(**paths).split(), "--target", fleet.target)
+            assert done.exit_code == 0, done.output
+        registry = fleet.app.controller.fleet.registry
+        address = fleet.address(engines[0])
+        await engines[0].close()
+        await eventually(lambda: registry.get(address).unreachable_since_s is not None)
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def _refused_at_once_naming_x(fleet: Fleet) -> None:
+    """A request naming adapter x is refused NOT_FOUND without waiting for a prefill engine
+    (`router.prefill_wait_s` is far longer than the bound here)."""
+    request = generate_request("r", PROMPT, max_tokens=2)
+    request.lora_name = "x"
+    details = "no prefill engine has LoRA adapter 'x' loaded"
+    await _refused(fleet, request, grpc.StatusCode.NOT_FOUND, details)
+    assert fleet.app.controller.metrics.prefill_waits._value.get() == 0
+
+
+async def test_a_lora_request_does_not_wait_for_a_prefill_engine_that_will_not_hold_it(
+    tmp_path: Path,
+) -> None:
+    """Adapter x loaded on the decode engine alone (`--engine d0`); the only prefill engine
+    stopped, not for long. A new request naming x does not wait `router.prefill_wait_s`
+    (far longer than the test's bound) for that engine: back, it would not hold x (the
+    fleet restores x on d0 only), and the request would be refused all the same. It is
+    refused at once, NOT_FOUND, as before the wait existed. It used to wait."""
+    load = "load x {x} --id 1 --engine d0"
+    async with lora_fleet_prefill_stopped(tmp_path, load) as fleet:
+        await _refused_at_once_naming_x(fleet)
+
+
+async def test_a_lora_request_waits_for_a_prefill_engine_back_with_its_adapter(
+    tmp_path: Path,
+) -> None:
+    """Adapter x loaded on the fleet, then unloaded from prefill engine p1 alone (kept off
+    it); p0, the other prefill engine, stopped, not for long. A new request naming x, the
+    only routable prefill engine (p1) without it, waits for p0: back (a new process), the
+    fleet loads x on it again, and the request runs there. It used to be refused at once
+    (UNAVAILABLE: the prefill engines with x take no traffic now), a prefill engine taking
+    traffic without x counted as one taking the request."""
+    loads = ("load x {x} --id 1", "unload x --engine p1")
+    async with lora_fleet_prefill_stopped(tmp_path, *loads, prefill_engines=2) as fleet:
+        request = generate_request("r", PROMPT, max_tokens=2)
+        request.lora_name = "x"
+        reading = asyncio.ensure_future(_read_all(fleet.gateway.Generate(request)))
+        await _waiting_for_a_prefill_engine(fleet, reading)
+        assert not reading.done()  # it waits
+        address = fleet.address(fleet.engines[0])
+        restarted = await fleet.restart_engine(address, "p0-2", routed=False)
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            reply = await reading
+        assert [r.WhichOneof("event") for r in reply] == ["token"] * 2 + ["finished"]
+        assert "r" in restarted.service._finished
+        assert fleet.app.controller.fleet.registry.get(address).holds_lora("x")
+
+
+async def test_a_lora_request_does_not_wait_for_a_prefill_engine_whose_restore_of_it_failed(
+    tmp_path: Path,
+) -> None:
+    """Adapters y, then x loaded on the fleet; the only prefill engine p0 restarted with one
+    LoRA slot: the fleet restores y there, and p0 refuses x. A request naming x is refused
+    at once, NOT_FOUND, as before the wait existed: p0, taking traffic without x, will not
+    get it (its adapters restored are all it gets until they are next read). It used to
+    wait `router.prefill_wait_s` (far longer than the test's bound) for p0 to hold x."""
+    loads = ("load y {y} --id 2", "load x {x} --id 1")
+    async with lora_fleet_prefill_stopped(tmp_path, *loads) as fleet:
+        address = fleet.address(fleet.engines[0])
+        one_slot = LoraConfig(enabled=True, max_loras=1)
+        await fleet.restart_engine(address, "p0-2", lora=one_slot)
+        engine = fleet.app.controller.fleet._engines[address]
+        record = fleet.app.controller.fleet.registry.get(address)
+
+        def restore_done() -> bool:
+            task = engine.lora_task
+            return record.holds_lora("y") and task is not None and task.done()
+
+        await eventually(restore_done, what="y restored on p0, x refused")
+        assert not record.holds_lora("x")
+        await _refused_at_once_naming_x(fleet)

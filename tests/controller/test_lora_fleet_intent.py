@@ -326,9 +326,14 @@ async def test_one_name_stays_one_adapter_across_the_fleet(tmp_path: Path) -> No
 
 
 def intent_tables(fleet: Fleet) -> dict[str, Any]:
-    """A copy of every table of the fleet's LoRA intent, by field name."""
+    """A copy of every table of the fleet's LoRA intent, by field name (not its loading
+    order's clock: a number)."""
     intent = fleet.app.controller.fleet.lora_intent
-    return {f.name: copy.deepcopy(getattr(intent, f.name)) for f in dataclasses.fields(intent)}
+    return {
+        f.name: copy.deepcopy(getattr(intent, f.name))
+        for f in dataclasses.fields(intent)
+        if f.name != "clock"
+    }
 
 
 async def test_adapters_loaded_and_unloaded_by_the_hundred_leave_nothing_in_the_intent(
@@ -820,6 +825,52 @@ async def unload_x_through_b_and_restart_e1(a: Fleet, b: Fleet, e1: str, y: pb.L
     only_y = {"y": y.source_path}
     await eventually(lambda: restored(a, restarted, only_y), 15, "y restored on e1, not x")
     assert await engine_adapters(restarted) == only_y
+
+
+async def test_a_replica_adopting_the_fleets_adapters_restores_them_in_the_order_loaded(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """x, found on the engine by replica a, is unloaded through a (its field of the membership
+    hash an unload marker), then y and x are loaded through a: x's field, set in place,
+    comes first in the hash (kept in insertion order here: Redis's listpack encoding of a
+    small hash; past its limits the order is the hash table's), though y was loaded first.
+    Replica b, started then, adopts both; a stops, and the engine restarts with one LoRA
+    slot: b restores y, loaded first, and x is refused, as a would have. Before, b restored
+    them in the hash's field order: the engine got x, and y was refused."""
+    client = redis.client()
+    client.config_set("hash-max-listpack-value", 4096)  # the adapters' fields fit
+    engine = await start_sim_engine("e0", lora=LORA)
+    x, y = adapter(tmp_path, "x", 1), adapter(tmp_path, "y", 2)
+    await load_on(engine, x)
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    b: Fleet | None = None
+    a_open = True
+    try:
+        await eventually(functools.partial(holds_x, a), 15, "x found on the fleet")
+        await a.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=y))
+        await a.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        fields = [f for f in client.hkeys("kvplane:{default:0}:fm") if f in (b"l:x", b"l:y")]
+        assert fields == [b"l:x", b"l:y"]  # not the order they were loaded in
+        b = await make_fleet(engines=[engine], index=shared_index(redis))
+        await close_replica(a)
+        a_open = False
+        address = b.address(engine)
+        one_slot = LoraConfig(enabled=True, max_loras=1)
+        restarted = await b.restart_engine(address, "e0-1", lora=one_slot)
+        only_y = {"y": y.source_path}
+
+        async def y_restored() -> bool:
+            return lora_work_done(b, address) and await restored(b, restarted, only_y)
+
+        await eventually(y_restored, 15, "y restored on e0 by b, x refused")
+        assert await generate(b, "r", "y") == "finished"
+    finally:
+        client.close()
+        if b is not None:
+            await close_fleet(b)
+        if a_open:
+            await close_fleet(a)
 
 
 async def test_a_replica_started_later_lists_the_engines_adapters_after_reading_the_hash(

@@ -103,7 +103,7 @@ def test_another_replicas_loads_and_unloads_are_adopted_as_its_intent_holds_them
     one.loaded(X, None, "m")
     one.unloaded("x", "b", ["a", "b", "c"])  # kept off b
     one.loaded(y, "c", "n")
-    assert one.shared("x") == SharedLora(X, {None: "m"}, frozenset({"b"}))
+    assert one.shared("x") == SharedLora(X, {None: "m"}, frozenset({"b"}), {None: 1})
     for name in "xy":
         other.adopt(name, one.shared(name))
     for address in "abc":
@@ -113,6 +113,57 @@ def test_another_replicas_loads_and_unloads_are_adopted_as_its_intent_holds_them
     assert one.shared("x") is None
     other.adopt("x", one.shared("x"))
     assert other.wanted_on("a", ["m"]) == [] and other.wanted_on("c", ["m"]) == [y]
+
+
+def test_a_replica_adopting_another_replicas_loads_keeps_the_order_they_were_loaded_in() -> None:
+    """y loaded on the fleet, x on engine a, then z and x on the fleet through one replica:
+    another adopting them name by name, in whatever order (the membership hash's fields
+    are in no particular order), wants them on each engine in the order they were loaded,
+    as the first does (an engine out of LoRA slots gets those loaded first). Before, it
+    wanted them in the order it adopted them."""
+    y, z = LoraSpec(2, "y", "/adapters/y"), LoraSpec(3, "z", "/adapters/z")
+    one = LoraIntent()
+    one.loaded(y, None)
+    one.loaded(X, "a")
+    one.loaded(z, None)
+    one.loaded(X, None)
+    assert one.wanted_on("a", ["m"]) == [y, X, z]
+    assert one.wanted_on("b", ["m"]) == [y, z, X]
+    for names in ("xyz", "zyx", "yzx"):
+        other = LoraIntent()
+        for name in names:
+            other.adopt(name, one.shared(name))
+        for address in "ab":
+            assert other.wanted_on(address, ["m"]) == one.wanted_on(address, ["m"]), names
+        # A load through the other replica, which has read them, comes after them all.
+        w = LoraSpec(4, "w", "/adapters/w")
+        other.loaded(w, None)
+        assert other.wanted_on("b", ["m"]) == [y, z, X, w]
+        assert other.shared("w") == SharedLora(w, {None: None}, seqs={None: 5})
+
+
+def test_a_replica_holding_loads_places_those_it_adopts_among_them_by_their_numbers() -> None:
+    """Replicas one and two load y and z, each before reading the other's; two then adopts
+    one's y, numbered between its own z and w, and one's x, unloaded and loaded again (last
+    now): two wants them in the order of their numbers, as a replica adopting them all
+    afresh does, and an adapter loaded again moves to the end."""
+    y, z, w = (LoraSpec(i, n, f"/adapters/{n}") for i, n in ((2, "y"), (3, "z"), (4, "w")))
+    one, two = LoraIntent(), LoraIntent()
+    one.loaded(X, None)  # 1
+    one.loaded(y, None)  # 2
+    two.loaded(z, None)  # 1
+    two.adopt("x", one.shared("x"))  # x 1, z 1: by name
+    two.loaded(w, None)  # 2
+    two.adopt("y", one.shared("y"))  # y 2, w 2: by name
+    assert two.wanted_on("a", ["m"]) == [X, z, w, y]
+    one.unloaded("x", None, ["a"])
+    one.loaded(X, None)  # 3: after y
+    two.adopt("x", one.shared("x"))
+    assert two.wanted_on("a", ["m"]) == [z, w, y, X]
+    fresh = LoraIntent()
+    for name, intent in (("x", one), ("w", two), ("y", one), ("z", two)):
+        fresh.adopt(name, intent.shared(name))
+    assert fresh.wanted_on("a", ["m"]) == two.wanted_on("a", ["m"])
 
 
 def test_an_adapter_found_on_engines_that_all_left_is_held_for_no_model() -> None:
@@ -153,7 +204,8 @@ def test_an_adapter_found_on_engines_of_two_models_is_its_holders_own() -> None:
         intent = LoraIntent()
         for address in order:
             intent.found_on(address, [X], fleet, base(address))
-        assert intent.shared("x") == SharedLora(X, dict.fromkeys(order))
+        seqs: dict[str | None, int] = {a: seq for seq, a in enumerate(order, start=1)}
+        assert intent.shared("x") == SharedLora(X, dict.fromkeys(order), seqs=seqs)
         assert intent.model_conflict("x", "m1", base) == "m2"
         assert intent.model_conflict("x", "m2", base) == "m1"
         assert intent.models == {}

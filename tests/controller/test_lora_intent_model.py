@@ -234,8 +234,10 @@ class Model:
             found = self.found[name]
             found.waiting.discard(address)
             peer = found.model is None or model is None or found.model == model
-            if peer and held is not None and self.known(name) not in held:
-                del self.found[name]  # read without it: its holders' own
+            holds = held is not None and self.known(name) in held
+            if (peer and held is not None and not holds) or (not peer and holds):
+                # Read without it, or holding it for another model: its holders' own.
+                del self.found[name]
             elif not found.waiting:
                 self._make_fleet_wide(name)
         self.unloads_due(address, {s.lora_name for s in held or ()})
@@ -449,6 +451,9 @@ class LoraIntentMachine(RuleBasedStateMachine):
             for served in ((), ("m1",), ("m2",), ("m1", "m2")):
                 got = self.intent.wanted_on(address, served)
                 assert got == self.model.wanted_on(address, served), (address, served)
+                for name in NAMES:  # (the one adapter the prefill wait asks of)
+                    wanted = any(spec.lora_name == name for spec in got)
+                    assert self.intent.wants(name, address, served) == wanted, (name, address)
             for name in NAMES:
                 got_model = self.intent.model_of(name, address)
                 assert got_model == self.model.model_of(name, address), (name, address)
@@ -471,17 +476,19 @@ class LoraIntentMachine(RuleBasedStateMachine):
 
     @invariant()
     def another_replica_adopting_it_agrees(self) -> None:
-        """A replica adopting what this one shares for each name wants the same adapters on
-        each engine (in its own order: it adopts name by name), for the same models."""
-        other = LoraIntent()
-        for name in NAMES:
-            other.adopt(name, self.intent.shared(name))
-        for address in ADDRESSES:
-            for served in (("m1",), ("m2",)):
-                got = sorted(other.wanted_on(address, served), key=str)
-                assert got == sorted(self.model.wanted_on(address, served), key=str)
-            for name in NAMES:
-                assert other.model_of(name, address) == self.model.model_of(name, address)
+        """A replica adopting what this one shares for each name, name by name in either
+        order, wants the same adapters on each engine in the same order (the order they were
+        loaded in), for the same models."""
+        for names in (NAMES, NAMES[::-1]):
+            other = LoraIntent()
+            for name in names:
+                other.adopt(name, self.intent.shared(name))
+            for address in ADDRESSES:
+                for served in (("m1",), ("m2",)):
+                    got = other.wanted_on(address, served)
+                    assert got == self.model.wanted_on(address, served), (names, address)
+                for name in NAMES:
+                    assert other.model_of(name, address) == self.model.model_of(name, address)
 
 
 LoraIntentMachine.TestCase.settings = settings(
