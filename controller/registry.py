@@ -28,22 +28,23 @@ every engine is not an outlier, and those left routable are never all ejected. T
 decided again at every change of the fleet (`_decide_cap`), not only when an engine is
 ejected: when the rest of the fleet leaves traffic (down, drained, cordoned), the ejected
 engines whose ejection ends soonest are routed all the same (each time counted,
-`routed_by_cap`), their ejection running on, and held out again while it runs if enough of
-the fleet takes traffic again. A new process starts with a clean record.
+`routed_by_cap`), their ejection running on, and held out again while it runs (as of the
+latest time recorded) if enough of the fleet takes traffic again. A new process starts with
+a clean record.
 
 Hold-down (`HoldDownPolicy`): an engine whose health flaps (READY, NOT_READY, READY, ... at
 every poll: a sick engine that passes every other probe) leaves routing at each NOT_READY, as
-it must, but with nothing more would be put back at each READY, and keep taking (and failing
-or slowing) traffic half the time. So each time an engine that says it is ready (READY or
+it must, but with nothing more would be put back at each READY, and keep taking (and failing or
+slowing) traffic half the time. So each time an engine that says it is ready (READY or
 DEGRADED, ejected or held down included) stops saying so (NOT_READY, STARTING, a poll that
 fails, or a new process at its address: a restart faster than a health poll, which another
 instance id shows) is a flap; an identity changed under the same instance id is none (a
 controller fronted as an engine whose own fleet changed: taken as a new process, it did not
 leave ready). From its `after_flaps`-th flap within `window_s` it is HELD_DOWN: out of routing
-while its health says READY, until it has said so for `initial_s` (doubling with each
-hold-down in a row, up to `max_s`), and then for `ready_polls` polls more, without a break:
-any spell not ready (one that is no flap included: while draining or cordoned, or found
-incompatible) starts its ready time and polls again. A flap while held
+while its health says READY, until it has said so for `initial_s` (doubling with each hold-down
+in a row, up to `max_s`), and then for `ready_polls` polls more, without a break: any spell not
+ready (one that is no flap included: while draining or cordoned, found incompatible, a new
+process under its instance id) starts its ready time and polls again. A flap while held
 restarts the hold-down, twice as long; one within `window_s` of being put back holds it again
 at once, twice as long (its probation, as an ejection's); a window without a flap after it is
 put back clears the record. An engine that leaves ready once (a restart) or now and then comes
@@ -52,21 +53,21 @@ back at its first READY, as before. Kubernetes' readiness `successThreshold`, En
 needs. Hold-down shares ejection's cap: the engines held out (ejected, or held down while they
 say READY) are never more than half of those taking traffic (routable, ejected or held down;
 cordoned engines are neither). Beyond it, held-down engines that say ready are routed anyway,
-their hold-down running on (`_decide_cap`): a blip of the controller's own (its polls time
-out, a partition heals three times a minute) flaps every engine at once, and holding them all
-down would refuse every request while every engine says READY. Ejections count first (an
-engine failing its requests now outranks one that flapped), then the held-down engines whose
-hold-down ends soonest (then with fewest flaps, then by address) are the ones routed, each
-time counted (`routed_by_cap`, as are the ejected engines it routes and the ejections it
-refuses). The record outlives a new process (a crash loop is flapping too), and the engine's
-removal for `window_s`: registered again at its address, the engine takes it back (a
-deregister/register loop does not wipe it). It follows the address, not the process: another
-engine registered there within `window_s` (a new pod on a recycled address) takes it too, as
-nothing tells it from the same engine restarted, which comes with a new instance id as well
-(dropping the record for a new id would let every crash-looping engine out). Drains and cordons
-are no flaps: an engine that drains, or one an operator cordoned (and restarts, say, while
-working on it), is not flapping, and its leaves do not count (nor the leave of a process
-drained through another controller replica, `drained_elsewhere`).
+their hold-down running on (`_decide_cap`): a blip of the controller's own (its polls time out,
+a partition heals three times a minute) flaps every engine at once, and holding them all down
+would refuse every request while every engine says READY. Ejections count first (an engine
+failing its requests now outranks one that flapped), then the held-down engines whose hold-down
+ends soonest (then with fewest flaps, then by address) are the ones routed, each time counted
+(`routed_by_cap`, as are the ejected engines it routes and the ejections it refuses). The
+record outlives a new process (a crash loop is flapping too), and the engine's removal for
+`window_s`: registered again at its address, the engine takes it back (a deregister/register
+loop does not wipe it). It follows the address, not the process: another engine registered
+there within `window_s` (a new pod on a recycled address) takes it too, as nothing tells it
+from the same engine restarted, which comes with a new instance id as well (dropping the record
+for a new id would let every crash-looping engine out). Drains and cordons are no flaps: an
+engine that drains, or one an operator cordoned (and restarts, say, while working on it), is
+not flapping, and its leaves do not count (nor the leave of a process drained through another
+controller replica, `drained_elsewhere`).
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -141,10 +142,6 @@ _NOT_READY_STATES = POLL_FAILED_STATES | {
     EngineState.STARTING,
     EngineState.UNKNOWN,
 }
-# A held-down engine that says ready: held out (HELD_DOWN) or routed by the cap.
-_HOLDABLE_STATES = ROUTABLE_STATES | {EngineState.HELD_DOWN}
-# An ejected engine that says ready: held out (EJECTED) or routed by the cap.
-_EJECTABLE_STATES = ROUTABLE_STATES | {EngineState.EJECTED}
 # Out of routing by the cap's leave (`Registry._decide_cap`).
 _HELD_OUT_STATES = frozenset({EngineState.EJECTED, EngineState.HELD_DOWN})
 # How the error of an engine routed by the cap (`Registry._decide_cap`) begins; the rest
@@ -671,6 +668,9 @@ class Registry:
         # would eject its engine (`on_request_failed`). The metric
         # `kvplane_controller_routed_by_cap_total`.
         self.routed_by_cap = dict.fromkeys(CAPPED_REASONS, 0)
+        # The `version` at which the cap's decision was last found to stand until the next
+        # change (`_decide_cap`); None: to be decided again at every call.
+        self._cap_settled: int | None = None
 
     def on_change(self, changed: Callable[[], None]) -> None:
         """Call `changed` at each change that can take an engine into or out of `routable`
@@ -1154,6 +1154,7 @@ class Registry:
             self._now_s = max(self._now_s, now_s)
             if not same_instance:
                 self._count_flap(record, EngineState.UNKNOWN, now_s)
+            self._restart_ready_time(record)  # no flap under the same id, but not ready
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
             self._changed()
@@ -1332,33 +1333,58 @@ class Registry:
         most flaps in its window, then by address. Cordoned engines take no traffic: neither
         held out nor counted. Called after every change of the fleet that takes an engine
         into or out of traffic."""
-        ejected = sorted(
-            (
-                r
-                for r in self._by_address.values()
-                if r.ejected_until_s is not None and not r.cordoned and r.state in _EJECTABLE_STATES
-            ),
-            key=lambda r: (-(r.ejected_until_s or 0.0), r.address),
-        )
-        held = [
-            r
-            for r in self._by_address.values()
-            if r.hold_s
-            and r.ejected_until_s is None
-            and not r.cordoned
-            and r.state in _HOLDABLE_STATES
-        ]
-        if not ejected and not held:
+        # This runs at every health answer of every engine: at hundreds of engines, going
+        # over them all each time cost as much as the rest of the polls, so not again while
+        # what it decided stands (no change since, nothing decided by the time).
+        if self.version == self._cap_settled:
             return
-        room = self._num_in_rotation() // 2
+        records = self._by_address.values()
+        if not any(r.ejected_until_s is not None or r.hold_s for r in records):
+            self._cap_settled = self.version
+            return
+        ejected: list[EngineRecord] = []
+        held: list[EngineRecord] = []
+        in_rotation = 0
+        now_s = self._now_s
+        for r in records:  # one pass over the fleet
+            state = r.state
+            if r.cordoned:
+                continue
+            if state in ROUTABLE_STATES:
+                in_rotation += r.identity is not None
+            elif state in _HELD_OUT_STATES:
+                in_rotation += 1
+            else:
+                continue
+            until_s = r.ejected_until_s
+            if until_s is not None and state is not EngineState.HELD_DOWN:
+                if state is EngineState.EJECTED or now_s < until_s:
+                    ejected.append(r)
+                    continue
+                # Routed by the cap, its ejection over as of the latest time recorded: routed
+                # for good (its next health answer would find it over), not held out again.
+                r.ejected_until_s = None
+                r.last_error = ""
+            if r.hold_s and r.ejected_until_s is None and state is not EngineState.EJECTED:
+                held.append(r)
+        room = in_rotation // 2
+        # Every ejected engine held out and none held down (whose errors run with the time):
+        # it stands until the next change.
+        self._cap_settled = None if held or len(ejected) > room else self.version
+        ejected.sort(key=lambda r: (-(r.ejected_until_s or 0.0), r.address))
         for n, record in enumerate(ejected):
+            was = record.state
             self._hold_out(record, EngineState.EJECTED, n < room, CAPPED_EJECTION)
-            record.last_error = self._ejected_error(record, routed=n >= room)
+            if n >= room or was is not EngineState.EJECTED:
+                # (Held out as it was: its error, "out of routing for ...", is the same.)
+                record.last_error = self._ejected_error(record, routed=n >= room)
+        if self._cap_settled is not None:
+            self._cap_settled = self.version  # (as `_hold_out` may have changed it)
         room = max(0, room - len(ejected))
-        held.sort(key=lambda r: (-_hold_down_ends_s(r, self._now_s), -len(r.flap_times), r.address))
+        held.sort(key=lambda r: (-_hold_down_ends_s(r, now_s), -len(r.flap_times), r.address))
         for n, record in enumerate(held):
             self._hold_out(record, EngineState.HELD_DOWN, n < room, CAPPED_HOLD_DOWN)
-            record.last_error = self._held_for(record, self._now_s, routed=n >= room)
+            record.last_error = self._held_for(record, now_s, routed=n >= room)
 
     def _hold_out(self, record: EngineRecord, out: EngineState, kept_out: bool, why: str) -> None:
         """The cap's decision on `record`: held `out` (EJECTED, HELD_DOWN), or routed as its

@@ -1078,10 +1078,26 @@ def test_a_cordoned_ejected_engine_neither_counts_as_ejected_nor_as_taking_traff
     assert registry.routed_by_cap[CAPPED_EJECTION] == 1
 
 
-@pytest.mark.parametrize("spell", ["drained", "cordoned"])
+def test_an_ejected_engine_routed_by_the_cap_stays_routed_once_its_ejection_is_over() -> None:
+    """Routed by the cap while the rest of the fleet was down, an ejected engine is not held
+    out again when the fleet comes back after its ejection ended, before its own next poll:
+    routed for good once it is over."""
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1, 10.0, 60.0))
+    assert registry.on_request_failed("h:1", 1.0, "INTERNAL: x") == 10.0  # until 11 s
+    registry.on_poll_failed("h:2", 2.0, "UNAVAILABLE: refused")
+    registry.on_health("h:1", EngineState.READY, 10.5)  # routed by the cap, still ejected
+    assert [r.address for r in registry.routable()] == ["h:1"]
+    registry.on_health("h:2", EngineState.READY, 12.0)  # h:1's ejection is over
+    assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
+    assert registry.get("h:1").last_error == ""
+    assert registry.routed_by_cap[CAPPED_EJECTION] == 1
+
+
+@pytest.mark.parametrize("spell", ["drained", "cordoned", "redeployed under its instance id"])
 def test_a_hold_downs_ready_time_starts_again_after_any_spell_not_ready(spell: str) -> None:
-    """A held-down engine that drains, or leaves ready while cordoned (no flap either), is
-    held until it has said READY for its hold-down without a break since."""
+    """A held-down engine that drains, or leaves ready while cordoned, or is taken as a new
+    process under its instance id (no flap any of them), is held until it has said READY for
+    its hold-down without a break since."""
     registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1))
     record = registry.get("h:1")
     flap(registry, 1.0)
@@ -1090,6 +1106,9 @@ def test_a_hold_downs_ready_time_starts_again_after_any_spell_not_ready(spell: s
     if spell == "drained":
         registry.on_health("h:1", EngineState.DRAINING, 6.0)
         registry.on_health("h:1", EngineState.NOT_READY, 7.0)
+    elif spell == "redeployed under its instance id":  # a new process, no flap
+        registry.on_new_instance("h:1", 6.0, same_instance=True)
+        registry.on_identity("h:1", identity("e1"), restarted=True)  # READY at once, below
     else:
         registry.set_cordoned("h:1", True)
         registry.on_health("h:1", EngineState.NOT_READY, 6.0)

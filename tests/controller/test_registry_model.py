@@ -315,6 +315,16 @@ class RegistryMachine(RuleBasedStateMachine):
         held-down: the one whose hold-down ends last, then the one with most flaps, then by
         address."""
         now = self.recorded
+        for e in self.engines.values():
+            if (
+                e.ejected_until is not None
+                and now >= e.ejected_until
+                and not e.cordoned
+                and e.state in SERVING
+            ):
+                # Routed by the cap, its ejection over: routed for good, not held out again.
+                e.ejected_until = None
+                e.error = ""
         ejected = sorted(
             (
                 e
@@ -571,6 +581,7 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         self.record_time(now)
         if same_instance:
+            self.not_ready(engine)  # no flap, but a spell not ready all the same
             engine.state = EngineState.UNKNOWN
             engine.load = LoadSnapshot()
         else:
