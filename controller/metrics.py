@@ -159,8 +159,9 @@ class _EngineCollector:
         family = CounterMetricFamily(
             "kvplane_controller_routed_by_cap",
             "Times an engine stayed in routing because at most half of the engines taking "
-            "traffic may be held out: a held-down engine routed (reason hold_down), a request "
-            "failure that would have ejected its engine (reason ejection)",
+            "traffic may be held out: a held-down engine routed (reason hold_down), an ejected "
+            "engine routed or a request failure that would have ejected its engine (reason "
+            "ejection)",
             labels=["reason"],
         )
         for reason, count in self._registry.routed_by_cap.items():

@@ -23,43 +23,51 @@ doubling with each ejection in a row up to `max_s`. Its health polls bring it ba
 time is up; it then has one request to prove itself (one more failure ejects it again, for
 twice as long), and a request it serves clears the count. Failures count only while its
 health says ready (an outage or a drain ends streams too). Never more than half of the
-engines taking traffic (routable, or ejected) are ejected at once: a fault of every engine is
-not an outlier, and those left routable are never all ejected. A new process starts
-with a clean record.
+engines taking traffic (routable, or ejected; not cordoned) are ejected at once: a fault of
+every engine is not an outlier, and those left routable are never all ejected. This is
+decided again at every change of the fleet (`_decide_cap`), not only when an engine is
+ejected: when the rest of the fleet leaves traffic (down, drained, cordoned), the ejected
+engines whose ejection ends soonest are routed all the same (each time counted,
+`routed_by_cap`), their ejection running on, and held out again while it runs (as of the
+latest time recorded) if enough of the fleet takes traffic again. A new process starts with
+a clean record.
 
 Hold-down (`HoldDownPolicy`): an engine whose health flaps (READY, NOT_READY, READY, ... at
 every poll: a sick engine that passes every other probe) leaves routing at each NOT_READY, as
-it must, but with nothing more would be put back at each READY, and keep taking (and failing
-or slowing) traffic half the time. So each time an engine that says it is ready (READY or
+it must, but with nothing more would be put back at each READY, and keep taking (and failing or
+slowing) traffic half the time. So each time an engine that says it is ready (READY or
 DEGRADED, ejected or held down included) stops saying so (NOT_READY, STARTING, a poll that
 fails, or a new process at its address: a restart faster than a health poll, which another
 instance id shows) is a flap; an identity changed under the same instance id is none (a
 controller fronted as an engine whose own fleet changed: taken as a new process, it did not
 leave ready). From its `after_flaps`-th flap within `window_s` it is HELD_DOWN: out of routing
-while its health says READY, until it has said so for `initial_s` (doubling with each
-hold-down in a row, up to `max_s`), and then for `ready_polls` polls more. A flap while held
+while its health says READY, until it has said so for `initial_s` (doubling with each hold-down
+in a row, up to `max_s`), and then for `ready_polls` polls more, without a break: any spell not
+ready (one that is no flap included: while draining or cordoned, found incompatible, a new
+process under its instance id) starts its ready time and polls again. A flap while held
 restarts the hold-down, twice as long; one within `window_s` of being put back holds it again
 at once, twice as long (its probation, as an ejection's); a window without a flap after it is
 put back clears the record. An engine that leaves ready once (a restart) or now and then comes
 back at its first READY, as before. Kubernetes' readiness `successThreshold`, Envoy's
 `healthy_threshold` and its ejection time growing with each ejection, kept to what a fleet
 needs. Hold-down shares ejection's cap: the engines held out (ejected, or held down while they
-say READY) are never more than half of those taking traffic (routable, ejected or held down).
-Beyond it, held-down engines that say ready are routed anyway, their hold-down running on
-(`_cap_hold_downs`): a blip of the controller's own (its polls time out, a partition heals
-three times a minute) flaps every engine at once, and holding them all down would refuse every
-request while every engine says READY. Ejections count first (an engine failing its requests
-now outranks one that flapped), then the held-down engines whose hold-down ends soonest (then
-with fewest flaps, then by address) are the ones routed, each time counted (`routed_by_cap`,
-as are the ejections the cap refuses). The record outlives a new process (a crash loop is
-flapping too), and the engine's removal for `window_s`: registered again at its address, the
-engine takes it back (a deregister/register loop does not wipe it). It follows the address,
-not the process: another engine registered there within `window_s` (a new pod on a recycled
-address) takes it too, as nothing tells it from the same engine restarted, which comes with a
-new instance id as well (dropping the record for a new id would let every crash-looping engine
-out). Drains and cordons are no flaps: an engine that drains, or one an operator cordoned (and
-restarts, say, while working on it), is not flapping, and its leaves do not count (nor the
-leave of a process drained through another controller replica, `drained_elsewhere`).
+say READY) are never more than half of those taking traffic (routable, ejected or held down;
+cordoned engines are neither). Beyond it, held-down engines that say ready are routed anyway,
+their hold-down running on (`_decide_cap`): a blip of the controller's own (its polls time out,
+a partition heals three times a minute) flaps every engine at once, and holding them all down
+would refuse every request while every engine says READY. Ejections count first (an engine
+failing its requests now outranks one that flapped), then the held-down engines whose hold-down
+ends soonest (then with fewest flaps, then by address) are the ones routed, each time counted
+(`routed_by_cap`, as are the ejected engines it routes and the ejections it refuses). The
+record outlives a new process (a crash loop is flapping too), and the engine's removal for
+`window_s`: registered again at its address, the engine takes it back (a deregister/register
+loop does not wipe it). It follows the address, not the process: another engine registered
+there within `window_s` (a new pod on a recycled address) takes it too, as nothing tells it
+from the same engine restarted, which comes with a new instance id as well (dropping the record
+for a new id would let every crash-looping engine out). Drains and cordons are no flaps: an
+engine that drains, or one an operator cordoned (and restarts, say, while working on it), is
+not flapping, and its leaves do not count (nor the leave of a process drained through another
+controller replica, `drained_elsewhere`).
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -134,14 +142,14 @@ _NOT_READY_STATES = POLL_FAILED_STATES | {
     EngineState.STARTING,
     EngineState.UNKNOWN,
 }
-# A held-down engine that says ready: held out (HELD_DOWN) or routed by the cap.
-_HOLDABLE_STATES = ROUTABLE_STATES | {EngineState.HELD_DOWN}
-# How the error of a held-down engine routed by the cap (`Registry._cap_hold_downs`) begins;
-# the rest says why it is held down, and until when (`Registry._held_for`).
-_ROUTED_ANYWAY = (
-    "held down but routed: more than half of the engines taking traffic would be out of "
-    "routing otherwise; "
-)
+# Out of routing by the cap's leave (`Registry._decide_cap`).
+_HELD_OUT_STATES = frozenset({EngineState.EJECTED, EngineState.HELD_DOWN})
+# How the error of an engine routed by the cap (`Registry._decide_cap`) begins; the rest
+# says why it is held down or ejected, and until when (`Registry._held_for`,
+# `Registry._ejected_error`).
+_OVER_HALF = "more than half of the engines taking traffic would be out of routing otherwise; "
+_ROUTED_ANYWAY = "held down but routed: " + _OVER_HALF
+_EJECTED_ROUTED = "ejected but routed: " + _OVER_HALF
 
 
 # Why the cap on engines held out (`Registry.routed_by_cap`) routed an engine all the same.
@@ -460,11 +468,14 @@ class EngineRecord:
     # naming one does not wait for it (`Controller.prefill_awaited`).
     lora_refused: frozenset[str] = frozenset()
     # Outlier ejection: requests failed in a row, ejections in a row (each doubles the next),
-    # until when the current one keeps it out of routing, and why (its `last_error` then).
+    # until when the current one keeps it out of routing (routed by the cap or not; None once
+    # a health answer finds it over), why (the failures) and for how long
+    # (`Registry._ejected_error`).
     request_failures: int = 0
     ejections: int = 0
     ejected_until_s: float | None = None
     ejected_for: str = ""
+    ejection_s: float = 0.0
     # Hold-down: its flaps since it was added (the metric), when those within the window
     # were, hold-downs in a row (each doubles the next), how long it must be ready now (0:
     # not held down), since when it has been (None: not yet since its last flap), the ready
@@ -476,8 +487,8 @@ class EngineRecord:
     held_ready_since_s: float | None = None
     hold_polls_left: int = 0
     released_s: float | None = None
-    # While held down (`hold_s`): what its health says, READY or DEGRADED, the state it takes
-    # when routed all the same (the cap, `Registry._cap_hold_downs`).
+    # While held down (`hold_s`) or ejected: what its health says, READY or DEGRADED, the
+    # state it takes when routed all the same (the cap, `Registry._decide_cap`).
     ready_as: EngineState = EngineState.READY
 
     @property
@@ -658,9 +669,13 @@ class Registry:
         self._left_flapping: dict[str, tuple[float, EngineRecord]] = {}
         # Times the cap shared by ejection and hold-down kept an engine in routing that would
         # be out otherwise, by reason (`CAPPED_REASONS`): a held-down engine that says ready
-        # put in routing (`_cap_hold_downs`), a request failure that would eject its engine
-        # (`on_request_failed`). The metric `kvplane_controller_routed_by_cap_total`.
+        # put in routing, an ejected one put back (`_decide_cap`), a request failure that
+        # would eject its engine (`on_request_failed`). The metric
+        # `kvplane_controller_routed_by_cap_total`.
         self.routed_by_cap = dict.fromkeys(CAPPED_REASONS, 0)
+        # The `version` at which the cap's decision was last found to stand until the next
+        # change (`_decide_cap`); None: to be decided again at every call.
+        self._cap_settled: int | None = None
 
     def on_change(self, changed: Callable[[], None]) -> None:
         """Call `changed` at each change that can take an engine into or out of `routable`
@@ -733,7 +748,7 @@ class Registry:
         self._drop_old_flaps(now_s)
         if record.flap_times or record.hold_downs:
             self._left_flapping[record.address] = (now_s, record)
-        self._cap_hold_downs()
+        self._decide_cap()
         return record
 
     def _drop_old_flaps(self, now_s: float) -> None:
@@ -1007,7 +1022,7 @@ class Registry:
         if record.state in _READY_TO_ITS_POLLS:
             record.state = EngineState.DRAINING
             self._changed()
-            self._cap_hold_downs()
+            self._decide_cap()
         return record
 
     def withdraw_drain(self, address: str) -> None:
@@ -1021,7 +1036,7 @@ class Registry:
         record = self.get(key)
         record.cordoned = cordoned
         self._changed()
-        self._cap_hold_downs()
+        self._decide_cap()
         return record
 
     # ---- what the pollers report ----
@@ -1038,10 +1053,13 @@ class Registry:
         try:
             return self._take_identity(address, identity, restarted)
         finally:
-            self._cap_hold_downs()  # an engine rejected leaves the fleet taking traffic
+            record = self._by_address.get(address)
+            if record is not None and record.state is EngineState.INCOMPATIBLE:
+                self._restart_ready_time(record)
+            self._decide_cap()  # an engine rejected leaves the fleet taking traffic
 
     def _take_identity(self, address: str, identity: EngineIdentity, restarted: bool) -> bool:
-        """`on_identity`, but for the cap on hold-downs."""
+        """`on_identity`, but for the cap on those held out."""
         record = self._by_address[address]
         self._changed()  # whatever follows: a new identity, or the engine rejected
         # An engine whose connection was lost is a new process when it answers again, even
@@ -1142,10 +1160,11 @@ class Registry:
             self._now_s = max(self._now_s, now_s)
             if not same_instance:
                 self._count_flap(record, EngineState.UNKNOWN, now_s)
+            self._restart_ready_time(record)  # no flap under the same id, but not ready
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
             self._changed()
-            self._cap_hold_downs()
+            self._decide_cap()
 
     def on_loras(
         self,
@@ -1191,8 +1210,9 @@ class Registry:
         record = self._by_address.get(address)
         if record is not None:
             _reject(record, error)
+            self._restart_ready_time(record)
             self._changed()
-            self._cap_hold_downs()
+            self._decide_cap()
 
     def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
         """Record a health answer. `message` (what the failing checks said) is kept as the
@@ -1210,7 +1230,10 @@ class Registry:
         elif state is EngineState.DRAINING:
             record.drain_requested = False  # the engine drains: its own health decides now
         elif ejected and state in ROUTABLE_STATES:
-            state = EngineState.EJECTED
+            # As a held-down engine, below: the cap decides.
+            record.ready_as = state
+            if record.state not in ROUTABLE_STATES:
+                state = EngineState.EJECTED
         elif held:
             # Where it stands until the cap decides: as its health says if routed by the cap
             # already (READY or DEGRADED, either: no routing by the cap counted again, no bump
@@ -1221,7 +1244,7 @@ class Registry:
         if not ejected:
             record.ejected_until_s = None
         if state is EngineState.EJECTED:
-            record.last_error = record.ejected_for
+            record.last_error = self._ejected_error(record, routed=False)
         elif state is EngineState.HELD_DOWN:
             record.last_error = self._held_for(record, now_s)
         else:
@@ -1231,7 +1254,7 @@ class Registry:
         record.state = state
         record.num_failures = 0
         record.next_attempt_s = now_s
-        self._cap_hold_downs()
+        self._decide_cap()
 
     def would_flap(self, address: str, state: EngineState) -> bool:
         """Whether the engine at `address` taking `state` now would be a flap (the module's
@@ -1250,8 +1273,12 @@ class Registry:
         return True
 
     def _count_flap(self, record: EngineRecord, state: EngineState, now_s: float) -> None:
-        """Before `record` takes `state`: count a flap (the module's "Hold-down") if it leaves
-        ready, and hold it down when that is one too many."""
+        """Before `record` takes `state` (a health answer, a poll's failure, another process):
+        count a flap (the module's "Hold-down") if it leaves ready, and hold it down when
+        that is one too many. Held down, any state but READY or DEGRADED (a drain's, one while
+        cordoned: no flap) starts its ready time again."""
+        if state not in ROUTABLE_STATES:
+            self._restart_ready_time(record)
         if not _flaps(record, state):
             return
         record.num_flaps += 1
@@ -1275,6 +1302,14 @@ class Registry:
         record.held_ready_since_s = None
         record.hold_polls_left = policy.ready_polls
         record.released_s = None
+
+    def _restart_ready_time(self, record: EngineRecord) -> None:
+        """A held-down engine is not ready for a while (its health says so, a poll fails, it
+        is found incompatible): the ready time and the ready polls its hold-down asks for
+        start again at its next READY."""
+        if record.hold_s:
+            record.held_ready_since_s = None
+            record.hold_polls_left = self.hold_down.ready_polls
 
     def _still_held(self, record: EngineRecord, now_s: float) -> bool:
         """A ready health answer of `record`: whether its hold-down keeps it out of routing
@@ -1307,30 +1342,86 @@ class Registry:
             ", if it stays ready"
         )
 
-    def _cap_hold_downs(self) -> None:
-        """Hold out the held-down engines that say ready, as many as the cap shared with
-        ejection leaves room for (the module's "Hold-down"), and route the others all the
-        same, their hold-down running on: first out, the one whose hold-down ends last, then
-        the one with most flaps in its window, then by address. Called after every change of
-        the fleet that takes an engine into or out of traffic."""
-        held = [
-            r
-            for r in self._by_address.values()
-            if r.hold_s and not r.cordoned and r.state in _HOLDABLE_STATES
-        ]
-        if not held:
+    def _decide_cap(self) -> None:
+        """Hold out the ejected engines and the held-down ones that say ready, as many as the
+        cap they share leaves room for (half of the engines taking traffic: the module's
+        "Outlier ejection" and "Hold-down"), and route the others all the same, their ejection
+        or hold-down running on. Ejections first: first out, the one whose ejection ends last
+        (the one whose ejection ends soonest is the first routed), then by address; then the
+        held-down engines: first out, the one whose hold-down ends last, then the one with
+        most flaps in its window, then by address. Cordoned engines take no traffic: neither
+        held out nor counted. Called after every change of the fleet that takes an engine
+        into or out of traffic."""
+        # This runs at every health answer of every engine: at hundreds of engines, going
+        # over them all each time cost as much as the rest of the polls, so not again while
+        # what it decided stands (no change since, nothing decided by the time).
+        if self.version == self._cap_settled:
             return
-        room = max(0, self._num_in_rotation() // 2 - self._num_ejected())
-        held.sort(key=lambda r: (-_hold_down_ends_s(r, self._now_s), -len(r.flap_times), r.address))
+        records = self._by_address.values()
+        if not any(r.ejected_until_s is not None or r.hold_s for r in records):
+            self._cap_settled = self.version
+            return
+        ejected: list[EngineRecord] = []
+        held: list[EngineRecord] = []
+        in_rotation = 0
+        now_s = self._now_s
+        for r in records:  # one pass over the fleet
+            state = r.state
+            if r.cordoned:
+                continue
+            if state in ROUTABLE_STATES:
+                in_rotation += r.identity is not None
+            elif state in _HELD_OUT_STATES:
+                in_rotation += 1
+            else:
+                continue
+            until_s = r.ejected_until_s
+            if until_s is not None and state is not EngineState.HELD_DOWN:
+                if state is EngineState.EJECTED or now_s < until_s:
+                    ejected.append(r)
+                    continue
+                # Routed by the cap, its ejection over as of the latest time recorded: routed
+                # for good (its next health answer would find it over), not held out again.
+                r.ejected_until_s = None
+                r.last_error = ""
+            if r.hold_s and r.ejected_until_s is None and state is not EngineState.EJECTED:
+                held.append(r)
+        room = in_rotation // 2
+        # Every ejected engine held out and none held down (whose errors run with the time):
+        # it stands until the next change.
+        self._cap_settled = None if held or len(ejected) > room else self.version
+        ejected.sort(key=lambda r: (-(r.ejected_until_s or 0.0), r.address))
+        for n, record in enumerate(ejected):
+            was = record.state
+            self._hold_out(record, EngineState.EJECTED, n < room, CAPPED_EJECTION)
+            if n >= room or was is not EngineState.EJECTED:
+                # (Held out as it was: its error, "out of routing for ...", is the same.)
+                record.last_error = self._ejected_error(record, routed=n >= room)
+        if self._cap_settled is not None:
+            self._cap_settled = self.version  # (as `_hold_out` may have changed it)
+        room = max(0, room - len(ejected))
+        held.sort(key=lambda r: (-_hold_down_ends_s(r, now_s), -len(r.flap_times), r.address))
         for n, record in enumerate(held):
-            kept_out = n < room
-            state = EngineState.HELD_DOWN if kept_out else record.ready_as
-            if record.state is EngineState.HELD_DOWN and not kept_out:
-                self.routed_by_cap[CAPPED_HOLD_DOWN] += 1
-            if state is not record.state:
-                self._changed()
-                record.state = state
-            record.last_error = self._held_for(record, self._now_s, routed=not kept_out)
+            self._hold_out(record, EngineState.HELD_DOWN, n < room, CAPPED_HOLD_DOWN)
+            record.last_error = self._held_for(record, now_s, routed=n >= room)
+
+    def _hold_out(self, record: EngineRecord, out: EngineState, kept_out: bool, why: str) -> None:
+        """The cap's decision on `record`: held `out` (EJECTED, HELD_DOWN), or routed as its
+        health says, counted as routed by the cap (`why`) when it was held out until now."""
+        state = out if kept_out else record.ready_as
+        if record.state is out and not kept_out:
+            self.routed_by_cap[why] += 1
+        if state is not record.state:
+            self._changed()
+            record.state = state
+
+    def _ejected_error(self, record: EngineRecord, routed: bool) -> str:
+        """Why an ejected engine is out of routing, and for how long; with `routed` (the cap
+        routes it all the same), why it is routed, and when its ejection ends."""
+        if not routed:
+            return f"{record.ejected_for}; out of routing for {record.ejection_s:g} s"
+        left_s = max(0.0, (record.ejected_until_s or 0.0) - self._now_s)
+        return f"{_EJECTED_ROUTED}{record.ejected_for}; ejection over in {left_s:.0f} s"
 
     def on_request_served(self, engine: str) -> None:
         """A request the engine (address or instance id) served: its failure count restarts.
@@ -1359,17 +1450,20 @@ class Registry:
         duration_s = min(policy.initial_s * 2.0**record.ejections, policy.max_s)
         record.ejections += 1
         record.ejected_until_s = now_s + duration_s
+        record.ejection_s = duration_s
+        record.ejected_for = f"{record.request_failures} requests failed in a row (last: {error})"
+        record.ready_as = record.state
         record.state = EngineState.EJECTED
         self._changed()
-        record.last_error = record.ejected_for = (
-            f"{record.request_failures} requests failed in a row (last: {error}); "
-            f"out of routing for {duration_s:g} s"
-        )
-        self._cap_hold_downs()  # room for the ejection: a held-down engine may be routed
+        record.last_error = self._ejected_error(record, routed=False)
+        self._decide_cap()  # room for the ejection: a held-down engine may be routed
         return duration_s
 
     def _num_ejected(self) -> int:
-        return sum(r.state is EngineState.EJECTED for r in self._by_address.values())
+        """The ejected engines held out (cordoned ones take no traffic: not counted)."""
+        return sum(
+            r.state is EngineState.EJECTED and not r.cordoned for r in self._by_address.values()
+        )
 
     def _num_in_rotation(self) -> int:
         """The engines that take traffic (routable), ejected and held-down ones included:
@@ -1377,9 +1471,7 @@ class Registry:
         cordoned are not in it, so that those left routable are never all held out (clients
         get their failures, not "no engine")."""
         return sum(
-            r.routable
-            or r.state is EngineState.EJECTED
-            or (r.state is EngineState.HELD_DOWN and not r.cordoned)
+            r.routable or (r.state in _HELD_OUT_STATES and not r.cordoned)
             for r in self._by_address.values()
         )
 
@@ -1431,7 +1523,7 @@ class Registry:
         delay: float = min(self.backoff_initial_s * 2.0**record.num_failures, self.backoff_max_s)
         record.num_failures += 1
         record.next_attempt_s = now_s + delay
-        self._cap_hold_downs()
+        self._decide_cap()
         return delay
 
     def unreachable_since(self, address: str) -> float | None:

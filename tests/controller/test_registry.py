@@ -13,6 +13,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.registry import (
+    CAPPED_EJECTION,
     CAPPED_HOLD_DOWN,
     ROUTABLE_MEMO_SIZE,
     EjectionPolicy,
@@ -1023,6 +1024,104 @@ def test_a_held_down_engine_routed_by_the_cap_is_counted_once_whatever_its_healt
         assert record.state is state and record.routable
         assert record.last_error.startswith("held down but routed: ")
     assert registry.routed_by_cap[CAPPED_HOLD_DOWN] == 1
+
+
+def test_ejected_engines_are_routed_again_when_the_rest_of_the_fleet_leaves_traffic() -> None:
+    """Two of four engines ejected, then the others go down or drain: the ejected ones
+    would be more than half of those taking traffic. The cap is decided again at once, not
+    only when an engine is ejected: the one whose ejection ends soonest is routed, its
+    ejection running on, and held out again once the fleet is back."""
+    registry = ready_registry("h:1", "h:2", "h:3", "h:4", policy=EjectionPolicy(2, 10.0, 60.0))
+    for address, now_s in (("h:2", 1.0), ("h:1", 2.0)):  # h:2's ejection ends first
+        registry.on_request_failed(address, now_s, "INTERNAL: x")
+        assert registry.on_request_failed(address, now_s, "INTERNAL: x") == 10.0
+    assert [r.address for r in registry.routable()] == ["h:3", "h:4"]
+    registry.on_poll_failed("h:3", 3.0, "UNAVAILABLE: refused")
+    assert [r.address for r in registry.routable()] == ["h:2", "h:4"]
+    routed = registry.get("h:2")
+    assert routed.state is EngineState.READY
+    assert routed.last_error == (
+        "ejected but routed: more than half of the engines taking traffic would be out of "
+        "routing otherwise; 2 requests failed in a row (last: INTERNAL: x); ejection over in 8 s"
+    )
+    assert registry.get("h:1").state is EngineState.EJECTED
+    registry.on_health("h:4", EngineState.DRAINING, 3.5)  # h:1 and h:2 left: one may be out
+    assert [r.address for r in registry.routable()] == ["h:2"]
+    registry.on_poll_failed("h:1", 4.0, "UNAVAILABLE: refused")  # h:2 alone: never out
+    assert [r.address for r in registry.routable()] == ["h:2"]
+    assert registry.routed_by_cap[CAPPED_EJECTION] == 1
+    # The fleet back within h:2's ejection: it is out again, until its time is up.
+    for address in ("h:1", "h:3", "h:4"):
+        registry.on_health(address, EngineState.READY, 5.0)
+    assert [r.address for r in registry.routable()] == ["h:3", "h:4"]
+    assert registry.get("h:2").state is EngineState.EJECTED
+    assert routed.last_error == (
+        "2 requests failed in a row (last: INTERNAL: x); out of routing for 10 s"
+    )
+    registry.on_health("h:2", EngineState.READY, 11.0)
+    assert [r.address for r in registry.routable()] == ["h:2", "h:3", "h:4"]
+
+
+def test_a_cordoned_ejected_engine_neither_counts_as_ejected_nor_as_taking_traffic() -> None:
+    """A cordoned engine takes no traffic, ejected or not: of the two engines left taking
+    it, one may be ejected, as of any two."""
+    registry = ready_registry("h:1", "h:2", "h:3", policy=EjectionPolicy(1))
+    assert registry.on_request_failed("h:1", 1.0, "INTERNAL: x") == 10.0
+    registry.set_cordoned("h:1", True)  # an operator looks into it
+    assert registry.on_request_failed("h:2", 2.0, "INTERNAL: x") == 10.0
+    assert [r.address for r in registry.routable()] == ["h:3"]
+    assert registry.routed_by_cap[CAPPED_EJECTION] == 0
+    # Uncordoned within its ejection: two of three would be out, so the one whose ejection
+    # ends soonest is routed.
+    registry.set_cordoned("h:1", False)
+    assert [r.address for r in registry.routable()] == ["h:1", "h:3"]
+    assert registry.routed_by_cap[CAPPED_EJECTION] == 1
+
+
+def test_an_ejected_engine_routed_by_the_cap_stays_routed_once_its_ejection_is_over() -> None:
+    """Routed by the cap while the rest of the fleet was down, an ejected engine is not held
+    out again when the fleet comes back after its ejection ended, before its own next poll:
+    routed for good once it is over."""
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1, 10.0, 60.0))
+    assert registry.on_request_failed("h:1", 1.0, "INTERNAL: x") == 10.0  # until 11 s
+    registry.on_poll_failed("h:2", 2.0, "UNAVAILABLE: refused")
+    registry.on_health("h:1", EngineState.READY, 10.5)  # routed by the cap, still ejected
+    assert [r.address for r in registry.routable()] == ["h:1"]
+    registry.on_health("h:2", EngineState.READY, 12.0)  # h:1's ejection is over
+    assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
+    assert registry.get("h:1").last_error == ""
+    assert registry.routed_by_cap[CAPPED_EJECTION] == 1
+
+
+@pytest.mark.parametrize("spell", ["drained", "cordoned", "redeployed under its instance id"])
+def test_a_hold_downs_ready_time_starts_again_after_any_spell_not_ready(spell: str) -> None:
+    """A held-down engine that drains, or leaves ready while cordoned, or is taken as a new
+    process under its instance id (no flap any of them), is held until it has said READY for
+    its hold-down without a break since."""
+    registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1))
+    record = registry.get("h:1")
+    flap(registry, 1.0)
+    flap(registry, 3.0)  # held down, READY since 4 s
+    assert record.state is EngineState.HELD_DOWN
+    if spell == "drained":
+        registry.on_health("h:1", EngineState.DRAINING, 6.0)
+        registry.on_health("h:1", EngineState.NOT_READY, 7.0)
+    elif spell == "redeployed under its instance id":  # a new process, no flap
+        registry.on_new_instance("h:1", 6.0, same_instance=True)
+        registry.on_identity("h:1", identity("e1"), restarted=True)  # READY at once, below
+    else:
+        registry.set_cordoned("h:1", True)
+        registry.on_health("h:1", EngineState.NOT_READY, 6.0)
+        registry.on_poll_failed("h:1", 7.0, "UNAVAILABLE: restarting")
+        registry.set_cordoned("h:1", False)
+    assert record.num_flaps == 2
+    registry.on_health("h:1", EngineState.READY, 15.0)  # 11 s after its first READY
+    assert record.state is EngineState.HELD_DOWN
+    assert record.last_error.startswith(
+        "left ready 2 times in 60 s (hold-down 10 s); routable in 10 s"
+    )
+    registry.on_health("h:1", EngineState.READY, 25.0)
+    assert record.routable
 
 
 def test_hold_down_after_one_flap_is_refused(tmp_path: Path) -> None:

@@ -13,10 +13,12 @@ changed.
 The same run covers "Outlier ejection" and "Hold-down of flapping engines" (short policies,
 the time passing in whole seconds at each call and in jumps, `wait`): the gateway reports
 requests an engine served or failed (by address or instance id), each flap counts toward a
-hold-down, and the cap they share (never more than half of the engines taking traffic held
-out) is decided again at every change of the fleet. The model checks every engine's state
-and error (why it is ejected or held down, until when), its flaps, and the counts of what
-the cap let through (`routed_by_cap`)."""
+hold-down, any spell not ready starts a hold-down's ready time again, and the cap they share
+(never more than half of the engines taking traffic held out, ejected or held down; cordoned
+engines neither held out nor counted) is decided again at every change of the fleet, for
+ejected and held-down engines alike. The model checks every engine's state and error (why
+it is ejected or held down, until when, or why it is routed all the same), its flaps, and
+the counts of what the cap let through (`routed_by_cap`)."""
 
 from __future__ import annotations
 
@@ -114,15 +116,17 @@ class Engine:
     conflicts: frozenset[str] = frozenset()
     flaps: int = 0
     # Outlier ejection: its requests failed in a row, its ejections in a row, until when the
-    # last keeps it out (None: not ejected, or its time was up at a health answer), and why.
+    # last keeps it out (None: not ejected, or its time was up at a health answer; routed by
+    # the cap or not), why (the failures) and for how long.
     request_failures: int = 0
     ejections: int = 0
     ejected_until: float | None = None
     ejected_for: str = ""
+    ejection_s: float = 0.0
     # Hold-down: when its flaps within the window were, hold-downs in a row, how long it
-    # must say ready (0: not held down), since when it has (None: not since its last flap),
-    # the ready polls it owes after that, when it was put back, and what its health said
-    # while held (what it is routed as, past the cap).
+    # must say ready (0: not held down), since when it has (None: not since its last flap
+    # or spell not ready), the ready polls it owes after that, when it was put back, and
+    # what its health said while held down or ejected (what it is routed as, past the cap).
     flap_times: list[float] = field(default_factory=list)
     hold_downs: int = 0
     hold_s: float = 0.0
@@ -222,6 +226,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def take(self, engine: Engine, state: EngineState, now: float) -> None:
         """A state not given by a health answer: a poll failed, another process answers (no
         load of its own yet)."""
+        self.not_ready(engine)
         if engine.leaves_ready(state):
             self.flap(engine, now)
         engine.state = state
@@ -242,6 +247,12 @@ class RegistryMachine(RuleBasedStateMachine):
             engine.ready_since = None
             engine.polls_left = HOLD_DOWN.ready_polls
             engine.released = None
+
+    def not_ready(self, engine: Engine) -> None:
+        """A spell not ready (a flap or not: drained, cordoned, incompatible): a hold-down's
+        ready time and polls start again at its next READY."""
+        if engine.hold_s:
+            engine.ready_since, engine.polls_left = None, HOLD_DOWN.ready_polls
 
     def still_held(self, engine: Engine, now: float) -> bool:
         """A ready health answer: held until it has said ready for `hold_s`, then for
@@ -273,42 +284,85 @@ class RegistryMachine(RuleBasedStateMachine):
             f"poll{'s' if polls != 1 else ''}, if it stays ready"
         )
 
+    def ejected_error(self, engine: Engine, now: float, routed: bool) -> str:
+        """What an ejected engine's error says: out of routing, or routed past the cap."""
+        if not routed:
+            return f"{engine.ejected_for}; out of routing for {engine.ejection_s:g} s"
+        left = max(0.0, (engine.ejected_until or 0.0) - now)
+        return (
+            "ejected but routed: more than half of the engines taking traffic would be out of "
+            f"routing otherwise; {engine.ejected_for}; ejection over in {left:.0f} s"
+        )
+
     def in_rotation(self) -> list[Engine]:
         """The engines taking traffic: routable, ejected, held down (not cordoned)."""
         return [
             e
             for e in self.engines.values()
             if e.routable()
-            or e.state is EngineState.EJECTED
-            or (e.state is EngineState.HELD_DOWN and not e.cordoned)
+            or (e.state in (EngineState.EJECTED, EngineState.HELD_DOWN) and not e.cordoned)
         ]
 
     def ejected(self) -> int:
-        return sum(e.state is EngineState.EJECTED for e in self.engines.values())
+        """Ejected engines held out (a cordoned one takes no traffic: it does not count)."""
+        return sum(e.state is EngineState.EJECTED and not e.cordoned for e in self.engines.values())
 
     def decide_cap(self) -> None:
-        """At every change of the fleet: of the held-down engines that say ready (not
-        cordoned), as many as leave the held out (ejected first) at most half of those taking
-        traffic are held out, the one whose hold-down ends last first, then the one with most
-        flaps, then by address; the others are routed as their health says."""
+        """At every change of the fleet: of the ejected engines (ejection not over at a
+        health answer) and then the held-down ones that say ready (none cordoned), at most
+        half of those taking traffic are held out; the others are routed as their health
+        says. Ejected first: the one whose ejection ends last, then by address; then
+        held-down: the one whose hold-down ends last, then the one with most flaps, then by
+        address."""
         now = self.recorded
+        for e in self.engines.values():
+            if (
+                e.ejected_until is not None
+                and now >= e.ejected_until
+                and not e.cordoned
+                and e.state in SERVING
+            ):
+                # Routed by the cap, its ejection over: routed for good, not held out again.
+                e.ejected_until = None
+                e.error = ""
+        ejected = sorted(
+            (
+                e
+                for e in self.engines.values()
+                if e.ejected_until is not None
+                and not e.cordoned
+                and e.state in SERVING | {EngineState.EJECTED}
+            ),
+            key=lambda e: (-(e.ejected_until or 0.0), e.address),
+        )
         held = sorted(
             (
                 e
                 for e in self.engines.values()
-                if e.hold_s and not e.cordoned and e.state in SERVING | {EngineState.HELD_DOWN}
+                if e.hold_s
+                and e.ejected_until is None
+                and not e.cordoned
+                and e.state in SERVING | {EngineState.HELD_DOWN}
             ),
             key=lambda e: (-e.hold_ends(now), -len(e.flap_times), e.address),
         )
-        room = max(0, len(self.in_rotation()) // 2 - self.ejected())
+        room = len(self.in_rotation()) // 2
+        for n, engine in enumerate(ejected):
+            self.hold_out(engine, EngineState.EJECTED, n < room, CAPPED_EJECTION)
+            engine.error = self.ejected_error(engine, now, routed=n >= room)
+        room = max(0, room - len(ejected))
         for n, engine in enumerate(held):
-            if n < room:
-                engine.state = EngineState.HELD_DOWN
-            else:
-                if engine.state is EngineState.HELD_DOWN:
-                    self.routed_by_cap[CAPPED_HOLD_DOWN] += 1
-                engine.state = engine.ready_as
+            self.hold_out(engine, EngineState.HELD_DOWN, n < room, CAPPED_HOLD_DOWN)
             engine.error = self.held_for(engine, now, routed=n >= room)
+
+    def hold_out(self, engine: Engine, out: EngineState, kept_out: bool, reason: str) -> None:
+        """Held `out`, or routed as its health says: counted when it was held out until now."""
+        if kept_out:
+            engine.state = out
+            return
+        if engine.state is out:
+            self.routed_by_cap[reason] += 1
+        engine.state = engine.ready_as
 
     # ---- the model's answers ----
 
@@ -513,6 +567,7 @@ class RegistryMachine(RuleBasedStateMachine):
             engine.conflicts = conflicts
 
     def incompatible(self, engine: Engine, error: str) -> None:
+        self.not_ready(engine)
         engine.state = EngineState.INCOMPATIBLE
         engine.error = error
         engine.load = LoadSnapshot()  # perhaps an earlier process's
@@ -526,6 +581,7 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         self.record_time(now)
         if same_instance:
+            self.not_ready(engine)  # no flap, but a spell not ready all the same
             engine.state = EngineState.UNKNOWN
             engine.load = LoadSnapshot()
         else:
@@ -594,6 +650,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self.registry.on_health(engine.address, state, now, message)
         self.record_time(now)
         ejected = engine.ejected_until is not None and now < engine.ejected_until
+        if state not in SERVING:
+            self.not_ready(engine)
         if engine.leaves_ready(state):
             self.flap(engine, now)
         # A ready answer counts toward its hold-down whatever else keeps it out.
@@ -603,7 +661,11 @@ class RegistryMachine(RuleBasedStateMachine):
         elif state is EngineState.DRAINING:
             engine.drain = False  # its own health decides from now on
         elif ejected and state in SERVING:
-            state = EngineState.EJECTED  # back once its time is up
+            # Back once its time is up; until then held out unless the cap routes it (as it
+            # did already: it decides again).
+            engine.ready_as = state
+            if engine.state not in SERVING:
+                state = EngineState.EJECTED
         elif held:
             engine.ready_as = state
             if engine.state not in SERVING:  # routed by the cap already: it decides again
@@ -612,7 +674,7 @@ class RegistryMachine(RuleBasedStateMachine):
             engine.ejected_until = None
         engine.state = state
         if state is EngineState.EJECTED:
-            engine.error = engine.ejected_for
+            engine.error = self.ejected_error(engine, now, routed=False)
         elif state is EngineState.HELD_DOWN:
             engine.error = self.held_for(engine, now, routed=False)
         else:
@@ -813,11 +875,10 @@ class RegistryMachine(RuleBasedStateMachine):
         assert got == duration, engine
         engine.ejections += 1
         engine.ejected_until = now + duration
-        engine.state = EngineState.EJECTED
-        engine.error = engine.ejected_for = (
-            f"{engine.request_failures} requests failed in a row (last: {error}); "
-            f"out of routing for {duration:g} s"
-        )
+        engine.ejection_s = duration
+        engine.ejected_for = f"{engine.request_failures} requests failed in a row (last: {error})"
+        engine.ready_as, engine.state = engine.state, EngineState.EJECTED
+        engine.error = f"{engine.ejected_for}; out of routing for {duration:g} s"
         self.decide_cap()
 
     @rule(key=keys)
@@ -866,12 +927,14 @@ class RegistryMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_cap_agrees(self) -> None:
-        """Held-down engines held out, with the ejected ones, are never more than half of
-        those taking traffic (ejections alone are capped when they are made)."""
+        """Ejected and held-down engines held out are never more than half of those taking
+        traffic, whatever left traffic since they were held out (docs: "at most half ... are
+        ejected at once"): those left routable are never all held out."""
         held_out = sum(
-            e.state is EngineState.HELD_DOWN and not e.cordoned for e in self.engines.values()
+            e.state in (EngineState.EJECTED, EngineState.HELD_DOWN) and not e.cordoned
+            for e in self.engines.values()
         )
-        assert held_out <= max(0, len(self.in_rotation()) // 2 - self.ejected())
+        assert held_out <= len(self.in_rotation()) // 2
         assert self.registry.routed_by_cap == self.routed_by_cap
 
     @invariant()
