@@ -236,6 +236,10 @@ class KubeApi:
         path = f"/api/v1/namespaces/{self._namespace}/pods/{_segment(name)}"
         self._call("PATCH", path, {"metadata": {"annotations": dict(annotations)}})
 
+    def delete_pod(self, name: str) -> None:
+        """Delete the pod (gracefully: its termination grace period, SIGTERM first)."""
+        self._call("DELETE", f"/api/v1/namespaces/{self._namespace}/pods/{_segment(name)}")
+
     def allows(self, access: Access) -> bool:
         """Whether the API server's authorizers (RBAC) let this token make `access` in the
         namespace: a SelfSubjectAccessReview, which answers without making the call."""

@@ -15,7 +15,9 @@
 - **Removal** (of an engine the planner drained through the controller): it leaves the
   controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
-  not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
+  not a serving one (it deletes not-Ready pods first, then the lowest cost). While another pod
+  of the Deployment is not Ready (a crash-looping container's, one still starting), which the
+  ReplicaSet would delete first, the drained pod is deleted first (`_spared`). A removal the API
   refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
   ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod; an
   operator scaled back up before it acted, and it deleted none). A
@@ -213,13 +215,15 @@ class KubernetesDeployments:
 
     def needs(self) -> list[Access]:
         """Every call the actuator makes (configs/k8s/planner-rbac.yaml grants them): each
-        Deployment's scale read and patched, pods listed and patched (deletion cost)."""
+        Deployment's scale read and patched, pods listed, patched (deletion cost) and deleted
+        (a drained pod the ReplicaSet would spare: `_spared`)."""
         scales = [
             Access(verb, "apps", "deployments", "scale", deployment)
             for deployment in self._deployments.values()
             for verb in ("get", "patch")
         ]
-        return [*scales, Access("list", "", "pods"), Access("patch", "", "pods")]
+        pods = [Access(verb, "", "pods") for verb in ("list", "patch", "delete")]
+        return [*scales, *pods]
 
     async def check(self, also: Sequence[Access] = ()) -> None:
         """Ask the API server whether the token may make every call the actuator makes
@@ -767,6 +771,20 @@ class KubernetesDeployments:
                 )
                 return unknown.replica
         pods = await self._pods(replica.pool)
+        spared_by = self._spared(replica, pods)
+        if spared_by is not None:
+            log.info(
+                "pod %s is not Ready: a scale-down would delete it before drained pod %s, "
+                "deleted instead",
+                spared_by.name,
+                replica.pod,
+            )
+            try:
+                await self._call(self._api.delete_pod, replica.pod)
+            except KubeApiError as exc:
+                if exc.status != 404:  # gone already
+                    raise
+            pods = await self._pods(replica.pool)
         if not any(pod.uid == replica.uid and pod.active for pod in pods):
             stand_in = await self._stand_in(replica, pods)
             if stand_in is None:
@@ -789,6 +807,31 @@ class KubernetesDeployments:
         deployment = self._deployments[replica.pool]
         log.info("pod %s scaled away from Deployment %s", replica.pod, deployment)
         return replica
+
+    def _spared(self, replica: _Replica, pods: Sequence[Pod]) -> Pod | None:
+        """A pod the ReplicaSet would delete before `replica`'s, whatever their deletion
+        costs, had the Deployment one replica fewer: one of its pods staying (active, neither
+        scaled away nor to be) that Kubernetes ranks first (`ActivePodsWithRanks`: Pending
+        before Running, not Ready before Ready), such as a crash-looping container's. None if
+        there is none, or `replica`'s pod is not active. The drained pod would be spared, and
+        scaled away again at the next look: the Deployment one replica short, a crash-looping
+        engine's pod deleted. (A drained engine's pod stays Ready: its readiness probe checks
+        the empty service name, SERVING while the process runs.)"""
+        drained = next((pod for pod in pods if pod.uid == replica.uid and pod.active), None)
+        if drained is None:
+            return None
+        going = set(self._leaving) | {r.uid for r in self._removals_due()}
+        return next(
+            (
+                pod
+                for pod in pods
+                if pod.active
+                and pod.uid not in going
+                and pod.uid != replica.uid
+                and _deletion_rank(pod) < _deletion_rank(drained)
+            ),
+            None,
+        )
 
     async def _stand_in(self, gone: _Replica, pods: Sequence[Pod]) -> _Replica | None:
         """The pod to scale away in place of `gone`'s: one the ReplicaSet made for its
@@ -898,6 +941,15 @@ class KubernetesDeployments:
         """An API call, once fewer than MAX_CALLS_IN_FLIGHT are under way."""
         async with self._calls:
             return await in_daemon_thread(call, *args, **kwargs)
+
+
+# Pod phases in the order the ReplicaSet deletes them (`ActivePodsWithRanks`); any other, first.
+_PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
+
+
+def _deletion_rank(pod: Pod) -> tuple[int, bool]:
+    """How the ReplicaSet ranks a pod to delete before the deletion cost: the lower first."""
+    return _PHASE_RANK.get(pod.phase, -1), pod.ready
 
 
 async def in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

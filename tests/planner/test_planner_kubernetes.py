@@ -37,6 +37,7 @@ import yaml
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.testing import CliRunner
 
 from controller.app import ControllerApp, start_controller
@@ -206,6 +207,13 @@ async def empty(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[C
 async def two_pods(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
     # Containers that crash stay down: the test sees the pod not Ready.
     async for cluster in cluster_with(tmp_path, tls_files, 2, restart_delay_s=3600):
+        yield cluster
+
+
+@pytest.fixture
+async def three_pods(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
+    # Containers that crash stay down (crash-looping: not Ready).
+    async for cluster in cluster_with(tmp_path, tls_files, 3, restart_delay_s=3600):
         yield cluster
 
 
@@ -429,6 +437,65 @@ async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cl
         await actuator.close()
     assert kube.deleted == [other.name, drained.name]
     assert kube.deployments[DEPLOYMENT].replicas == 0  # the core starts the one it needs
+
+
+async def until_not_serving(address: str, service: str) -> None:
+    """Until the engine at `address` reports `service` NOT_SERVING (grpc.health.v1 Watch)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=service)
+        )
+        async for answer in watch:
+            if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                watch.cancel()
+                return
+
+
+@pytest.mark.timeout(120)
+async def test_a_removal_beside_a_crash_looping_pod_deletes_the_drained_one(
+    three_pods: Cluster,
+) -> None:
+    """Kubernetes deletes a not-Ready pod before a Ready one, whatever its deletion cost, and a
+    drained engine's pod stays Ready (its readiness probe asks for the empty service name):
+    one replica fewer alone would delete the crash-looping pod and spare the drained one,
+    scaled away again at the next look, the Deployment one replica short."""
+    cluster = three_pods
+    kube = cluster.kube
+    actuator = cluster.actuator()
+    try:
+        await actuator.adopt()
+        await cluster.wait_routable(3)
+        drained, serving, crashed = kube.ready_pods(DEPLOYMENT)
+        kube.kill_container(crashed.name)
+        await cluster.wait(lambda: not kube.pods[crashed.name].ready)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == [kube.address(crashed)]
+        await actuator.stop(kube.address(crashed))  # its replica stays, to come back
+        await actuator.drain(kube.address(drained), 5)
+        fleet = cluster.app.controller.fleet
+        await fleet.wait_for(lambda: cluster.routable() == [kube.address(serving)], 30)
+        # Drained, the engine takes no Generate; its probe, the empty name's, still passes.
+        await until_not_serving(kube.address(drained), "vllm.Generate")
+        probed = kube.view(lambda: drained.probes)
+        await cluster.wait(lambda: drained.probes >= probed + 2)  # one made since
+        assert kube.view(lambda: drained.ready)
+        await actuator.stop(kube.address(drained))
+        await cluster.wait(lambda: drained.name not in kube.pods or bool(kube.deleted))
+        assert drained.deletion_timestamp is not None  # not spared
+        await cluster.wait(lambda: drained.name not in kube.pods)
+        # Nothing was spared: the next look scales nothing away again.
+        assert await actuator.adopt() == []
+        assert actuator.exited() == []
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    # The crash-looping pod is kept, for its engine to come back in; a pod the ReplicaSet
+    # made for the drained pod's replica meanwhile may have gone in its place.
+    assert crashed.deletion_timestamp is None and crashed.name not in kube.deleted
+    assert serving.deletion_timestamp is None and serving.name not in kube.deleted
+    active = kube.view(lambda: sorted(p.name for p in kube.pods.values() if p.active))
+    assert active == sorted([serving.name, crashed.name])
+    assert cluster.registered() == [kube.address(serving)]
 
 
 @pytest.mark.timeout(120)
@@ -1306,8 +1373,8 @@ async def test_a_role_lacking_a_verb_fails_the_start_naming_every_verb_it_lacks(
     empty.kube.allowed = READ_ONLY_ROLE
     message = await check(empty, empty.api())
     assert message == (
-        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods in "
-        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, delete "
+        "pods in namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
     )
     # The review says what the calls would meet: the API server refuses them alike.
     with pytest.raises(KubeApiError) as refused:
@@ -1330,6 +1397,7 @@ async def test_a_role_lacking_a_verb_fails_the_start_naming_every_verb_it_lacks(
         ("apps", "deployments/scale", "patch"),
         ("", "pods", "list"),
         ("", "pods", "patch"),
+        ("", "pods", "delete"),
     }
 
 
@@ -1342,9 +1410,10 @@ def test_planner_run_names_the_verbs_its_role_lacks_in_one_line(tmp_path: Path) 
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError)  # main: one line
     # The leader election's Lease too (live.kubernetes.leader_election, on by default).
     assert str(result.exception) == (
-        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, create "
-        "leases.coordination.k8s.io, update leases.coordination.k8s.io kvplane-planner in "
-        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, delete "
+        "pods, create leases.coordination.k8s.io, update leases.coordination.k8s.io "
+        "kvplane-planner in namespace serving (the planner's RBAC Role: "
+        "configs/k8s/planner-rbac.yaml)"
     )
 
 
