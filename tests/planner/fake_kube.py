@@ -11,7 +11,7 @@ What it implements (namespaced, one namespace):
   415. A `metadata.resourceVersion` in the patch that is not the current one is 409 Conflict.
 - `GET .../api/v1/namespaces/NS/pods?labelSelector=k=v,...` (equality selectors only): a
   PodList; `GET`, `PATCH` (merge patch: labels and annotations) and `DELETE` of
-  `.../pods/NAME`.
+  `.../pods/NAME` (DeleteOptions' `preconditions.uid` another pod's: 409 Conflict).
 - `POST .../apis/authorization.k8s.io/v1/selfsubjectaccessreviews` (any authenticated user
   may, as the `system:basic-user` ClusterRole allows): 201 and the review with its
   status.allowed as the fake's RBAC decides (reason named as RBAC does when allowed), for
@@ -504,8 +504,18 @@ class FakeKube:
                         else:
                             target[item] = str(value)
                 pod.resource_version = self._version()
-            elif method == "DELETE" and pod.deletion_timestamp is None:  # else: under way, 200
-                self._delete(pod)
+            elif method == "DELETE":
+                options = _json_body(headers, body, _OBJECT_TYPES, "body") if body else {}
+                uid = (options.get("preconditions") or {}).get("uid")
+                if uid is not None and uid != pod.uid:
+                    raise ApiError(
+                        409,
+                        "Conflict",
+                        f"Precondition failed: UID in precondition: {uid}, UID in object meta: "
+                        f"{pod.uid}",
+                    )
+                if pod.deletion_timestamp is None:  # else: under way, 200
+                    self._delete(pod)
             self._changed.notify_all()
             return 200, self._pod_object(pod)
 

@@ -451,6 +451,105 @@ async def until_not_serving(address: str, service: str) -> None:
                 return
 
 
+async def crash_one_and_drain_one(
+    cluster: Cluster, actuator: KubernetesDeployments
+) -> tuple[FakePod, FakePod, FakePod]:
+    """Of three pods adopted, one's container crashed (its engine stopped, its replica kept)
+    and one's engine drained, the third serving: (drained, serving, crashed)."""
+    kube = cluster.kube
+    await actuator.adopt()
+    await cluster.wait_routable(3)
+    drained, serving, crashed = kube.ready_pods(DEPLOYMENT)
+    kube.kill_container(crashed.name)
+    await cluster.wait(lambda: not kube.pods[crashed.name].ready)
+    assert await actuator.adopt() == []
+    assert actuator.exited() == [kube.address(crashed)]
+    await actuator.stop(kube.address(crashed))  # its replica stays, to come back
+    await actuator.drain(kube.address(drained), 5)
+    fleet = cluster.app.controller.fleet
+    await fleet.wait_for(lambda: cluster.routable() == [kube.address(serving)], 30)
+    return drained, serving, crashed
+
+
+@pytest.mark.timeout(60)
+async def test_a_pod_is_deleted_only_if_it_is_still_the_drained_one(two_pods: Cluster) -> None:
+    """The DELETE names the drained pod's uid (a precondition): another pod under its name
+    since is 409 Conflict and left alone, which the removal takes as the drained pod gone."""
+    kube = two_pods.kube
+    api = two_pods.api()
+    pod = kube.ready_pods(DEPLOYMENT)[0]
+    with pytest.raises(KubeApiError) as refused:
+        api.delete_pod(pod.name, "an-earlier-pod-s-uid")
+    assert refused.value.status == 409 and "Precondition failed" in str(refused.value)
+    assert pod.deletion_timestamp is None
+    api.delete_pod(pod.name, pod.uid)
+    assert pod.deletion_timestamp is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("code", [500, 504])
+async def test_a_failed_delete_of_the_drained_pod_is_done_at_the_next_tick(
+    three_pods: Cluster, code: int
+) -> None:
+    """The DELETE of a drained pod the ReplicaSet would spare fails (500: not made; 504: made
+    all the same): no scale-down yet, the removal tried again at the next tick, which deletes
+    the drained pod (or finds it terminating) and not the crash-looping one."""
+    cluster = three_pods
+    kube = cluster.kube
+    actuator = cluster.actuator()
+    try:
+        drained, serving, crashed = await crash_one_and_drain_one(cluster, actuator)
+        kube.faults.append(Fault("DELETE", "pods", code, applied=code == 504))
+        with pytest.raises(KvplaneError, match=f"pod {drained.name} not scaled away yet"):
+            await actuator.stop(kube.address(drained))
+        assert kube.deployments[DEPLOYMENT].replicas == 3
+        assert (drained.deletion_timestamp is not None) == (code == 504)
+        assert await actuator.adopt() == []  # the next tick: the removal done
+        await cluster.wait(lambda: drained.name not in kube.pods)
+        assert await actuator.adopt() == []
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert crashed.deletion_timestamp is None and serving.deletion_timestamp is None
+    active = kube.view(lambda: sorted(p.name for p in kube.pods.values() if p.active))
+    assert active == sorted([serving.name, crashed.name])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("refused", ["at start", "at the delete"])
+async def test_a_role_without_pod_deletes_warns_once_and_scales_down_alone(
+    three_pods: Cluster, caplog: pytest.LogCaptureFixture, refused: str
+) -> None:
+    """`delete` on pods is optional (a Role applied before it was added): the start goes on,
+    with one warning naming it and what it costs, and a removal beside a not-Ready pod is the
+    scale-down alone, as before: the ReplicaSet deletes the crash-looping pod and spares the
+    drained one (scaled away at the next look), the replica refilled by the next start."""
+    cluster = three_pods
+    kube = cluster.kube
+    caplog.set_level(logging.WARNING, "planner.kubernetes")
+    if refused == "at start":
+        kube.forbidden.add(("delete", "pods"))
+    actuator = cluster.actuator()
+    try:
+        await actuator.check()  # no ConfigError
+        kube.forbidden.add(("delete", "pods"))  # a Role changed since: the DELETE gets 403
+        drained, serving, crashed = await crash_one_and_drain_one(cluster, actuator)
+        await actuator.stop(kube.address(drained))
+        await cluster.wait(lambda: crashed.deletion_timestamp is not None)
+        assert kube.deployments[DEPLOYMENT].replicas == 2
+        assert drained.deletion_timestamp is None  # spared, as Kubernetes ranks them
+        await actuator.adopt()
+        await cluster.wait(lambda: drained.deletion_timestamp is not None)
+    finally:
+        await actuator.close()
+    assert serving.deletion_timestamp is None
+    assert kube.deployments[DEPLOYMENT].replicas == 1  # the core starts the one it needs
+    warnings = [r.getMessage() for r in caplog.records if "not the drained one" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "may delete that pod and not the drained one" in warnings[0]
+    assert "configs/k8s/planner-rbac.yaml" in warnings[0]
+
+
 @pytest.mark.timeout(120)
 async def test_a_removal_beside_a_crash_looping_pod_deletes_the_drained_one(
     three_pods: Cluster,
@@ -463,17 +562,7 @@ async def test_a_removal_beside_a_crash_looping_pod_deletes_the_drained_one(
     kube = cluster.kube
     actuator = cluster.actuator()
     try:
-        await actuator.adopt()
-        await cluster.wait_routable(3)
-        drained, serving, crashed = kube.ready_pods(DEPLOYMENT)
-        kube.kill_container(crashed.name)
-        await cluster.wait(lambda: not kube.pods[crashed.name].ready)
-        assert await actuator.adopt() == []
-        assert actuator.exited() == [kube.address(crashed)]
-        await actuator.stop(kube.address(crashed))  # its replica stays, to come back
-        await actuator.drain(kube.address(drained), 5)
-        fleet = cluster.app.controller.fleet
-        await fleet.wait_for(lambda: cluster.routable() == [kube.address(serving)], 30)
+        drained, serving, crashed = await crash_one_and_drain_one(cluster, actuator)
         # Drained, the engine takes no Generate; its probe, the empty name's, still passes.
         await until_not_serving(kube.address(drained), "vllm.Generate")
         probed = kube.view(lambda: drained.probes)
@@ -1373,9 +1462,9 @@ async def test_a_role_lacking_a_verb_fails_the_start_naming_every_verb_it_lacks(
     empty.kube.allowed = READ_ONLY_ROLE
     message = await check(empty, empty.api())
     assert message == (
-        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, delete "
-        "pods in namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
-    )
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods in "
+        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+    )  # not `delete` on pods: optional (a warning)
     # The review says what the calls would meet: the API server refuses them alike.
     with pytest.raises(KubeApiError) as refused:
         empty.api().patch_scale(DEPLOYMENT, 1, "")
@@ -1410,10 +1499,9 @@ def test_planner_run_names_the_verbs_its_role_lacks_in_one_line(tmp_path: Path) 
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError)  # main: one line
     # The leader election's Lease too (live.kubernetes.leader_election, on by default).
     assert str(result.exception) == (
-        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, delete "
-        "pods, create leases.coordination.k8s.io, update leases.coordination.k8s.io "
-        "kvplane-planner in namespace serving (the planner's RBAC Role: "
-        "configs/k8s/planner-rbac.yaml)"
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, create "
+        "leases.coordination.k8s.io, update leases.coordination.k8s.io kvplane-planner in "
+        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
     )
 
 
