@@ -236,6 +236,16 @@ class KubeApi:
         path = f"/api/v1/namespaces/{self._namespace}/pods/{_segment(name)}"
         self._call("PATCH", path, {"metadata": {"annotations": dict(annotations)}})
 
+    def delete_pod(self, name: str, uid: str) -> None:
+        """Delete the pod (gracefully: its termination grace period, SIGTERM first) if it is
+        still the one of `uid` (a precondition: another pod since under that name is 409
+        Conflict, and left alone)."""
+        self._call(
+            "DELETE",
+            f"/api/v1/namespaces/{self._namespace}/pods/{_segment(name)}",
+            {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}},
+        )
+
     def allows(self, access: Access) -> bool:
         """Whether the API server's authorizers (RBAC) let this token make `access` in the
         namespace: a SelfSubjectAccessReview, which answers without making the call."""

@@ -15,7 +15,10 @@
 - **Removal** (of an engine the planner drained through the controller): it leaves the
   controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
-  not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
+  not a serving one (it deletes not-Ready pods first, then the lowest cost). While another pod
+  of the Deployment is not Ready (a crash-looping container's, one still starting), which the
+  ReplicaSet would delete first, the drained pod is deleted first (`_spared`; optional: a
+  Role without `delete` on pods, a warning once, and the scale-down alone). A removal the API
   refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
   ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod; an
   operator scaled back up before it acted, and it deleted none). A
@@ -210,10 +213,14 @@ class KubernetesDeployments:
         self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
         # By pool: when its look last found the engines left registered (`time.monotonic`).
         self._left_registered_looked: dict[str, float] = {}
+        # Whether the drained pod the ReplicaSet would spare may be deleted (`_spared`): the
+        # Role's optional `delete` on pods; False once the review or a DELETE says no.
+        self._may_delete_pods = True
 
     def needs(self) -> list[Access]:
-        """Every call the actuator makes (configs/k8s/planner-rbac.yaml grants them): each
-        Deployment's scale read and patched, pods listed and patched (deletion cost)."""
+        """Every call the actuator cannot do without (configs/k8s/planner-rbac.yaml grants
+        them): each Deployment's scale read and patched, pods listed and patched (deletion
+        cost). `DELETE_PODS`, which the Role grants too, is optional."""
         scales = [
             Access(verb, "apps", "deployments", "scale", deployment)
             for deployment in self._deployments.values()
@@ -227,14 +234,19 @@ class KubernetesDeployments:
         pods: a ConfigError (one line) when a call is not allowed (naming each), when the API
         refuses (404: no such Deployment; 401: the token) or cannot be reached. Without the
         review, a Role that lacks a write would only show at the first scale, as a warning
-        every tick."""
+        every tick. `DELETE_PODS` denied is a warning (`_no_pod_deletes`), not an error."""
         namespace = self._api.connection.namespace
         try:
             denied = [
                 a for a in [*self.needs(), *also] if not await self._call(self._api.allows, a)
             ]
+            may_delete = await self._call(self._api.allows, DELETE_PODS)
         except KubeApiError as exc:
             raise ConfigError(f"reviewing the planner's access: {exc}") from exc
+        if not may_delete:
+            self._no_pod_deletes(
+                f"the planner may not {DELETE_PODS} in namespace {namespace} ({ROLE_HINT})"
+            )
         if denied:
             calls = [
                 f"{access} in namespace {access.namespace}"
@@ -767,6 +779,24 @@ class KubernetesDeployments:
                 )
                 return unknown.replica
         pods = await self._pods(replica.pool)
+        spared_by = self._spared(replica, pods)
+        if spared_by is not None:
+            log.info(
+                "pod %s is not Ready: a scale-down would delete it before drained pod %s, "
+                "deleted instead",
+                spared_by.name,
+                replica.pod,
+            )
+            try:
+                await self._call(self._api.delete_pod, replica.pod, replica.uid)
+            except KubeApiError as exc:
+                if exc.status == 403:  # the Role lacks it: the scale-down alone, as without
+                    self._no_pod_deletes(str(exc))
+                elif exc.status not in {404, 409}:  # 404, 409 (another pod of its name):
+                    raise  # gone already; else tried again at the next tick
+            else:  # on its way out, whichever pod the scale-down takes: never adopted again
+                self._leaving[replica.uid] = replica
+            pods = await self._pods(replica.pool)
         if not any(pod.uid == replica.uid and pod.active for pod in pods):
             stand_in = await self._stand_in(replica, pods)
             if stand_in is None:
@@ -789,6 +819,46 @@ class KubernetesDeployments:
         deployment = self._deployments[replica.pool]
         log.info("pod %s scaled away from Deployment %s", replica.pod, deployment)
         return replica
+
+    def _no_pod_deletes(self, why: str) -> None:
+        """No more deletes of a drained pod the ReplicaSet would spare (warned once): a
+        scale-down beside a not-Ready pod then deletes that one, and the core's next start
+        refills the replica."""
+        if self._may_delete_pods:
+            log.warning(
+                "%s: a removal while another pod of the Deployment is not Ready may delete "
+                "that pod and not the drained one, a replica the next start refills",
+                why,
+            )
+        self._may_delete_pods = False
+
+    def _spared(self, replica: _Replica, pods: Sequence[Pod]) -> Pod | None:
+        """A pod the ReplicaSet would delete before `replica`'s, whatever their deletion
+        costs, had the Deployment one replica fewer: one of its pods staying (active, neither
+        scaled away nor to be) that Kubernetes ranks first (`ActivePodsWithRanks`: Pending
+        before Running, not Ready before Ready), such as a crash-looping container's. None if
+        there is none, or `replica`'s pod is not active. The drained pod would be spared, and
+        scaled away again at the next look: the Deployment one replica short, a crash-looping
+        engine's pod deleted. (A drained engine's pod stays Ready: its readiness probe checks
+        the empty service name, SERVING while the process runs.) None too while pods may not
+        be deleted (`_no_pod_deletes`)."""
+        if not self._may_delete_pods:
+            return None
+        drained = next((pod for pod in pods if pod.uid == replica.uid and pod.active), None)
+        if drained is None:
+            return None
+        going = set(self._leaving) | {r.uid for r in self._removals_due()}
+        return next(
+            (
+                pod
+                for pod in pods
+                if pod.active
+                and pod.uid not in going
+                and pod.uid != replica.uid
+                and _deletion_rank(pod) < _deletion_rank(drained)
+            ),
+            None,
+        )
 
     async def _stand_in(self, gone: _Replica, pods: Sequence[Pod]) -> _Replica | None:
         """The pod to scale away in place of `gone`'s: one the ReplicaSet made for its
@@ -898,6 +968,18 @@ class KubernetesDeployments:
         """An API call, once fewer than MAX_CALLS_IN_FLIGHT are under way."""
         async with self._calls:
             return await in_daemon_thread(call, *args, **kwargs)
+
+
+# Optional (`_spared`): without it a removal beside a not-Ready pod may take that pod instead.
+DELETE_PODS = Access("delete", "", "pods")
+
+# Pod phases in the order the ReplicaSet deletes them (`ActivePodsWithRanks`); any other, first.
+_PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
+
+
+def _deletion_rank(pod: Pod) -> tuple[int, bool]:
+    """How the ReplicaSet ranks a pod to delete before the deletion cost: the lower first."""
+    return _PHASE_RANK.get(pod.phase, -1), pod.ready
 
 
 async def in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

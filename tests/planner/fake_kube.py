@@ -11,7 +11,7 @@ What it implements (namespaced, one namespace):
   415. A `metadata.resourceVersion` in the patch that is not the current one is 409 Conflict.
 - `GET .../api/v1/namespaces/NS/pods?labelSelector=k=v,...` (equality selectors only): a
   PodList; `GET`, `PATCH` (merge patch: labels and annotations) and `DELETE` of
-  `.../pods/NAME`.
+  `.../pods/NAME` (DeleteOptions' `preconditions.uid` another pod's: 409 Conflict).
 - `POST .../apis/authorization.k8s.io/v1/selfsubjectaccessreviews` (any authenticated user
   may, as the `system:basic-user` ClusterRole allows): 201 and the review with its
   status.allowed as the fake's RBAC decides (reason named as RBAC does when allowed), for
@@ -69,7 +69,12 @@ What it implements (namespaced, one namespace):
   cluster's; one pod at a time then: loopback has one IPv6 address), starts `python -m kvplane
   engine serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a
   cluster; an IPv6 IP in brackets), and marks it Ready once the gRPC health check answers
-  SERVING (a readiness probe). A container that exits leaves its pod not Ready and is
+  SERVING (a readiness probe, configs/k8s/engine-deployment.yaml's: the empty service name,
+  which an engine answers SERVING while its process runs, drained or not). A Ready pod is
+  probed again every `readiness_period_s` (the manifest's periodSeconds, 2 s), and is not
+  Ready once READINESS_FAILURE_THRESHOLD probes in a row fail (the kubelet's default, 3: a
+  hung container, SIGSTOPped), Ready again at the next that succeeds; `probes` counts each
+  pod's probes. A container that exits leaves its pod not Ready and is
   restarted after `restart_delay_s` (as with CrashLoopBackOff, the container's waiting reason
   meanwhile, its restartCount one more at each restart; `restart_container` ends the wait);
   the pod stays Running at its IP meanwhile (a container not started yet is waiting
@@ -82,9 +87,8 @@ What it implements (namespaced, one namespace):
 
 Not implemented: watches, field selectors, set-based label selectors, JSON patch, server-side
 apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement, and
-probes after the first success: a hung container (SIGSTOPped) stays Ready here, where a
-kubelet would mark it not Ready after the probe's failureThreshold (the planner then sees it
-as exited, and the liveness probe restarts it).
+liveness probes (a hung container is not Ready after its readiness probe's failures, but not
+restarted).
 """
 
 from __future__ import annotations
@@ -121,6 +125,9 @@ _OBJECT_TYPES = {"application/json"}  # a create's or an update's body (yaml, pr
 _RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
 _LOOP_S = 0.05  # the controllers' and kubelet's pass
 _TERMINATION_GRACE_S = 30.0
+# Readiness probe failures in a row after which a Ready pod is not Ready (the kubelet's default
+# failureThreshold; configs/k8s/engine-deployment.yaml sets none).
+READINESS_FAILURE_THRESHOLD = 3
 # The API server sets no Content-Length: Go's net/http sends an answer longer than its
 # handler's 2048-byte buffer chunked (a pod list of more than a pod or two, in a cluster), in
 # chunks of its 4096-byte writer.
@@ -156,6 +163,9 @@ class Pod:
     annotations: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
     ready_since: float | None = None  # monotonic; None: not Ready
+    probed_at: float = 0.0  # monotonic: its last readiness probe's start
+    probe_failures: int = 0  # readiness probes failed in a row since it was Ready
+    probes: int = 0  # readiness probes made
     # Its container was started once: the pod is Running, at its IP, from then on, a crashed
     # container waiting to be restarted (CrashLoopBackOff) included.
     sandboxed: bool = False
@@ -224,11 +234,13 @@ class FakeKube:
         tls: tuple[Path, Path] | None = None,
         engine_args: Sequence[str] = ("--model", "sim"),
         restart_delay_s: float = 1.0,
+        readiness_period_s: float = 2.0,
         ipv6: bool = False,
     ) -> None:
         self.namespace, self.token, self.engine_port = namespace, token, engine_port
         self._workdir, self._engine_args = workdir, tuple(engine_args)
         self._restart_delay_s = restart_delay_s
+        self._readiness_period_s = readiness_period_s
         self._ipv6 = ipv6
         self._versions = itertools.count(1000)
         self._numbers = itertools.count()
@@ -492,8 +504,18 @@ class FakeKube:
                         else:
                             target[item] = str(value)
                 pod.resource_version = self._version()
-            elif method == "DELETE" and pod.deletion_timestamp is None:  # else: under way, 200
-                self._delete(pod)
+            elif method == "DELETE":
+                options = _json_body(headers, body, _OBJECT_TYPES, "body") if body else {}
+                uid = (options.get("preconditions") or {}).get("uid")
+                if uid is not None and uid != pod.uid:
+                    raise ApiError(
+                        409,
+                        "Conflict",
+                        f"Precondition failed: UID in precondition: {uid}, UID in object meta: "
+                        f"{pod.uid}",
+                    )
+                if pod.deletion_timestamp is None:  # else: under way, 200
+                    self._delete(pod)
             self._changed.notify_all()
             return 200, self._pod_object(pod)
 
@@ -809,15 +831,34 @@ class FakeKube:
                 for pod in list(self.pods.values()):
                     self._run(pod)
                 self._changed.notify_all()
-                due = [p for p in self.pods.values() if _probe_due(p)]
+                due = [p for p in self.pods.values() if self._probe_due(p)]
+                for pod in due:
+                    pod.probed_at = time.monotonic()
             # Probes outside the lock: a health check may take up to its timeout.
             for pod in due:
-                if _healthy(self.address(pod)):
-                    with self._changed:
-                        if _probe_due(pod):
+                healthy = _healthy(self.address(pod))
+                with self._changed:
+                    pod.probes += 1
+                    if pod.process is None or pod.deletion_timestamp is not None:
+                        continue  # exited or deleted meanwhile: not probed any more
+                    if healthy:
+                        pod.probe_failures = 0
+                        if not pod.ready:
                             pod.ready_since = time.monotonic()
                             pod.resource_version = self._version()
-                            self._changed.notify_all()
+                    elif pod.ready:
+                        pod.probe_failures += 1
+                        if pod.probe_failures >= READINESS_FAILURE_THRESHOLD:
+                            pod.ready_since = None
+                            pod.resource_version = self._version()
+                    self._changed.notify_all()
+
+    def _probe_due(self, pod: Pod) -> bool:
+        """A started container's readiness probe: at every pass until it is Ready (a start is
+        not held up by the period), then every `readiness_period_s`."""
+        if pod.process is None or pod.deletion_timestamp is not None or pod.failed_reason:
+            return False
+        return not pod.ready or time.monotonic() - pod.probed_at >= self._readiness_period_s
 
     def _replicate(self, deployment: Deployment) -> None:
         active = [p for p in self.pods.values() if p.deployment == deployment.name and p.active]
@@ -914,10 +955,6 @@ def _deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
 
 def _stale_deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
     return (*_deletion_rank(pod)[:2], 0, *_deletion_rank(pod)[3:])
-
-
-def _probe_due(pod: Pod) -> bool:
-    return pod.process is not None and not pod.ready and pod.deletion_timestamp is None
 
 
 def _healthy(address: str) -> bool:

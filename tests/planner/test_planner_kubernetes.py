@@ -37,6 +37,7 @@ import yaml
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.testing import CliRunner
 
 from controller.app import ControllerApp, start_controller
@@ -206,6 +207,13 @@ async def empty(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[C
 async def two_pods(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
     # Containers that crash stay down: the test sees the pod not Ready.
     async for cluster in cluster_with(tmp_path, tls_files, 2, restart_delay_s=3600):
+        yield cluster
+
+
+@pytest.fixture
+async def three_pods(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
+    # Containers that crash stay down (crash-looping: not Ready).
+    async for cluster in cluster_with(tmp_path, tls_files, 3, restart_delay_s=3600):
         yield cluster
 
 
@@ -429,6 +437,154 @@ async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cl
         await actuator.close()
     assert kube.deleted == [other.name, drained.name]
     assert kube.deployments[DEPLOYMENT].replicas == 0  # the core starts the one it needs
+
+
+async def until_not_serving(address: str, service: str) -> None:
+    """Until the engine at `address` reports `service` NOT_SERVING (grpc.health.v1 Watch)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=service)
+        )
+        async for answer in watch:
+            if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                watch.cancel()
+                return
+
+
+async def crash_one_and_drain_one(
+    cluster: Cluster, actuator: KubernetesDeployments
+) -> tuple[FakePod, FakePod, FakePod]:
+    """Of three pods adopted, one's container crashed (its engine stopped, its replica kept)
+    and one's engine drained, the third serving: (drained, serving, crashed)."""
+    kube = cluster.kube
+    await actuator.adopt()
+    await cluster.wait_routable(3)
+    drained, serving, crashed = kube.ready_pods(DEPLOYMENT)
+    kube.kill_container(crashed.name)
+    await cluster.wait(lambda: not kube.pods[crashed.name].ready)
+    assert await actuator.adopt() == []
+    assert actuator.exited() == [kube.address(crashed)]
+    await actuator.stop(kube.address(crashed))  # its replica stays, to come back
+    await actuator.drain(kube.address(drained), 5)
+    fleet = cluster.app.controller.fleet
+    await fleet.wait_for(lambda: cluster.routable() == [kube.address(serving)], 30)
+    return drained, serving, crashed
+
+
+@pytest.mark.timeout(60)
+async def test_a_pod_is_deleted_only_if_it_is_still_the_drained_one(two_pods: Cluster) -> None:
+    """The DELETE names the drained pod's uid (a precondition): another pod under its name
+    since is 409 Conflict and left alone, which the removal takes as the drained pod gone."""
+    kube = two_pods.kube
+    api = two_pods.api()
+    pod = kube.ready_pods(DEPLOYMENT)[0]
+    with pytest.raises(KubeApiError) as refused:
+        api.delete_pod(pod.name, "an-earlier-pod-s-uid")
+    assert refused.value.status == 409 and "Precondition failed" in str(refused.value)
+    assert pod.deletion_timestamp is None
+    api.delete_pod(pod.name, pod.uid)
+    assert pod.deletion_timestamp is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("code", [500, 504])
+async def test_a_failed_delete_of_the_drained_pod_is_done_at_the_next_tick(
+    three_pods: Cluster, code: int
+) -> None:
+    """The DELETE of a drained pod the ReplicaSet would spare fails (500: not made; 504: made
+    all the same): no scale-down yet, the removal tried again at the next tick, which deletes
+    the drained pod (or finds it terminating) and not the crash-looping one."""
+    cluster = three_pods
+    kube = cluster.kube
+    actuator = cluster.actuator()
+    try:
+        drained, serving, crashed = await crash_one_and_drain_one(cluster, actuator)
+        kube.faults.append(Fault("DELETE", "pods", code, applied=code == 504))
+        with pytest.raises(KvplaneError, match=f"pod {drained.name} not scaled away yet"):
+            await actuator.stop(kube.address(drained))
+        assert kube.deployments[DEPLOYMENT].replicas == 3
+        assert (drained.deletion_timestamp is not None) == (code == 504)
+        assert await actuator.adopt() == []  # the next tick: the removal done
+        await cluster.wait(lambda: drained.name not in kube.pods)
+        assert await actuator.adopt() == []
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert crashed.deletion_timestamp is None and serving.deletion_timestamp is None
+    active = kube.view(lambda: sorted(p.name for p in kube.pods.values() if p.active))
+    assert active == sorted([serving.name, crashed.name])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("refused", ["at start", "at the delete"])
+async def test_a_role_without_pod_deletes_warns_once_and_scales_down_alone(
+    three_pods: Cluster, caplog: pytest.LogCaptureFixture, refused: str
+) -> None:
+    """`delete` on pods is optional (a Role applied before it was added): the start goes on,
+    with one warning naming it and what it costs, and a removal beside a not-Ready pod is the
+    scale-down alone, as before: the ReplicaSet deletes the crash-looping pod and spares the
+    drained one (scaled away at the next look), the replica refilled by the next start."""
+    cluster = three_pods
+    kube = cluster.kube
+    caplog.set_level(logging.WARNING, "planner.kubernetes")
+    if refused == "at start":
+        kube.forbidden.add(("delete", "pods"))
+    actuator = cluster.actuator()
+    try:
+        await actuator.check()  # no ConfigError
+        kube.forbidden.add(("delete", "pods"))  # a Role changed since: the DELETE gets 403
+        drained, serving, crashed = await crash_one_and_drain_one(cluster, actuator)
+        await actuator.stop(kube.address(drained))
+        await cluster.wait(lambda: crashed.deletion_timestamp is not None)
+        assert kube.deployments[DEPLOYMENT].replicas == 2
+        assert drained.deletion_timestamp is None  # spared, as Kubernetes ranks them
+        await actuator.adopt()
+        await cluster.wait(lambda: drained.deletion_timestamp is not None)
+    finally:
+        await actuator.close()
+    assert serving.deletion_timestamp is None
+    assert kube.deployments[DEPLOYMENT].replicas == 1  # the core starts the one it needs
+    warnings = [r.getMessage() for r in caplog.records if "not the drained one" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "may delete that pod and not the drained one" in warnings[0]
+    assert "configs/k8s/planner-rbac.yaml" in warnings[0]
+
+
+@pytest.mark.timeout(120)
+async def test_a_removal_beside_a_crash_looping_pod_deletes_the_drained_one(
+    three_pods: Cluster,
+) -> None:
+    """Kubernetes deletes a not-Ready pod before a Ready one, whatever its deletion cost, and a
+    drained engine's pod stays Ready (its readiness probe asks for the empty service name):
+    one replica fewer alone would delete the crash-looping pod and spare the drained one,
+    scaled away again at the next look, the Deployment one replica short."""
+    cluster = three_pods
+    kube = cluster.kube
+    actuator = cluster.actuator()
+    try:
+        drained, serving, crashed = await crash_one_and_drain_one(cluster, actuator)
+        # Drained, the engine takes no Generate; its probe, the empty name's, still passes.
+        await until_not_serving(kube.address(drained), "vllm.Generate")
+        probed = kube.view(lambda: drained.probes)
+        await cluster.wait(lambda: drained.probes >= probed + 2)  # one made since
+        assert kube.view(lambda: drained.ready)
+        await actuator.stop(kube.address(drained))
+        await cluster.wait(lambda: drained.name not in kube.pods or bool(kube.deleted))
+        assert drained.deletion_timestamp is not None  # not spared
+        await cluster.wait(lambda: drained.name not in kube.pods)
+        # Nothing was spared: the next look scales nothing away again.
+        assert await actuator.adopt() == []
+        assert actuator.exited() == []
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    # The crash-looping pod is kept, for its engine to come back in; a pod the ReplicaSet
+    # made for the drained pod's replica meanwhile may have gone in its place.
+    assert crashed.deletion_timestamp is None and crashed.name not in kube.deleted
+    assert serving.deletion_timestamp is None and serving.name not in kube.deleted
+    active = kube.view(lambda: sorted(p.name for p in kube.pods.values() if p.active))
+    assert active == sorted([serving.name, crashed.name])
+    assert cluster.registered() == [kube.address(serving)]
 
 
 @pytest.mark.timeout(120)
@@ -1308,7 +1464,7 @@ async def test_a_role_lacking_a_verb_fails_the_start_naming_every_verb_it_lacks(
     assert message == (
         f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods in "
         "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
-    )
+    )  # not `delete` on pods: optional (a warning)
     # The review says what the calls would meet: the API server refuses them alike.
     with pytest.raises(KubeApiError) as refused:
         empty.api().patch_scale(DEPLOYMENT, 1, "")
@@ -1330,6 +1486,7 @@ async def test_a_role_lacking_a_verb_fails_the_start_naming_every_verb_it_lacks(
         ("apps", "deployments/scale", "patch"),
         ("", "pods", "list"),
         ("", "pods", "patch"),
+        ("", "pods", "delete"),
     }
 
 

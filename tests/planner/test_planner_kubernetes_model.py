@@ -234,7 +234,15 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
         free = self.free_pods()
         # The removals not done yet are done now, before the adoptions (one whose pod is gone
         # takes a free pod with it); one that was made is not made again.
-        stand_ins = self.stand_ins()
+        # A stand-in is a pod no engine is, not Ready first: a crash-looping one (its engine
+        # exited, its replica stays) before a free one.
+        kept = {e.pod for e in self.engines.values() if not e.crashed or e.draining}
+        idle_crash_looping = sum(
+            1
+            for p in self.pods()
+            if p.active and p.crash_looping and p.name not in kept and p.name not in self.unscaled
+        )
+        stand_ins = max(0, self.stand_ins() - idle_crash_looping)
         self.replicas -= sum(1 for made in self.unscaled.values() if not made)
         self.unscaled.clear()
         found = self.run(actuator.adopt())
@@ -346,22 +354,14 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
         self.run(fleet.wait_for(lambda: self.controller_state(address) == "draining", SETTLE_S))
         assert not self.registered()[address]
 
-    def all_ready(self) -> bool:
-        """Whether every active pod is Ready. The ReplicaSet deletes a pod not Ready before
-        any Ready one, whatever its deletion cost: a scale-down meanwhile takes a crashed pod
-        and spares the drained one, which the next look scales away again (the Deployment
-        then one replica lower than the model, the crashed pod's replica gone with it). The
-        model leaves that out: no removal is scaled away while a pod is not Ready."""
-        return all(p.ready for p in self.pods() if p.active)
-
     @rule(pick=picks, fault=st.sampled_from([None, None, None, 403, 500, 504]))
     def stop(self, pick: int, fault: int | None) -> None:
         """The removal of a drained engine: out of the controller, then the removals not done
         yet scaled away in order, its own last; the first that fails stops the others (they
         wait for it), and the error names it. None draining, one drained just now (the core
-        drains an engine, then removes it once empty)."""
-        if not self.all_ready():
-            return
+        drains an engine, then removes it once empty). With a pod crash-looping too (the
+        ReplicaSet deletes a not-Ready pod before any Ready one, whatever its deletion cost),
+        the drained pod is deleted first: the crash-looping one stays."""
         if not (draining := self.draining()):
             self.drain(pick)
             if not (draining := self.draining()):
@@ -412,12 +412,9 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
     @rule(pick=picks, how=st.sampled_from(["crash", "crash", "delete"]))
     def engine_lost(self, pick: int, how: str) -> None:
         """An engine's container crashes (its pod stays, not Ready, CrashLoopBackOff), or an
-        operator deletes its pod (the ReplicaSet makes another). No crash while a removal's
-        scale-down is to be tried again (at the next look): see `all_ready`."""
+        operator deletes its pod (the ReplicaSet makes another)."""
         if not (alive := sorted(a for a, e in self.engines.items() if not e.crashed)):
             return
-        if how == "crash" and any(not made for made in self.unscaled.values()):
-            how = "delete"
         engine = self.engines[alive[pick % len(alive)]]
         if how == "crash":
             self.kube.kill_container(engine.pod)
@@ -588,3 +585,28 @@ def test_a_start_does_not_take_the_pod_of_a_removal_refused() -> None:
     """A removal's scale-down refused (RBAC) leaves the drained pod Ready: a start scales up
     and takes the new pod, not that one (its engine drains: never routed to)."""
     replay(lambda m: m.a_fleet_left_running(2), lambda m: m.stop(0, 403), lambda m: m.start(None))
+
+
+def test_a_removal_beside_a_crash_looping_pod_deletes_the_drained_pod() -> None:
+    """The ReplicaSet deletes a not-Ready pod before any Ready one, whatever its deletion
+    cost: one replica fewer alone would take the crash-looping pod and spare the drained one,
+    which the next look would scale away again, the Deployment one replica short."""
+    replay(
+        lambda m: m.a_fleet_left_running(2),
+        lambda m: m.engine_lost(0, "crash"),
+        KubernetesActuatorMachine.tick,  # its engine stopped: the replica stays
+        lambda m: m.stop(0, None),
+    )
+
+
+def test_a_refused_removal_beside_a_crash_looping_pod_is_done_at_the_next_look() -> None:
+    """The drained pod deleted, the scale-down refused (RBAC): the next look scales one
+    replica away, a pod no engine is (the crash-looping one, not Ready, as the ReplicaSet
+    would choose), and adopts the pod the ReplicaSet made for the drained pod's replica."""
+    replay(
+        lambda m: m.a_fleet_left_running(2),
+        lambda m: m.engine_lost(0, "crash"),
+        KubernetesActuatorMachine.tick,
+        lambda m: m.stop(0, 403),
+        KubernetesActuatorMachine.tick,
+    )
