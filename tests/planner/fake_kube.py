@@ -957,11 +957,15 @@ def _stale_deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
     return (*_deletion_rank(pod)[:2], 0, *_deletion_rank(pod)[3:])
 
 
+# The kubelet's default probe timeoutSeconds (the manifest sets none).
+PROBE_TIMEOUT_S = 1.0
+
+
 def _healthy(address: str) -> bool:
     try:
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=0.5
+                health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S
             )
     except grpc.RpcError:
         return False
