@@ -144,6 +144,8 @@ _NOT_READY_STATES = POLL_FAILED_STATES | {
 }
 # Out of routing by the cap's leave (`Registry._decide_cap`).
 _HELD_OUT_STATES = frozenset({EngineState.EJECTED, EngineState.HELD_DOWN})
+# The states of the engines the cap decides on (`_decide_cap`): taking traffic, or held out.
+_CAPPED_STATES = ROUTABLE_STATES | _HELD_OUT_STATES
 # How the error of an engine routed by the cap (`Registry._decide_cap`) begins; the rest
 # says why it is held down or ejected, and until when (`Registry._held_for`,
 # `Registry._ejected_error`).
@@ -569,6 +571,14 @@ def _flaps(record: EngineRecord, state: EngineState) -> bool:
         and not record.cordoned
         and not record.drain_requested
     )
+
+
+def _in_rotation(record: EngineRecord) -> bool:
+    """Whether the engine takes traffic (routable), ejected and held-down ones included: the
+    fleet the cap on ejection and hold-down is half of. Engines down, draining or cordoned are
+    not in it, so that those left routable are never all held out (clients get their
+    failures, not "no engine")."""
+    return record.routable or (record.state in _HELD_OUT_STATES and not record.cordoned)
 
 
 def _hold_down_ends_s(record: EngineRecord, now_s: float) -> float:
@@ -1367,14 +1377,9 @@ class Registry:
         now_s = self._now_s
         for r in records:  # one pass over the fleet
             state = r.state
-            if r.cordoned:
+            if r.cordoned or state not in _CAPPED_STATES:
                 continue
-            if state in ROUTABLE_STATES:
-                in_rotation += r.identity is not None
-            elif state in _HELD_OUT_STATES:
-                in_rotation += 1
-            else:
-                continue
+            in_rotation += _in_rotation(r)
             until_s = r.ejected_until_s
             if until_s is not None and state is not EngineState.HELD_DOWN:
                 if state is EngineState.EJECTED or now_s < until_s:
@@ -1466,14 +1471,8 @@ class Registry:
         )
 
     def _num_in_rotation(self) -> int:
-        """The engines that take traffic (routable), ejected and held-down ones included:
-        the fleet the cap on ejection and hold-down is half of. Engines down, draining or
-        cordoned are not in it, so that those left routable are never all held out (clients
-        get their failures, not "no engine")."""
-        return sum(
-            r.routable or (r.state in _HELD_OUT_STATES and not r.cordoned)
-            for r in self._by_address.values()
-        )
+        """How many engines are `_in_rotation`: the fleet the cap is half of."""
+        return sum(_in_rotation(r) for r in self._by_address.values())
 
     def on_load(self, address: str, load: LoadSnapshot) -> None:
         record = self._by_address.get(address)
