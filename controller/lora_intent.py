@@ -358,12 +358,7 @@ class LoraIntent:
         they were loaded: a fleet-wide adapter for a model only where that model is served."""
         wanted: dict[str, LoraSpec] = {}
         for (name, on), spec in self.loads.items():
-            model = self.models.get(name)
-            if on == address or (
-                on is None
-                and address not in self.unloaded_from.get(name, ())
-                and (model is None or model in models)
-            ):
+            if on == address or (on is None and self._wanted_fleet_wide(name, address, models)):
                 wanted.setdefault(name, spec)
         return list(wanted.values())
 
@@ -372,11 +367,16 @@ class LoraIntent:
         not from every load of every adapter."""
         if (lora_name, address) in self.loads:
             return True
+        return (lora_name, None) in self.loads and self._wanted_fleet_wide(
+            lora_name, address, models
+        )
+
+    def _wanted_fleet_wide(self, lora_name: str, address: str, models: Collection[str]) -> bool:
+        """Whether a fleet-wide load of `lora_name` is for the engine at `address`, serving
+        `models`: not unloaded from it, and for a model it serves (or for any)."""
         model = self.models.get(lora_name)
-        return (
-            (lora_name, None) in self.loads
-            and address not in self.unloaded_from.get(lora_name, ())
-            and (model is None or model in models)
+        return address not in self.unloaded_from.get(lora_name, ()) and (
+            model is None or model in models
         )
 
     def _put(self, key: tuple[str, str | None], spec: LoraSpec) -> None:
