@@ -311,11 +311,17 @@ class EngineCore:
         """Whether a request of this id runs (added and not ended)."""
         return request_id in self._requests
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
-        """Finish every unfinished output as CANCELLED; [] when unknown or already finished.
-        One that raises partway has forgotten the request all the same (`holds` is false,
-        its blocks free), its end never emitted."""
-        return self._finish_request(request_id, FinishReason.CANCELLED, "aborted")
+    def abort(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.CANCELLED,
+        message: str = "aborted",
+    ) -> list[RequestOutput]:
+        """Finish every unfinished output as `reason` (CANCELLED; ERROR where a failure ends
+        the request); [] when unknown or already finished. One that raises partway has
+        forgotten the request all the same (`holds` is false, its blocks free), its end never
+        emitted."""
+        return self._finish_request(request_id, reason, message)
 
     def abort_all(
         self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
