@@ -338,20 +338,15 @@ class EngineCore:
         message: str,
         error: ErrorKind = ErrorKind.ENGINE,
     ) -> list[RequestOutput]:
+        """End each unfinished output of a request (`_finish`: one that raises forgets it)."""
         state = self._requests.get(request_id)
         if state is None:
             return []
-        try:
-            return [
-                self._finish(
-                    state, out, reason, None, out.stop.finish(), message=message, error=error
-                )
-                for out in state.outputs
-                if not out.finished
-            ]
-        except BaseException:
-            self._forget(state)
-            raise
+        return [
+            self._finish(state, out, reason, None, out.stop.finish(), message=message, error=error)
+            for out in state.outputs
+            if not out.finished
+        ]
 
     def _forget(self, state: _RequestState) -> None:
         """A request whose end raised partway (an output marked finished, its blocks not freed
