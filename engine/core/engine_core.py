@@ -311,11 +311,17 @@ class EngineCore:
         """Whether a request of this id runs (added and not ended)."""
         return request_id in self._requests
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
-        """Finish every unfinished output as CANCELLED; [] when unknown or already finished.
-        One that raises partway has forgotten the request all the same (`holds` is false,
-        its blocks free), its end never emitted."""
-        return self._finish_request(request_id, FinishReason.CANCELLED, "aborted")
+    def abort(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.CANCELLED,
+        message: str = "aborted",
+    ) -> list[RequestOutput]:
+        """Finish every unfinished output as `reason` (CANCELLED; ERROR where a failure ends
+        the request); [] when unknown or already finished. One that raises partway has
+        forgotten the request all the same (`holds` is false, its blocks free), its end never
+        emitted."""
+        return self._finish_request(request_id, reason, message)
 
     def abort_all(
         self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
@@ -332,20 +338,15 @@ class EngineCore:
         message: str,
         error: ErrorKind = ErrorKind.ENGINE,
     ) -> list[RequestOutput]:
+        """End each unfinished output of a request (`_finish`: one that raises forgets it)."""
         state = self._requests.get(request_id)
         if state is None:
             return []
-        try:
-            return [
-                self._finish(
-                    state, out, reason, None, out.stop.finish(), message=message, error=error
-                )
-                for out in state.outputs
-                if not out.finished
-            ]
-        except BaseException:
-            self._forget(state)
-            raise
+        return [
+            self._finish(state, out, reason, None, out.stop.finish(), message=message, error=error)
+            for out in state.outputs
+            if not out.finished
+        ]
 
     def _forget(self, state: _RequestState) -> None:
         """A request whose end raised partway (an output marked finished, its blocks not freed

@@ -17,10 +17,12 @@ Request ids: the engine thread hands each output to the sink of the live request
 2. Abandoned (`abandon`, or its sink failed: the request is aborted): its id is free at once.
    The core's outputs of the id up to that abort (`_AbandonSettled`) reach no one.
 3. Stray (`_stray`): a request the core still runs after its abort failed (in `abort`,
-   `abandon`, `abort_all`, `stop`, a failing sink's). Its outputs from the core reach no one,
+   `abandon`, an abort of all's, a failing sink's). Its outputs from the core reach no one,
    and its id, no sink's, is taken until the core ends it (seen at the end of each round of the
    engine thread): `submit` refuses it as a duplicate, a request queued under it ends ERROR;
-   `abort_all`, which ends it in the core too, does not name it (no client waits on it).
+   an abort of all (`abort_all`, `stop`, a failed step's) ends it in the core too, on its own
+   if the core's abort of all fails, but `abort_all` does not name it nor count it in its
+   error (no client waits on it).
 4. Made up (`_Failed`): an ERROR end the loop makes up for a request reaches it if it is still
    live when handed over (else no one), and ends only its outputs not ended yet, its usage
    counting the tokens its sink was handed and each matched stop token left out of them (as
@@ -32,10 +34,11 @@ Request ids: the engine thread hands each output to the sink of the live request
 Failure handling: a failing step fails every live request (FinishReason.ERROR), after the
 outputs it produced before it failed (the ends of requests it ended; one whose end raised, the
 core forgot: made up), and the loop carries on; a failing sink aborts its request; if the
-core's abort of every request fails (`abort_all` or `stop`), each is aborted on its own (by
-`abort`'s rule), `abort_all`'s future failing (AbortFailedError); a failing `on_step`
-observer is logged; if the thread itself dies, every live request still gets a terminal ERROR
-output, and `submit` refuses from then on.
+core's abort of every request fails (`abort_all`, `stop`, or a failed step's, whose ends are
+ERROR), each is aborted on its own (by `abort`'s rule), stray ones too, `abort_all`'s future
+failing (AbortFailedError), and the loop carries on; a failing `on_step` observer is logged;
+if the thread itself dies, every live request still gets a terminal ERROR output, and
+`submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -159,6 +162,10 @@ class _AbandonSettled(NamedTuple):
 
     request_id: str
 
+
+# How the core ends a request it aborts (its reason and message): by default, as a client's abort.
+_End = tuple[FinishReason, str]
+_CANCELLED: _End = (FinishReason.CANCELLED, "aborted")
 
 # What the engine thread publishes: the core's outputs, and the loop's marks among them.
 _Item = RequestOutput | _Failed | _AbandonSettled
@@ -388,13 +395,9 @@ class EngineLoop:
             self._abandoned[request_id] += 1
 
             def command() -> list[_Item]:
-                try:
-                    outputs = self.core.abort(request_id)
-                except Exception:  # ended or not, its end may never come: settled all the same
-                    logger.exception("aborting abandoned request %s failed", request_id)
-                    self._keep_off(request_id)
-                    outputs = []
-                return [*outputs, _AbandonSettled(request_id)]
+                # (One whose abort fails, ended or not, its end may never come: settled all
+                # the same.)
+                return [*self._abort_one(request_id), _AbandonSettled(request_id)]
 
             self._commands.append(command)  # ahead of any request submitted from now on
             self._cond.notify()
@@ -425,9 +428,9 @@ class EngineLoop:
     def abort_all(self) -> Future[list[str]]:
         """Cancel every request submitted so far; the future lists those still running (the
         requests clients wait on: not a stray one, which the core ends too). Should the core's
-        abort of them all fail, each is aborted on its own (`abort`'s rules: one whose abort
-        fails too, or that the core forgot, its end never emitted, ends ERROR), and the future
-        fails with AbortFailedError."""
+        abort of them all fail, each is aborted on its own, a stray one too (`abort`'s rules:
+        one whose abort fails too, or that the core forgot, its end never emitted, ends
+        ERROR), and the future fails with AbortFailedError."""
         future: Future[list[str]] = Future()
 
         def command() -> list[_Item]:
@@ -446,16 +449,20 @@ class EngineLoop:
         return future
 
     def _abort_all(
-        self, requests: dict[str, _Live], stray: set[str]
+        self, requests: dict[str, _Live], stray: set[str], failure: str | None = None
     ) -> tuple[list[_Item], Exception | None]:
-        """The core's abort of every request (engine thread); should it fail, each of
-        `requests` is aborted on its own (`_abort_each`), and the error says so, counting
-        them (not `stray` ones, the core's requests of ids no client waits on)."""
+        """The core's abort of every request (engine thread): CANCELLED, or ERROR with
+        `failure` (a failed step's). Should it fail, each request is aborted on its own
+        (`_abort_each`: `requests`, the ones clients wait on, and `stray` ones, the core's of
+        ids no client waits on), and the error says so, counting `requests` alone. One made
+        up ends with `failure`, or says that the abort of every request failed."""
+        end = _CANCELLED if failure is None else (FinishReason.ERROR, failure)
         try:
-            return [*self.core.abort_all()], None
+            return [*self.core.abort_all(*end)], None
         except Exception as exc:
             logger.exception("aborting every request failed; aborting them one by one")
-            items = self._abort_each(requests, f"aborting every request failed: {exc}")
+            made_up = failure or f"aborting every request failed: {exc}"
+            items = self._abort_each(requests, stray, end, made_up)
         ended = _ended(items) - stray
         failed = {i.live.request.request_id for i in items if isinstance(i, _Failed)}
         return items, AbortFailedError(
@@ -463,23 +470,37 @@ class EngineLoop:
             f"{len(failed)} of {len(ended | failed)} ended with an error"
         )
 
-    def _abort_each(self, requests: dict[str, _Live], message: str) -> list[_Item]:
-        """Abort each of `requests` still live (not ended, abandoned or replaced since) in
-        the core, on the engine thread; one whose abort fails, or that the core no longer
-        holds (it ended it without emitting the end), ends ERROR with `message`."""
+    def _abort_each(
+        self,
+        requests: dict[str, _Live],
+        stray: set[str],
+        end: _End,
+        made_up: str,
+    ) -> list[_Item]:
+        """Abort in the core, on the engine thread, each of `requests` still live (not ended,
+        abandoned or replaced since), ending it as `end` says; one whose abort fails, or that
+        the core no longer holds (it ended it without emitting the end), ends ERROR with
+        `made_up`. Then each `stray` one (its outputs reach no one), which the core would
+        otherwise run on, holding its blocks and LoRA slot."""
         items: list[_Item] = []
         for request_id, entry in requests.items():
             with self._cond:
                 if self._sinks.get(request_id) is not entry:
                     continue
-            try:
-                ended = self.core.abort(request_id)
-            except Exception:
-                logger.exception("aborting request %s failed", request_id)
-                self._keep_off(request_id)
-                ended = []
-            items.extend(ended or [_Failed(entry, message)])
+            items.extend(self._abort_one(request_id, end) or [_Failed(entry, made_up)])
+        for request_id in stray:
+            items.extend(self._abort_one(request_id, end))
         return items
+
+    def _abort_one(self, request_id: str, end: _End = _CANCELLED) -> list[RequestOutput]:
+        """The core's abort of `request_id` (engine thread), its outputs; [] where it fails
+        (logged; the request kept off if the core runs it on, `_keep_off`)."""
+        try:
+            return self.core.abort(request_id, *end)
+        except Exception:
+            logger.exception("aborting request %s failed", request_id)
+            self._keep_off(request_id)
+            return []
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         """Run `fn(core)` in the engine thread between steps (snapshots, cache resets).
@@ -593,17 +614,20 @@ class EngineLoop:
             logger.exception("engine step failed; failing every running request")
             # What it produced before it failed first: the ends of requests it ended included.
             items.extend(self.core.take_failed_step_outputs())
-            items.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
-            # A request whose end raised in the step is gone from the core, its end never
-            # emitted (and not the abort's): made up. (Stale at hand-over for one whose end
-            # is among `items`.)
-            with self._cond:
-                taken_in = [live for live in self._sinks.values() if live.added]
-            items.extend(
-                _Failed(live, "engine step failed")
-                for live in taken_in
-                if not self.core.holds(live.request.request_id)
-            )
+            with self._cond:  # (a request queued and not added yet is not in the core)
+                taken_in = {rid: live for rid, live in self._sinks.items() if live.added}
+                stray = set(self._stray)
+            aborted, abort_failed = self._abort_all(taken_in, stray, "engine step failed")
+            items.extend(aborted)
+            if abort_failed is None:
+                # A request whose end raised in the step is gone from the core, its end never
+                # emitted (and not the abort's): made up (as `_abort_each` makes it up where
+                # the abort of all failed). Stale at hand-over for one whose end is in `items`.
+                items.extend(
+                    _Failed(live, "engine step failed")
+                    for request_id, live in taken_in.items()
+                    if not self.core.holds(request_id)
+                )
             return StepResult([], None)
         items.extend(result.outputs)
         return StepResult([], result.stats, result.num_preempted)
@@ -651,12 +675,8 @@ class EngineLoop:
         # Aborted once every output of this result is handed over: the core has not taken a
         # request of those ids since (commands run on this thread only).
         dropped: list[RequestOutput] = []
-        for request_id in failed:
-            try:
-                dropped.extend(self.core.abort(request_id))
-            except Exception:  # its end may never come: settled all the same
-                logger.exception("aborting request %s failed", request_id)
-                self._keep_off(request_id)
+        for request_id in failed:  # (one whose abort fails, its end may never come: settled)
+            dropped.extend(self._abort_one(request_id))
             with self._cond:
                 self._settle_abandoned(request_id)
         if dropped:  # its blocks are free now: the load measured above still holds them

@@ -273,8 +273,8 @@ class AbortFailsOnce(EngineCore):
 
     failed = False
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
-        outputs = super().abort(request_id)
+    def abort(self, request_id: str, *args: Any, **kwargs: Any) -> list[RequestOutput]:
+        outputs = super().abort(request_id, *args, **kwargs)
         if not self.failed:
             self.failed = True
             raise RuntimeError("freeing the request's resources failed")
@@ -414,11 +414,11 @@ class AbortFailsKeeping(EngineCore):
         super().__init__(*args, **kwargs)
         self.abort_armed = threading.Semaphore(1)
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
+    def abort(self, request_id: str, *args: Any, **kwargs: Any) -> list[RequestOutput]:
         if self.abort_armed.acquire(blocking=False):
             self.abort_failures += 1
             raise RuntimeError("aborting the request failed")
-        return super().abort(request_id)
+        return super().abort(request_id, *args, **kwargs)
 
 
 class AbortFailsPartway(EngineCore):
@@ -442,10 +442,10 @@ class AbortFailsPartway(EngineCore):
 
         self.block_manager.free = failing_free  # type: ignore[method-assign]
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
+    def abort(self, request_id: str, *args: Any, **kwargs: Any) -> list[RequestOutput]:
         self._aborting = True
         try:
-            return super().abort(request_id)
+            return super().abort(request_id, *args, **kwargs)
         finally:
             self._aborting = False
 
@@ -625,24 +625,31 @@ async def test_a_retry_of_an_abandoned_request_that_runs_on_gets_none_of_its_out
 
 
 class AbortAllFails(EngineCore):
-    """A core whose abort of every request fails once per `armed.release()` (once at first),
-    before it did anything or (`forgets`) after it ended every request (as one whose freeing
-    of their resources raises): those are gone, their ends never emitted."""
+    """A core whose abort of every request fails before it did anything or (`forgets`) after
+    it ended every request (as one whose freeing of their resources raises): those are gone,
+    their ends never emitted. Its abort that cancels them all (AbortAll, stop) fails once per
+    `armed.release()` (once at first); its abort that ends them all ERROR (a failed step's, or
+    the engine thread's as it dies) once per `error_armed.release()` (none at first)."""
 
     forgets = False
     failures = 0
+    error_failures = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.armed = threading.Semaphore(1)
+        self.error_armed = threading.Semaphore(0)
 
     def abort_all(
         self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
     ) -> list[RequestOutput]:
-        # The loop's own (ERROR: a step or the thread failed) never fails.
-        if reason is not FinishReason.CANCELLED or not self.armed.acquire(blocking=False):
+        cancels = reason is FinishReason.CANCELLED
+        if not (self.armed if cancels else self.error_armed).acquire(blocking=False):
             return super().abort_all(reason, message)
-        self.failures += 1
+        if cancels:
+            self.failures += 1
+        else:
+            self.error_failures += 1
         if self.forgets:
             super().abort_all(reason, message)
         raise RuntimeError("freeing the requests' resources failed")
@@ -751,6 +758,45 @@ async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request(
         assert sorted(o.output_index for o in outputs if o.finished) == [0, 1]
         assert {o.finish_reason for o in outputs if o.finished} == {FinishReason.CANCELLED}
     assert not core.holds("a") and not core.holds("b")
+
+
+class AbortAndAbortAllFail(AbortAllFails, AbortFailsKeeping):
+    """A core whose first abort of a request fails before it did anything (the request runs
+    on), and whose first abort of every request (cancelling them) fails too."""
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_abort_of_all_ends_a_request_the_core_ran_on_after_its_abort() -> None:
+    """A request's abort fails in the core, which runs it on (its client had its ERROR end:
+    no client's now); an abort of all then comes, with another request running, and the
+    core's abort of them all fails before it did anything. Each is aborted on its own, the
+    one run on too: right after, the core holds neither. The abort's error counts the other
+    alone, and a request of the first one's id runs to its end. The one run on used to be
+    left running after the abort of all, holding its blocks (and a LoRA slot) for as long as
+    it ran."""
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortAndAbortAllFail(runner)
+    engine = EngineLoop(core)
+    engine.start()
+    outputs = await aborted_in_the_core(engine, max_tokens=100_000)
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    assert core.abort_failures == 1
+    other: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("other", (1, 2, 3), SamplingParams(max_tokens=100_000)),
+        asyncio_sink(asyncio.get_running_loop(), other),
+    )
+    async with engine_thread_held(engine):  # one round: nothing runs between them
+        aborted_all = engine.abort_all()
+        left = engine.call(lambda core: (core.holds("same"), core.holds("other")))
+    with pytest.raises(AbortFailedError, match="each was aborted on its own: 0 of 1 "):
+        await asyncio.wait_for(asyncio.wrap_future(aborted_all), timeout=10)
+    assert core.failures == 1
+    assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, False)
+    assert (await collect(other))[-1].finish_reason is FinishReason.CANCELLED
+    await own_outputs_once_its_id_is_free(engine, runner)
+    await eventually(lambda: engine.load().num_running == 0, what="the engine idle")
+    engine.stop(timeout_s=10)
 
 
 class AdapterFreeingFailsOnce(SimRunner):
@@ -1051,6 +1097,45 @@ async def test_a_request_a_failing_step_ended_before_it_failed_gets_its_end() ->
     )
     assert (await collect(again))[-1].finish_reason is FinishReason.LENGTH
     assert engine.num_live_requests() == 0
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("forgets", [False, True])
+async def test_a_failed_step_whose_abort_of_all_fails_ends_each_request_and_serves_on(
+    forgets: bool,
+) -> None:
+    """A forward pass fails, and the core's abort of every request after it (ERROR) fails
+    too, before it did anything or after it ended them all (their ends never emitted). Each
+    request is aborted on its own: each output of each ends ERROR, "engine step failed", the
+    core holds none of them nor their blocks, and the engine goes on: a request of a used id
+    runs to its end. The engine thread died instead (the abort's error escaped it): each
+    request ended "the engine stopped", and the engine served no more."""
+    runner = FlakyRunner(block_size=4, num_blocks=256, time_scale=0)
+    core = AbortAllFails(runner)
+    core.armed.acquire()  # (only the failed step's abort of all fails)
+    core.error_armed.release()
+    core.forgets = forgets
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
+    async with engine_thread_held(engine):  # both in the pass that fails
+        runner.armed = True
+        for request_id, queue in zip(["same", "other"], queues, strict=True):
+            sampling = SamplingParams(max_tokens=100_000, num_sequences=2)
+            engine.submit(EngineRequest(request_id, (1, 2, 3), sampling), asyncio_sink(loop, queue))
+    for queue in queues:
+        outputs = await collect(queue)
+        assert sorted(o.output_index for o in outputs if o.finished) == [0, 1]
+        ends = {(o.finish_reason, o.message) for o in outputs if o.finished}
+        assert ends == {(FinishReason.ERROR, "engine step failed")}
+    assert core.error_failures == 1
+    left = engine.call(
+        lambda core: (core.holds("same"), core.holds("other"), core.load().num_used_blocks)
+    )
+    assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, False, 0)
+    await a_request_of_the_id_runs_to_its_end(engine)
     engine.stop(timeout_s=10)
 
 

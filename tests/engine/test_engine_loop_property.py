@@ -1,8 +1,9 @@
 """EngineLoop's request ids against a naive model, under any order of submit, abandon (the
 client gone), abort (the RPC), abort_all (which may fail in the core), an abort of one request
 that fails in the core (at once, or partway through ending it), a sink that fails once,
-a failing forward pass, a request's end in a step that fails partway and the engine thread
-held or let run, over three ids reused all the time (hypothesis stateful).
+a failing forward pass (the core's abort of all after it may fail too), a request's end in a
+step that fails partway and the engine thread held or let run, over three ids reused all the
+time (hypothesis stateful).
 
 The model is each request's own outputs: the sim runner's tokens are a function of the prompt's
 last token, so every request (a prompt of its own) knows the tokens it may get. Sinks may also
@@ -21,6 +22,9 @@ chance. Once everything has settled:
 - the loop holds no sink and no abandoned id, and accepts a new request under every id, which
   gets its own outputs to its end;
 - every output reported (`on_step`) is a plain RequestOutput;
+- the engine thread still runs (no failure, a failed step's included, stops it);
+- right after an abort of all, the core runs no request on (a stray one included) but one
+  whose own abort failed at once meanwhile, or one abandoned whose abort is queued still;
 - while the engine thread is held (nothing runs on it), and in a sink (on it), an id is free
   exactly when the model says so (its request abandoned, ended or dropped): submit accepts it
   or refuses a duplicate.
@@ -60,8 +64,9 @@ IDS = ("a", "b", "c")
 
 
 class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep):
-    """A core whose abort of every request fails as `armed` says (before it did anything,
-    or after it ended them all: `forgets`), whose abort of one request fails as
+    """A core whose abort of every request fails as `armed` says (cancelling them) or as
+    `error_armed` says (a failed step's), before it did anything or after it ended them all
+    (`forgets`), whose abort of one request fails as
     `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
     says, partway (it forgets the request, its end never emitted), and whose end of an output
     in a step fails partway as `end_armed` says (the step fails, the request forgotten)."""
@@ -129,6 +134,9 @@ class EngineLoopIds(RuleBasedStateMachine):
         self.held: Future[None] | None = None
         self.futures: list[Future[Any]] = []
         self.abort_all_failures = 0  # how many of the core's aborts of all were armed to fail
+        # Per abort of all: the core's failed aborts of one request just before it, and just
+        # after it (the same, and the ids the core still runs that no queued abandon aborts).
+        self.aborts_of_all: list[tuple[Future[int], Future[tuple[int, set[str]]]]] = []
         self.violations: list[str] = []
 
     # ------------------------------------------------------------------ the model's requests
@@ -271,7 +279,12 @@ class EngineLoopIds(RuleBasedStateMachine):
                 self.abort_all_failures += 1
                 self.core.forgets = forgets
                 self.core.armed.release()
-            self.futures.append(self.engine.abort_all())
+            engine = self.engine
+            with engine._cond:  # one batch of the engine thread: nothing runs between them
+                before = engine.call(lambda _core: self.core.abort_failures)
+                self.futures.append(engine.abort_all())
+                after = engine.call(self._running_on)
+            self.aborts_of_all.append((before, after))
         else:
             self.futures.append(self.engine.abort(request_id))
 
@@ -296,11 +309,23 @@ class EngineLoopIds(RuleBasedStateMachine):
         up for its client, ERROR), and its id is free."""
         self.core.end_armed.release()
 
-    @rule()
-    def fail_a_pass(self) -> None:
+    @rule(abort_all_fails=st.booleans(), forgets=st.booleans())
+    def fail_a_pass(self, abort_all_fails: bool, forgets: bool) -> None:
         """The next forward pass fails: every request it computes ends ERROR (those it ended
-        before failing with their own end)."""
+        before failing with their own end). The core's abort of all after a failed step may
+        fail too (before it did anything, or after it ended them all: `forgets`), when each
+        request is aborted on its own; the engine thread carries on."""
         self.runner.armed = True
+        if abort_all_fails:
+            self.core.forgets = forgets
+            self.core.error_armed.release()
+
+    def _running_on(self, core: EngineCore) -> tuple[int, set[str]]:
+        """The core's failed aborts of one request so far, and the ids it runs that no
+        abandon queued aborts (engine thread)."""
+        with self.engine._cond:
+            abandoned = set(self.engine._abandoned)
+        return self.core.abort_failures, {i for i in IDS if core.holds(i)} - abandoned
 
     @rule()
     def hold_or_release(self) -> None:
@@ -355,9 +380,15 @@ class EngineLoopIds(RuleBasedStateMachine):
                 assert isinstance(future.exception(), AbortFailedError), future.exception()
                 failed += 1
         assert failed == self.abort_all_failures == self.core.failures
+        for before, after in self.aborts_of_all:
+            failures, running_on = after.result(WAIT_S)
+            if failures == before.result(WAIT_S):  # (no abort of one failed, keeping it)
+                assert not running_on, f"the core runs {running_on} on after an abort of all"
+        self.aborts_of_all.clear()
 
     def _check(self) -> None:
         engine = self.engine
+        assert self.engine.running, "the engine thread stopped"
         with self.lock:
             assert not self.violations, self.violations
             for req in self.reqs:
