@@ -80,8 +80,9 @@ decision (who is held out, who routed) stands, not made again at each answer of 
 until the fleet changes (`version`), an answer changes what it is made of (an ejection found
 over, a hold-down's ready time begun or its hold-down over: that engine's), or the time
 reaches the end of an ejection the cap routes past. An engine that leaves the cap's decision
-by a drain, a cordon or a new process keeps the words it was shown with then as its error,
-until a health answer or a poll says otherwise.
+by a drain, a cordon or a new process keeps the words it was shown with then (a new process:
+as of when it was found) as its error, until a health answer or a poll says otherwise (a
+cordoned one, until it is uncordoned too: back in the cap's decision, it keeps none).
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -1075,7 +1076,10 @@ class Registry:
 
     def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
         record = self.get(key)
-        self._keep_shown_error(record)
+        if cordoned:
+            self._keep_shown_error(record)
+        elif record.state in _READY_TO_ITS_POLLS:
+            record.last_error = ""  # back in the cap's decision: shown as `error_of` makes it
         record.cordoned = cordoned
         self._changed()
         self._decide_cap()
@@ -1199,8 +1203,8 @@ class Registry:
         under a fixed instance id keeps its identity, and is not taken for a restart here)."""
         record = self._by_address.get(address)
         if record is not None and record.state is not EngineState.INCOMPATIBLE:
-            self._keep_shown_error(record)
             self._now_s = max(self._now_s, now_s)
+            self._keep_shown_error(record)  # (as of `now_s`, when the new process was found)
             if not same_instance:
                 self._count_flap(record, EngineState.UNKNOWN, now_s)
             self._restart_ready_time(record)  # no flap under the same id, but not ready

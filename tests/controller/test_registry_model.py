@@ -314,7 +314,8 @@ class RegistryMachine(RuleBasedStateMachine):
 
     def keep_shown(self, engine: Engine) -> None:
         """It leaves the cap's decision by a drain, a cordon or a new process: what it was
-        shown with stays its error until an answer or a poll says otherwise."""
+        shown with stays its error until an answer or a poll says otherwise (or, cordoned,
+        until it is uncordoned)."""
         engine.error = self.shown(engine, self.recorded)
 
     def in_rotation(self) -> list[Engine]:
@@ -599,8 +600,8 @@ class RegistryMachine(RuleBasedStateMachine):
         """Out of routing until its identity is read; a flap unless under the same id."""
         if engine.state is EngineState.INCOMPATIBLE:
             return
-        self.keep_shown(engine)
         self.record_time(now)
+        self.keep_shown(engine)  # as of when it was found
         if same_instance:
             self.not_ready(engine)  # no flap, but a spell not ready all the same
             engine.state = EngineState.UNKNOWN
@@ -831,7 +832,10 @@ class RegistryMachine(RuleBasedStateMachine):
                 self.registry.set_cordoned(key, cordoned)
             return
         assert self.registry.set_cordoned(key, cordoned).address == engine.address
-        self.keep_shown(engine)
+        if cordoned:
+            self.keep_shown(engine)
+        elif engine.state in SAYS_READY:
+            engine.error = ""  # back in the cap's decision: no words kept
         engine.cordoned = cordoned
         self.decide_cap()
 
