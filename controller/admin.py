@@ -58,7 +58,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             owner=record.owner,
             indexed_blocks=indexed.get(record.address, 0),
             inflight_requests=self.controller.router.inflight.of(record.address).requests,
-            last_error=record.last_error,
+            last_error=self.controller.fleet.error_of(record),
         )
         following = self.controller.fleet.event_following(record)
         info.kv_events_state = following.state.value

@@ -744,6 +744,11 @@ class Fleet:
         engine = self._engines.get(address)
         return engine.source if engine is not None else None
 
+    def error_of(self, record: EngineRecord) -> str:
+        """What the engine is shown with now (`Registry.error_of` at this fleet's clock: an
+        ejected or held-down engine's time left counts down between its polls)."""
+        return self.registry.error_of(record, self._clock())
+
     def event_following(self, record: EngineRecord) -> EventFollowing:
         """Whether this replica follows the engine's KV events into its index now, and if not
         why (`controller.event_following`); a removed engine's record says it is not."""
@@ -835,7 +840,7 @@ class Fleet:
                 "engine %s ejected from routing for %g s: %s",
                 engine,
                 ejected_s,
-                self.registry.get(engine).last_error,
+                self.error_of(self.registry.get(engine)),
             )
             await self._notify()
         return ejected_s

@@ -1665,7 +1665,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             pb.HealthCheck(
                 name=f"engine:{r.address}",
                 state=_HEALTH_PB[r.state],
-                message=_check_message(r),
+                message=_check_message(r, self.controller.fleet.error_of(r)),
             )
             for r in records
         )
@@ -1947,13 +1947,13 @@ def _degraded_by(
     return state
 
 
-def _check_message(record: EngineRecord) -> str:
-    """An engine's check message: its last error, after its cordon and, where HealthState has
-    no word for its state (NOT_READY stands for unknown, unreachable, failing, incompatible),
-    the state itself: an operator tells a dead engine from one answering with errors. The
-    cordon is its own part ("cordoned; unreachable: ..."): it is the operator's doing, the
-    rest the engine's."""
-    detail = record.last_error
+def _check_message(record: EngineRecord, error: str) -> str:
+    """An engine's check message: its `error` (`Fleet.error_of`), after its cordon and, where
+    HealthState has no word for its state (NOT_READY stands for unknown, unreachable,
+    failing, incompatible), the state itself: an operator tells a dead engine from one
+    answering with errors. The cordon is its own part ("cordoned; unreachable: ..."): it is
+    the operator's doing, the rest the engine's."""
+    detail = error
     if record.state is not EngineState.NOT_READY and _HEALTH_PB[record.state] == (
         pb.HEALTH_STATE_NOT_READY
     ):

@@ -69,6 +69,21 @@ engine that drains, or one an operator cordoned (and restarts, say, while workin
 not flapping, and its leaves do not count (nor the leave of a process drained through another
 controller replica, `drained_elsewhere`).
 
+What an engine the cap decides on is shown with (admin `workers`, the gateway's Health
+checks) is made when it is read, by one method, `Registry.error_of`, from its record and the
+time asked at: ejected, why and for how long; held down, its flaps and when it is routable
+("routable in N s", counting down as the time passes, whether or not anything was recorded
+since); routed by the cap all the same, why, and when its ejection or hold-down ends. Its
+`last_error` (its own: what a failed poll, a health answer or a rejection said) is empty
+while its health says ready. So a health answer writes none of those words, and the cap's
+decision (who is held out, who routed) stands, not made again at each answer of each engine,
+until the fleet changes (`version`), an answer changes what it is made of (an ejection found
+over, a hold-down's ready time begun or its hold-down over: that engine's), or the time
+reaches the end of an ejection the cap routes past. An engine that leaves the cap's decision
+by a drain, a cordon or a new process keeps the words it was shown with then (a new process:
+as of when it was found) as its error, until a health answer or a poll says otherwise (a
+cordoned one, until it is uncordoned too: back in the cap's decision, it keeps none).
+
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
 gateway's own LoadLora/UnloadLora/ListLoras, and the fleet service's restores of the fleet's
@@ -87,6 +102,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -436,6 +452,8 @@ class EngineRecord:
     identity: EngineIdentity | None = None
     state: EngineState = EngineState.UNKNOWN
     cordoned: bool = False
+    # Its own error (a failed poll's, a health answer's, a rejection's); empty while its
+    # health says ready: what it is shown with then is `Registry.error_of`'s.
     last_error: str = ""
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     num_failures: int = 0
@@ -581,6 +599,18 @@ def _in_rotation(record: EngineRecord) -> bool:
     return record.routable or (record.state in _HELD_OUT_STATES and not record.cordoned)
 
 
+def _cap_inputs(record: EngineRecord) -> tuple[float | None, float, float | None, int]:
+    """What the cap's decision (`Registry._decide_cap`) reads of `record` besides its state
+    and cordon (each change of which moves `version`): when its ejection ends, how long its
+    hold-down is, since when it has been ready, and its flaps."""
+    return (
+        record.ejected_until_s,
+        record.hold_s,
+        record.held_ready_since_s,
+        len(record.flap_times),
+    )
+
+
 def _hold_down_ends_s(record: EngineRecord, now_s: float) -> float:
     """When the ready time of `record`'s hold-down ends, if it stays ready from `now_s` on
     (or from when it has been)."""
@@ -669,8 +699,8 @@ class Registry:
         # `served_name` by model, kept until the next change too: asked by every text prompt
         # of a model the controller has no tokenizer of its own for.
         self._served_name_memo = RegistryMemo(self, self._scan_served_name)
-        # The latest time a poll or a request's outcome was recorded at: what a held-down
-        # engine's error is written as of when the cap holds it out between its own polls.
+        # The latest time a poll or a request's outcome was recorded at: what the cap decides
+        # as of, and `error_of` makes an engine's error as of unless told the time.
         self._now_s = 0.0
         # The records of engines removed while their flaps counted (flaps in the window, or
         # hold-downs in a row), by address, with when they left: an engine registered again
@@ -683,9 +713,10 @@ class Registry:
         # would eject its engine (`on_request_failed`). The metric
         # `kvplane_controller_routed_by_cap_total`.
         self.routed_by_cap = dict.fromkeys(CAPPED_REASONS, 0)
-        # The `version` at which the cap's decision was last found to stand until the next
-        # change (`_decide_cap`); None: to be decided again at every call.
+        # The `version` at which the cap's decision was last made, and the time until which
+        # it stands unless the fleet changes (`_decide_cap`); None: to be made again.
         self._cap_settled: int | None = None
+        self._cap_settled_until_s = math.inf
 
     def on_change(self, changed: Callable[[], None]) -> None:
         """Call `changed` at each change that can take an engine into or out of `routable`
@@ -1030,6 +1061,7 @@ class Registry:
         record = self.get(key)
         record.drain_requested = True
         if record.state in _READY_TO_ITS_POLLS:
+            self._keep_shown_error(record)
             record.state = EngineState.DRAINING
             self._changed()
             self._decide_cap()
@@ -1044,6 +1076,10 @@ class Registry:
 
     def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
         record = self.get(key)
+        if cordoned:
+            self._keep_shown_error(record)
+        elif record.state in _READY_TO_ITS_POLLS:
+            record.last_error = ""  # back in the cap's decision: shown as `error_of` makes it
         record.cordoned = cordoned
         self._changed()
         self._decide_cap()
@@ -1168,6 +1204,7 @@ class Registry:
         record = self._by_address.get(address)
         if record is not None and record.state is not EngineState.INCOMPATIBLE:
             self._now_s = max(self._now_s, now_s)
+            self._keep_shown_error(record)  # (as of `now_s`, when the new process was found)
             if not same_instance:
                 self._count_flap(record, EngineState.UNKNOWN, now_s)
             self._restart_ready_time(record)  # no flap under the same id, but not ready
@@ -1232,6 +1269,7 @@ class Registry:
         if record is None or record.state is EngineState.INCOMPATIBLE:
             return
         self._now_s = max(self._now_s, now_s)
+        cap_inputs = _cap_inputs(record)
         ejected = record.ejected_until_s is not None and now_s < record.ejected_until_s
         self._count_flap(record, state, now_s)
         held = state in ROUTABLE_STATES and self._still_held(record, now_s)
@@ -1253,14 +1291,12 @@ class Registry:
                 state = EngineState.HELD_DOWN
         if not ejected:
             record.ejected_until_s = None
-        if state is EngineState.EJECTED:
-            record.last_error = self._ejected_error(record, routed=False)
-        elif state is EngineState.HELD_DOWN:
-            record.last_error = self._held_for(record, now_s)
-        else:
-            record.last_error = "" if state in ROUTABLE_STATES else message
+        # Ejected or held down, its words are `error_of`'s, made when read.
+        record.last_error = "" if state in _READY_TO_ITS_POLLS else message
         if state is not record.state:
             self._changed()
+        if _cap_inputs(record) != cap_inputs:
+            self._cap_settled = None  # (what the cap reads of it changed: decided again)
         record.state = state
         record.num_failures = 0
         record.next_attempt_s = now_s
@@ -1337,6 +1373,32 @@ class Registry:
                 return False
         return True
 
+    def error_of(self, record: EngineRecord, now_s: float | None = None) -> str:
+        """What `record`'s engine is shown with as of `now_s` (None: the latest time recorded):
+        an engine the cap decides on (the module's "Outlier ejection" and "Hold-down"), held
+        out or routed all the same, why, and until when; any other, its `last_error`. Made
+        here, when read, and nowhere else."""
+        if now_s is None:
+            now_s = self._now_s
+        state = record.state
+        if state is EngineState.EJECTED:
+            return self._ejected_error(record, now_s, routed=False)
+        if state is EngineState.HELD_DOWN:
+            return self._held_for(record, now_s)
+        if state in ROUTABLE_STATES and not record.cordoned:
+            # Routed by the cap: those `_decide_cap` lists, its ejection first.
+            if record.ejected_until_s is not None:
+                return self._ejected_error(record, now_s, routed=True)
+            if record.hold_s:
+                return self._held_for(record, now_s, routed=True)
+        return record.last_error
+
+    def _keep_shown_error(self, record: EngineRecord) -> None:
+        """`record` leaves the cap's decision otherwise than by a health answer or a poll (a
+        drain, a cordon, a new process): the words it was shown with (`error_of`) stay its
+        error, as of now, until an answer or a poll says otherwise."""
+        record.last_error = self.error_of(record)
+
     def _held_for(self, record: EngineRecord, now_s: float, routed: bool = False) -> str:
         """Why a held-down engine that says it is ready is not routed, and until when; with
         `routed` (the cap routes it all the same), why it is, and when its hold-down ends."""
@@ -1364,10 +1426,14 @@ class Registry:
         into or out of traffic."""
         # This runs at every health answer of every engine: at hundreds of engines, going
         # over them all each time cost as much as the rest of the polls, so not again while
-        # what it decided stands (no change since, nothing decided by the time).
-        if self.version == self._cap_settled:
+        # what it decided stands: no change of the fleet since (`version`; an answer that
+        # changes what it reads of its engine, `_cap_inputs`, unsettles it too), and the
+        # time short of the end of an ejection it routes past (then that engine is routed
+        # for good, which may leave room to hold out another).
+        if self.version == self._cap_settled and self._now_s < self._cap_settled_until_s:
             return
         records = self._by_address.values()
+        self._cap_settled_until_s = math.inf
         if not any(r.ejected_until_s is not None or r.hold_s for r in records):
             self._cap_settled = self.version
             return
@@ -1388,27 +1454,25 @@ class Registry:
                 # Routed by the cap, its ejection over as of the latest time recorded: routed
                 # for good (its next health answer would find it over), not held out again.
                 r.ejected_until_s = None
-                r.last_error = ""
             if r.hold_s and r.ejected_until_s is None and state is not EngineState.EJECTED:
                 held.append(r)
+                if r.held_ready_since_s is None:
+                    # (Its hold-down's end, and so the order, runs with the time: decided
+                    # again at every call. Not met: an engine saying ready has begun its
+                    # ready time, `_still_held`.)
+                    self._cap_settled_until_s = now_s
         room = in_rotation // 2
-        # Every ejected engine held out and none held down (whose errors run with the time):
-        # it stands until the next change.
-        self._cap_settled = None if held or len(ejected) > room else self.version
         ejected.sort(key=lambda r: (-(r.ejected_until_s or 0.0), r.address))
         for n, record in enumerate(ejected):
-            was = record.state
             self._hold_out(record, EngineState.EJECTED, n < room, CAPPED_EJECTION)
-            if n >= room or was is not EngineState.EJECTED:
-                # (Held out as it was: its error, "out of routing for ...", is the same.)
-                record.last_error = self._ejected_error(record, routed=n >= room)
-        if self._cap_settled is not None:
-            self._cap_settled = self.version  # (as `_hold_out` may have changed it)
+            if n >= room:
+                until_s = record.ejected_until_s or 0.0
+                self._cap_settled_until_s = min(self._cap_settled_until_s, until_s)
         room = max(0, room - len(ejected))
         held.sort(key=lambda r: (-_hold_down_ends_s(r, now_s), -len(r.flap_times), r.address))
         for n, record in enumerate(held):
             self._hold_out(record, EngineState.HELD_DOWN, n < room, CAPPED_HOLD_DOWN)
-            record.last_error = self._held_for(record, now_s, routed=n >= room)
+        self._cap_settled = self.version  # (as `_hold_out` may have moved it)
 
     def _hold_out(self, record: EngineRecord, out: EngineState, kept_out: bool, why: str) -> None:
         """The cap's decision on `record`: held `out` (EJECTED, HELD_DOWN), or routed as its
@@ -1420,12 +1484,12 @@ class Registry:
             self._changed()
             record.state = state
 
-    def _ejected_error(self, record: EngineRecord, routed: bool) -> str:
+    def _ejected_error(self, record: EngineRecord, now_s: float, routed: bool) -> str:
         """Why an ejected engine is out of routing, and for how long; with `routed` (the cap
         routes it all the same), why it is routed, and when its ejection ends."""
         if not routed:
             return f"{record.ejected_for}; out of routing for {record.ejection_s:g} s"
-        left_s = max(0.0, (record.ejected_until_s or 0.0) - self._now_s)
+        left_s = max(0.0, (record.ejected_until_s or 0.0) - now_s)
         return f"{_EJECTED_ROUTED}{record.ejected_for}; ejection over in {left_s:.0f} s"
 
     def on_request_served(self, engine: str) -> None:
@@ -1460,7 +1524,6 @@ class Registry:
         record.ready_as = record.state
         record.state = EngineState.EJECTED
         self._changed()
-        record.last_error = self._ejected_error(record, routed=False)
         self._decide_cap()  # room for the ejection: a held-down engine may be routed
         return duration_s
 

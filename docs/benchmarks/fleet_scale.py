@@ -3,6 +3,7 @@ costs as the fleet grows.
 
     python docs/benchmarks/fleet_scale.py [--engines 8 64 256] [--idle-s 30] [--requests 400]
         [--load-poll-s 0.5] [--profile DIR] [--no-load] [--decisions [--no-model]]
+        [--health-rounds ROUNDS]
 
 For each fleet size N: one process serves N sim engines (`--model sim`, `time_scale: 0`), each
 its own grpc.aio server on its own loopback port, built by `engine.server.service.start_engine`
@@ -33,6 +34,12 @@ checked first as the gateway checks them (`Controller.check_model`): the fleet's
 model is looked up twice a request (`Registry.default_model`), for the check and for the
 session key.
 
+`--health-rounds ROUNDS` measures instead, in this process, the CPU of one round of health
+answers (one `Registry.on_health` per engine, every engine READY, the time one second on at
+each round) over N engines of which a quarter are ejected and a quarter held down (after a
+flap) while saying READY: what the fleet's poll loop spends in the registry while engines are
+held out, `ROUNDS` rounds.
+
 `--profile DIR` also runs the controller under cProfile and writes DIR/controller-N.prof when it
 stops (cProfile's per-call cost inflates code that makes many small calls: compare profiles with
 each other, not with the figures above); `--no-load` stops the controller after the idle window,
@@ -43,6 +50,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import logging
 import os
 import random
 import signal
@@ -377,12 +386,63 @@ async def decisions(count: int, requests: int, *, no_model: bool = False) -> Non
     )
 
 
+def health_rounds(count: int, rounds: int) -> None:
+    """CPU of a round of health answers over `count` engines, a quarter of them ejected and a
+    quarter held down, all of them saying READY."""
+    from controller.registry import (
+        EjectionPolicy,
+        EngineIdentity,
+        EngineState,
+        HoldDownPolicy,
+        Registry,
+        Role,
+    )
+
+    logging.getLogger("controller.registry").setLevel(logging.ERROR)  # a warning a hold-down
+    # An ejection at the first failed request, a hold-down at the first flap, both outlasting
+    # the run.
+    long_s = 1e9
+    registry = Registry(
+        ejection=EjectionPolicy(after_failures=1, initial_s=long_s, max_s=long_s),
+        hold_down=HoldDownPolicy(after_flaps=1, window_s=long_s, initial_s=long_s, max_s=long_s),
+    )
+    addresses = [f"127.0.0.1:{20_000 + i}" for i in range(count)]
+    now_s = 0.0
+    for i, address in enumerate(addresses):
+        registry.add(address)
+        identity = EngineIdentity(
+            f"e{i}", "sim", "0", Role.AGGREGATED, ("sim",), 16, 1, 1, "v1.0.0"
+        )
+        registry.on_identity(address, identity)
+        registry.on_health(address, EngineState.READY, now_s)
+    for address in addresses[: count // 4]:
+        registry.on_request_failed(address, now_s, "INTERNAL: device error")
+    for address in addresses[count // 4 : count // 2]:
+        registry.on_health(address, EngineState.NOT_READY, now_s)
+        registry.on_health(address, EngineState.READY, now_s)
+    states = collections.Counter(r.state.value for r in registry.records())
+    started = time.thread_time()
+    for _ in range(rounds):
+        now_s += 1.0
+        for address in addresses:
+            registry.on_health(address, EngineState.READY, now_s)
+    spent = (time.thread_time() - started) / rounds
+    print(
+        f"N={count:5d} ({', '.join(f'{n} {s}' for s, n in sorted(states.items()))}): "
+        f"{spent * 1e3:8.2f} ms CPU a round of health answers ({spent / count * 1e6:6.1f} us an "
+        f"answer), in process (load average {os.getloadavg()[0]:.2f})",
+        flush=True,
+    )
+
+
 async def main(args: argparse.Namespace) -> None:
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fleet-scale-") as scratch:
         for count in args.engines:
-            if args.decisions:
+            if args.health_rounds is not None:
+                health_rounds(count, args.health_rounds)
+            elif args.decisions:
                 await decisions(count, args.requests, no_model=args.no_model)
             else:
                 await measure(count, args, Path(scratch))
@@ -400,6 +460,7 @@ if __name__ == "__main__":
     parser.add_argument("--no-load", action="store_true")
     parser.add_argument("--decisions", action="store_true")
     parser.add_argument("--no-model", action="store_true", help="with --decisions")
+    parser.add_argument("--health-rounds", type=int, default=None)
     parser.add_argument("--serve-engines", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

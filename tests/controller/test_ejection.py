@@ -152,13 +152,13 @@ async def test_an_ejected_engine_comes_back_on_probation_and_a_served_request_cl
     try:
         await until_calls(fleet, broken.servicer, 2)
         assert state() is EngineState.EJECTED
-        assert "out of routing for 0.5 s" in record.last_error
+        assert "out of routing for 0.5 s" in registry.error_of(record)
         # Back after its time (its next health poll), on probation: one more failure is
         # enough, and the ejection lasts twice as long.
         await fleet.app.controller.fleet.wait_for(lambda: record.state is EngineState.READY, 30)
         await until_calls(fleet, broken.servicer, 3)
         assert state() is EngineState.EJECTED
-        assert "out of routing for 1 s" in record.last_error
+        assert "out of routing for 1 s" in registry.error_of(record)
         # Mended: once it serves a request, one failure no longer ejects it.
         broken.servicer.broken = False
         await fleet.app.controller.fleet.wait_for(lambda: record.state is EngineState.READY, 30)

@@ -488,7 +488,7 @@ def test_ejection_doubles_up_to_its_bound_and_a_new_process_starts_clean() -> No
     assert registry.get("h:1").last_error == "warming up"
     registry.on_health("h:1", EngineState.READY, 7.0)
     assert registry.get("h:1").state is EngineState.EJECTED
-    assert registry.get("h:1").last_error.startswith("2 requests failed in a row")
+    assert registry.error_of(registry.get("h:1")).startswith("2 requests failed in a row")
     durations = []
     for now_s in (11.0, 32.0, 58.0):
         registry.on_health("h:1", EngineState.READY, now_s)  # its time is up
@@ -809,7 +809,7 @@ def test_a_flapping_engine_is_held_down_for_longer_at_each_flap_then_owes_ready_
     flap(registry, 5.0)  # the third within the window: held down once ready again
     assert record.state is EngineState.HELD_DOWN and not record.routable
     assert [r.address for r in registry.routable()] == ["h:2"]
-    assert record.last_error == (
+    assert registry.error_of(record) == (
         "left ready 3 times in 60 s (hold-down 10 s); routable in 10 s and 2 more ready "
         "polls, if it stays ready"
     )
@@ -817,15 +817,17 @@ def test_a_flapping_engine_is_held_down_for_longer_at_each_flap_then_owes_ready_
     assert record.state is EngineState.HELD_DOWN
     # A flap while held: held again, twice as long, from its next READY.
     flap(registry, 16.0)
-    assert "hold-down 20 s" in record.last_error
+    assert "hold-down 20 s" in registry.error_of(record)
     registry.on_health("h:1", EngineState.READY, 37.0)  # ready 20 s: the first poll owed
     assert record.state is EngineState.HELD_DOWN
-    assert record.last_error.endswith("routable in 0 s and 1 more ready poll, if it stays ready")
+    assert registry.error_of(record).endswith(
+        "routable in 0 s and 1 more ready poll, if it stays ready"
+    )
     registry.on_health("h:1", EngineState.READY, 38.0)
-    assert record.routable and record.last_error == ""
+    assert record.routable and registry.error_of(record) == ""
     # Within a window of being put back, one flap holds it again: capped at 25 s.
     flap(registry, 50.0)
-    assert record.state is EngineState.HELD_DOWN and "hold-down 25 s" in record.last_error
+    assert record.state is EngineState.HELD_DOWN and "hold-down 25 s" in registry.error_of(record)
     registry.on_health("h:1", EngineState.READY, 76.0)
     registry.on_health("h:1", EngineState.READY, 77.0)
     assert record.routable
@@ -935,11 +937,11 @@ def test_a_fleet_wide_blip_never_holds_down_more_than_half_of_the_engines() -> N
     assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
     held = registry.get("h:3")
     assert held.state is EngineState.HELD_DOWN
-    assert held.last_error.startswith("left ready 4 times in 60 s (hold-down 20 s)")
+    assert registry.error_of(held).startswith("left ready 4 times in 60 s (hold-down 20 s)")
     for address in ("h:1", "h:2"):
         routed = registry.get(address)
         assert routed.state is EngineState.READY and routed.hold_s == 10.0
-        assert routed.last_error.startswith(
+        assert registry.error_of(routed).startswith(
             "held down but routed: more than half of the engines taking traffic would be out "
             "of routing otherwise; left ready 3 times in 60 s (hold-down 10 s); hold-down over in "
         )
@@ -948,11 +950,11 @@ def test_a_fleet_wide_blip_never_holds_down_more_than_half_of_the_engines() -> N
         for address in engines:
             registry.on_health(address, EngineState.READY, now_s)
     assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
-    assert registry.get("h:1").last_error == registry.get("h:2").last_error == ""
+    assert registry.error_of(registry.get("h:1")) == registry.error_of(registry.get("h:2")) == ""
     for now_s in (26.0, 27.0):
         registry.on_health("h:3", EngineState.READY, now_s)
     assert [r.address for r in registry.routable()] == list(engines)
-    assert all(r.last_error == "" for r in registry.records())
+    assert all(registry.error_of(r) == "" for r in registry.records())
     # The routed ones were on probation all the same: a flap within the window holds again.
     blip(registry, 20.0, "h:1")
     assert registry.get("h:1").state is EngineState.HELD_DOWN
@@ -1007,7 +1009,7 @@ def test_a_held_down_engine_is_routed_when_the_rest_of_the_fleet_leaves_traffic(
     assert [r.address for r in registry.routable()] == ["h:2"]
     registry.on_poll_failed("h:2", 5.0, "UNAVAILABLE: refused")
     assert [r.address for r in registry.routable()] == ["h:1"]
-    assert registry.get("h:1").last_error.startswith("held down but routed: ")
+    assert registry.error_of(registry.get("h:1")).startswith("held down but routed: ")
 
 
 def test_a_held_down_engine_routed_by_the_cap_is_counted_once_whatever_its_health() -> None:
@@ -1022,7 +1024,7 @@ def test_a_held_down_engine_routed_by_the_cap_is_counted_once_whatever_its_healt
     for now_s, state in ((5.0, EngineState.DEGRADED), (6.0, EngineState.READY)):
         registry.on_health("h:1", state, now_s)
         assert record.state is state and record.routable
-        assert record.last_error.startswith("held down but routed: ")
+        assert registry.error_of(record).startswith("held down but routed: ")
     assert registry.routed_by_cap[CAPPED_HOLD_DOWN] == 1
 
 
@@ -1040,7 +1042,7 @@ def test_ejected_engines_are_routed_again_when_the_rest_of_the_fleet_leaves_traf
     assert [r.address for r in registry.routable()] == ["h:2", "h:4"]
     routed = registry.get("h:2")
     assert routed.state is EngineState.READY
-    assert routed.last_error == (
+    assert registry.error_of(routed) == (
         "ejected but routed: more than half of the engines taking traffic would be out of "
         "routing otherwise; 2 requests failed in a row (last: INTERNAL: x); ejection over in 8 s"
     )
@@ -1055,11 +1057,24 @@ def test_ejected_engines_are_routed_again_when_the_rest_of_the_fleet_leaves_traf
         registry.on_health(address, EngineState.READY, 5.0)
     assert [r.address for r in registry.routable()] == ["h:3", "h:4"]
     assert registry.get("h:2").state is EngineState.EJECTED
-    assert routed.last_error == (
+    assert registry.error_of(routed) == (
         "2 requests failed in a row (last: INTERNAL: x); out of routing for 10 s"
     )
     registry.on_health("h:2", EngineState.READY, 11.0)
     assert [r.address for r in registry.routable()] == ["h:2", "h:3", "h:4"]
+
+
+def test_an_ejection_the_cap_routes_past_ends_at_any_answer_after_its_time() -> None:
+    """The cap's decision stands between changes of the fleet, but not past the end of an
+    ejection it routes past: the first answer recorded after it (another engine's, which
+    changes nothing of the fleet) finds it over, and the engine is routed for good."""
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1, 10.0, 60.0))
+    assert registry.on_request_failed("h:1", 1.0, "INTERNAL: x") == 10.0  # until 11 s
+    registry.on_poll_failed("h:2", 2.0, "UNAVAILABLE: refused")  # h:1 routed by the cap
+    assert registry.error_of(registry.get("h:1")).startswith("ejected but routed: ")
+    registry.on_poll_failed("h:2", 12.0, "UNAVAILABLE: refused")  # the same state
+    assert registry.get("h:1").ejected_until_s is None
+    assert registry.error_of(registry.get("h:1"), 12.0) == ""
 
 
 def test_a_cordoned_ejected_engine_neither_counts_as_ejected_nor_as_taking_traffic() -> None:
@@ -1089,7 +1104,7 @@ def test_an_ejected_engine_routed_by_the_cap_stays_routed_once_its_ejection_is_o
     assert [r.address for r in registry.routable()] == ["h:1"]
     registry.on_health("h:2", EngineState.READY, 12.0)  # h:1's ejection is over
     assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
-    assert registry.get("h:1").last_error == ""
+    assert registry.error_of(registry.get("h:1")) == ""
     assert registry.routed_by_cap[CAPPED_EJECTION] == 1
 
 
@@ -1117,7 +1132,7 @@ def test_a_hold_downs_ready_time_starts_again_after_any_spell_not_ready(spell: s
     assert record.num_flaps == 2
     registry.on_health("h:1", EngineState.READY, 15.0)  # 11 s after its first READY
     assert record.state is EngineState.HELD_DOWN
-    assert record.last_error.startswith(
+    assert registry.error_of(record).startswith(
         "left ready 2 times in 60 s (hold-down 10 s); routable in 10 s"
     )
     registry.on_health("h:1", EngineState.READY, 25.0)

@@ -17,8 +17,9 @@ hold-down, any spell not ready starts a hold-down's ready time again, and the ca
 (never more than half of the engines taking traffic held out, ejected or held down; cordoned
 engines neither held out nor counted) is decided again at every change of the fleet, for
 ejected and held-down engines alike. The model checks every engine's state and error (why
-it is ejected or held down, until when, or why it is routed all the same), its flaps, and
-the counts of what the cap let through (`routed_by_cap`)."""
+it is ejected or held down, until when, or why it is routed all the same: `error_of`, made
+when read, as of the latest time recorded and as of the time now, which no call recorded),
+its flaps, and the counts of what the cap let through (`routed_by_cap`)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ class Engine:
     address: str
     identity: EngineIdentity | None = None
     state: EngineState = EngineState.UNKNOWN
+    # Its own (a failed poll's, a health answer's); what it is shown with is
+    # `RegistryMachine.shown`.
     error: str = ""
     cordoned: bool = False
     drain: bool = False  # a drain the controller started, its health not DRAINING yet
@@ -294,6 +297,27 @@ class RegistryMachine(RuleBasedStateMachine):
             f"routing otherwise; {engine.ejected_for}; ejection over in {left:.0f} s"
         )
 
+    def shown(self, engine: Engine, now: float) -> str:
+        """What the engine is shown with at `now`: ejected or held down, why and until when;
+        routed by the cap all the same (its health ready, not cordoned, its ejection or
+        hold-down running on), why, and when that ends; else its own error."""
+        if engine.state is EngineState.EJECTED:
+            return self.ejected_error(engine, now, routed=False)
+        if engine.state is EngineState.HELD_DOWN:
+            return self.held_for(engine, now, routed=False)
+        if engine.state in SERVING and not engine.cordoned:
+            if engine.ejected_until is not None:
+                return self.ejected_error(engine, now, routed=True)
+            if engine.hold_s:
+                return self.held_for(engine, now, routed=True)
+        return engine.error
+
+    def keep_shown(self, engine: Engine) -> None:
+        """It leaves the cap's decision by a drain, a cordon or a new process: what it was
+        shown with stays its error until an answer or a poll says otherwise (or, cordoned,
+        until it is uncordoned)."""
+        engine.error = self.shown(engine, self.recorded)
+
     def in_rotation(self) -> list[Engine]:
         """The engines taking traffic: routable, ejected, held down (not cordoned)."""
         return [
@@ -324,7 +348,6 @@ class RegistryMachine(RuleBasedStateMachine):
             ):
                 # Routed by the cap, its ejection over: routed for good, not held out again.
                 e.ejected_until = None
-                e.error = ""
         ejected = sorted(
             (
                 e
@@ -349,11 +372,9 @@ class RegistryMachine(RuleBasedStateMachine):
         room = len(self.in_rotation()) // 2
         for n, engine in enumerate(ejected):
             self.hold_out(engine, EngineState.EJECTED, n < room, CAPPED_EJECTION)
-            engine.error = self.ejected_error(engine, now, routed=n >= room)
         room = max(0, room - len(ejected))
         for n, engine in enumerate(held):
             self.hold_out(engine, EngineState.HELD_DOWN, n < room, CAPPED_HOLD_DOWN)
-            engine.error = self.held_for(engine, now, routed=n >= room)
 
     def hold_out(self, engine: Engine, out: EngineState, kept_out: bool, reason: str) -> None:
         """Held `out`, or routed as its health says: counted when it was held out until now."""
@@ -580,6 +601,7 @@ class RegistryMachine(RuleBasedStateMachine):
         if engine.state is EngineState.INCOMPATIBLE:
             return
         self.record_time(now)
+        self.keep_shown(engine)  # as of when it was found
         if same_instance:
             self.not_ready(engine)  # no flap, but a spell not ready all the same
             engine.state = EngineState.UNKNOWN
@@ -673,12 +695,7 @@ class RegistryMachine(RuleBasedStateMachine):
         if not ejected:
             engine.ejected_until = None
         engine.state = state
-        if state is EngineState.EJECTED:
-            engine.error = self.ejected_error(engine, now, routed=False)
-        elif state is EngineState.HELD_DOWN:
-            engine.error = self.held_for(engine, now, routed=False)
-        else:
-            engine.error = "" if state in SERVING else message
+        engine.error = "" if state in SAYS_READY else message
         engine.failures = 0
         self.decide_cap()
 
@@ -796,6 +813,7 @@ class RegistryMachine(RuleBasedStateMachine):
         assert self.registry.request_drain(key).address == engine.address
         engine.drain = True
         if engine.state in SAYS_READY:  # a drain outranks an ejection and a hold-down
+            self.keep_shown(engine)
             engine.state = EngineState.DRAINING  # out of routing before the engine answers
             self.decide_cap()
 
@@ -814,6 +832,10 @@ class RegistryMachine(RuleBasedStateMachine):
                 self.registry.set_cordoned(key, cordoned)
             return
         assert self.registry.set_cordoned(key, cordoned).address == engine.address
+        if cordoned:
+            self.keep_shown(engine)
+        elif engine.state in SAYS_READY:
+            engine.error = ""  # back in the cap's decision: no words kept
         engine.cordoned = cordoned
         self.decide_cap()
 
@@ -878,7 +900,6 @@ class RegistryMachine(RuleBasedStateMachine):
         engine.ejection_s = duration
         engine.ejected_for = f"{engine.request_failures} requests failed in a row (last: {error})"
         engine.ready_as, engine.state = engine.state, EngineState.EJECTED
-        engine.error = f"{engine.ejected_for}; out of routing for {duration:g} s"
         self.decide_cap()
 
     @rule(key=keys)
@@ -916,7 +937,8 @@ class RegistryMachine(RuleBasedStateMachine):
             assert record.engine_id == engine.engine_id, what
             assert record.routable == engine.routable(), what
             assert record.availability == engine.availability, what
-            assert record.last_error == engine.error, what
+            assert self.registry.error_of(record) == self.shown(engine, self.recorded), what
+            assert self.registry.error_of(record, self.now) == self.shown(engine, self.now), what
             assert record.load == engine.load, what
             for lora in LORAS:
                 assert record.holds_lora(lora) == (engine.holds(lora)), what
