@@ -170,7 +170,7 @@ TWO_FRAME_SUBSCRIPTION = b"\x00"
 _STARTING = "starting"
 _RECONNECTED = "the publisher is back"
 _INDEX_ASKED = "the index asked for a resync"
-# (Not a rebuild: the check a new connection makes of the stream, `_heal_gap`.)
+# (Not a rebuild: the check a new connection makes of the stream, `_check_connection`.)
 _CONNECTED = "a new connection to the publisher"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
@@ -243,6 +243,16 @@ SOURCE_COUNTER_HELP = {
 
 
 @dataclass(frozen=True, slots=True)
+class _Break:
+    """A break in the stream applied so far, found by a replay from its last seq
+    (`_continuation`): the worker is rebuilt (`_rebuild`, a sequence break), from `buffered`
+    when that replay brought the whole buffer."""
+
+    reason: str
+    buffered: list[ZmqMessage] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ZmqSourceSettings:
     endpoint: str
     replay_endpoint: str | None = None
@@ -295,8 +305,9 @@ class ZmqSource:
         # payload); a live message matching one is a duplicate, not a seq reset.
         self._replayed: dict[int, bytes] = {}
         # A connection was made or accepted and the stream applied so far not checked against
-        # the replay since (`_heal_gap`): the check runs at once with a replay endpoint, or at
-        # the connection's first message when that comes first (or without one).
+        # the replay since (`_check_connection`): the check runs at once with a replay
+        # endpoint, or at the connection's first message when that comes first (or without
+        # one).
         self._new_connection = False
         self._progress = asyncio.Condition()
         # Set by request_resync (and at start, with a replay endpoint, and at a new connection:
@@ -571,14 +582,13 @@ class ZmqSource:
     async def _on_connection_events(self, events: list[int]) -> None:
         """Act on the SUB's monitor events. A connection made or accepted (its handshake done)
         has the stream applied so far checked against the replay at once (`_new_connection`,
-        `_heal_gap`): what the publisher sent before the SUB's connection was up is lost to
-        the SUB, and an idle publisher sends nothing after it that would show the gap. A
-        disconnection means the
-        publisher went away (its process ended: a killed engine publishes no last word, or
-        it fell silent past the heartbeat timeout): the blocks indexed from it
-        are cleared at once rather than left stale until it publishes again, which a dead
-        engine never does. The next connection (the engine back, restarted or not) then
-        rebuilds the worker from the replay at once, as a start does."""
+        `_check_connection`): what the publisher sent before the SUB's connection was up is
+        lost to the SUB, and an idle publisher sends nothing after it that would show the gap.
+        A disconnection means the publisher went away (its process ended: a killed engine
+        publishes no last word, or it fell silent past the heartbeat timeout): the blocks
+        indexed from it are cleared at once rather than left stale until it publishes again,
+        which a dead engine never does. The next connection (the engine back, restarted or
+        not) then rebuilds the worker from the replay at once, as a start does."""
         ends = [i for i, event in enumerate(events) if event == zmq.EVENT_DISCONNECTED]
         if ends:
             self._replay_failed_on_connection = False  # (the connection it failed on)
@@ -729,14 +739,11 @@ class ZmqSource:
         """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring).
         At start a failed replay changes nothing (it is retried, see below) and an empty one
         only clears: the first message then rebuilds the worker as ever. At a new connection
-        (`_CONNECTED`), check the stream applied so far against the replay instead, unless a
-        message has since (`_heal_gap`)."""
+        (`_CONNECTED`), check the stream applied so far against the replay instead
+        (`_check_connection`)."""
         cause = self._resync_cause
         if cause == _CONNECTED:
-            expected = self._expected
-            if self._new_connection and expected is not None:
-                self._new_connection = False
-                await self._heal_gap(expected, None)
+            await self._check_connection()
             return
         floor = self._expected
         # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
@@ -1057,8 +1064,8 @@ class ZmqSource:
         `on_sequence_break`). `buffered`: what a replay made just now says the buffer holds
         (the whole buffer, or nothing when it failed), not asked for again; None: replay from
         seq 0 (unless the last replay on this connection failed: from `trigger` alone). No
-        `trigger` (a new connection's check, `_heal_gap`): from the replay alone, retried as a
-        reconnection's rebuild is when it fails (`_refill`)."""
+        `trigger` (a new connection's check, `_check_connection`): from the replay alone,
+        retried as a reconnection's rebuild is when it fails (`_refill`)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         if trigger is None:
@@ -1093,75 +1100,92 @@ class ZmqSource:
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
 
-    async def _heal_gap(self, expected: int, trigger: ZmqMessage | None) -> None:
-        """Heal the gap (possibly empty, after a new connection) before `trigger` from one
-        replay from the last applied seq, or clear and rebuild the worker when the replay shows
-        another publisher process (see the module docstring) or cannot cover the gap. Without
-        `trigger`: a new connection's check, made as the connection is (`_resync`), which
-        applies whatever the replay brought after the last applied seq: what the publisher sent
-        before the SUB's connection was up never comes live."""
+    async def _heal_gap(self, expected: int, trigger: ZmqMessage) -> None:
+        """Heal the gap (possibly empty, a new connection's first message) before `trigger`
+        from one replay from the last applied seq (`_continuation`), or clear and rebuild the
+        worker when the replay shows another publisher process (see the module docstring) or
+        cannot cover the gap."""
         last = expected - 1
-        if trigger is not None:
-            self._learn_rank(trigger)
-        # (With no live batch yet, no rank to hold the replayed ones against: `_is_new_rank`.)
-        known_rank = trigger is not None or self._live_rank is not None
-        if known_rank and self._applied_rank not in (None, self._live_rank):
-            await self._rebuild(
-                trigger,
-                reason=f"the worker holds data-parallel rank {self._applied_rank}'s batches "
-                f"(replayed), the live stream is rank {self._live_rank}'s",
-            )
+        self._learn_rank(trigger)
+        found = await self._continuation(last, rank_known=True)
+        if found is None:  # (one that failed is not asked again at once: `_rebuild`)
+            found = _Break("no replay to check the stream against")
+        elif isinstance(found, list) and (found[-1].seq if found else last) + 1 < trigger.seq:
+            found = _Break("replay cannot cover the gap")
+        if isinstance(found, _Break):
+            await self._rebuild(trigger, reason=found.reason, buffered=found.buffered)
             return
-        replies = await self._replay(last)
-        if trigger is None and await self._connection_changed_meanwhile():
-            return  # (what the events asked for replaces the check: see there)
-        if replies is None and trigger is None:
-            # Checked at the first message (from it alone: no second stall) or at a retry.
-            self._new_connection = True
-            self._retry_replay(_CONNECTED)
-            return
-        if replies is None:  # (one that failed is not asked again at once: `_rebuild`)
-            await self._rebuild(trigger, reason="no replay to check the stream against")
-            return
-        if not replies or replies[0].seq != last:
-            await self._rebuild(
-                trigger,
-                reason=f"the replay no longer holds seq {last} (buffer trimmed, a restart, or "
-                "more to replay than replay_bytes)",
-                # A buffer that starts after `last` came whole (the backlog outgrew it).
-                buffered=replies or None,
-            )
-            return
-        if replies[0].payload != self._last_payload:
-            await self._rebuild(trigger, reason=f"seq {last} changed: the engine restarted")
-            return
-        covered = all(b.seq == a.seq + 1 for a, b in itertools.pairwise(replies)) and (
-            trigger is None or replies[-1].seq + 1 >= trigger.seq
-        )
-        if not covered:
-            await self._rebuild(trigger, reason="replay cannot cover the gap")
-            return
-        for reply in replies[1:]:
+        for reply in found:
             await self._apply(reply, replayed=True)
-        if trigger is None:
-            if len(replies) > 1:
-                log.info(
-                    "worker %s: new connection; the replay brought seq %d to %d",
-                    self.worker_id,
-                    replies[1].seq,
-                    replies[-1].seq,
-                )
-            # Their live copies, if any come (sent once the SUB was connected), are duplicates,
-            # and so are those of the batches the replay before the connection applied (no
-            # live batch has come since to pass them: they may still be on their way).
-            self._replayed.update((r.seq, r.payload) for r in replies[1:])
-            return
         # Live messages after the trigger that the replay already applied are duplicates.
-        self._replayed = {r.seq: r.payload for r in replies if r.seq > trigger.seq}
+        self._replayed = {r.seq: r.payload for r in found if r.seq > trigger.seq}
         if trigger.seq >= (self._expected or 0):
             await self._apply(trigger)
         else:
             self.counters.num_duplicates += 1
+
+    async def _check_connection(self) -> None:
+        """Check the stream applied so far against one replay from the last applied seq
+        (`_continuation`) as a new connection is made (`_resync`), unless nothing is applied
+        or a message has checked it since (`_new_connection`). What the replay brought after
+        the last applied seq is applied: what the publisher sent before the SUB's connection
+        was up never comes live. A replay that shows another process rebuilds the worker from
+        the replay; one that fails leaves the check to a retry or to the first message."""
+        expected = self._expected
+        if not self._new_connection or expected is None:
+            return
+        self._new_connection = False
+        # (With no live batch yet, no rank to hold the replayed ones against: `_is_new_rank`.)
+        found = await self._continuation(expected - 1, rank_known=self._live_rank is not None)
+        if await self._connection_changed_meanwhile():
+            return  # (what the events asked for replaces the check: see there)
+        if found is None:
+            # Checked at the first message (from it alone: no second stall) or at a retry.
+            self._new_connection = True
+            self._retry_replay(_CONNECTED)
+        elif isinstance(found, _Break):
+            await self._rebuild(None, reason=found.reason, buffered=found.buffered)
+        else:
+            for reply in found:
+                await self._apply(reply, replayed=True)
+            if found:
+                log.info(
+                    "worker %s: new connection; the replay brought seq %d to %d",
+                    self.worker_id,
+                    found[0].seq,
+                    found[-1].seq,
+                )
+            # Their live copies, if any come (sent once the SUB was connected), are duplicates,
+            # and so are those of the batches the replay before the connection applied (no
+            # live batch has come since to pass them: they may still be on their way).
+            self._replayed.update((r.seq, r.payload) for r in found)
+
+    async def _continuation(
+        self, last: int, *, rank_known: bool
+    ) -> list[ZmqMessage] | _Break | None:
+        """One replay from `last`, the last applied seq: the batches after it when the replay
+        goes on from the very batch applied at `last` (the same bytes: the same process, see
+        the module docstring; its replies run without a hole, `_replay`), else why not; None
+        when it failed. No replay when the worker holds replayed batches of another
+        data-parallel rank than the live stream's, once `rank_known` (`_is_new_rank`)."""
+        if rank_known and self._applied_rank not in (None, self._live_rank):
+            return _Break(
+                f"the worker holds data-parallel rank {self._applied_rank}'s batches "
+                f"(replayed), the live stream is rank {self._live_rank}'s"
+            )
+        replies = await self._replay(last)
+        if replies is None:
+            return None
+        if not replies or replies[0].seq != last:
+            return _Break(
+                f"the replay no longer holds seq {last} (buffer trimmed, a restart, or more to "
+                "replay than replay_bytes)",
+                # A buffer that starts after `last` came whole (the backlog outgrew it).
+                buffered=replies or None,
+            )
+        if replies[0].payload != self._last_payload:
+            return _Break(f"seq {last} changed: the engine restarted")
+        return replies[1:]
 
     async def _connection_changed_meanwhile(self) -> bool:
         """Whether the SUB's connection changed (ended, or another was made) while a new
