@@ -27,7 +27,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   from one replay from the last applied seq, with no message to wait for: the SUB misses
   whatever the publisher sent before its connection was up, and the publisher may have sent
   batches after that replay and then gone idle (or be another process by now). Whatever the
-  replay brought after the last applied seq is applied (their live copies are duplicates); a
+  replay brought after the last applied seq is applied (their live copies are duplicates;
+  `connection_heals` counts such a check, `gaps` does not: no message showed a gap); a
   replay that shows another process rebuilds the worker from the replay; a connection that
   ends (or another made) while the check replays makes it moot (`_connection_changed_meanwhile`:
   one sequence break for a process replaced meanwhile). One that fails is retried with the
@@ -89,7 +90,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   publisher back after a disconnection) is served by the index's, which counts as a resync
   (`resyncs`) and is logged as the index's. A resync whose replay fails is retried as the
   source's own rebuild is (with the backoff while the SUB is connected, else at its next
-  connection), until one answers or a message comes.
+  connection), until one answers or a message comes (logged as the resync retried). A
+  resync asked while a new connection's check is still to be made makes that check first
+  (`_resync`).
 
 `on_sequence_break`, when given, is called (synchronously) each time a message out of sequence
 (a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages,
@@ -170,6 +173,7 @@ TWO_FRAME_SUBSCRIPTION = b"\x00"
 _STARTING = "starting"
 _RECONNECTED = "the publisher is back"
 _INDEX_ASKED = "the index asked for a resync"
+_RESYNC_RETRIED = "the index's resync is retried (its replay failed)"
 # (Not a rebuild: the check a new connection makes of the stream, `_check_connection`.)
 _CONNECTED = "a new connection to the publisher"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
@@ -215,6 +219,8 @@ class SourceCounters:
     num_restarts: int = 0  # loop restarts after an error (reconnect with backoff)
     num_resyncs: int = 0  # rebuilds the index asked for (request_resync)
     num_queue_drops: int = 0  # evicted from a full receive queue (`ReceiveQueue`)
+    # New connections whose check applied batches the SUB missed (`_check_connection`).
+    num_connection_heals: int = 0
 
 
 # What each `SourceCounters` field counts, as the Prometheus HELP of the counter that exports
@@ -239,6 +245,9 @@ SOURCE_COUNTER_HELP = {
     "entries, or its stream skipped)",
     "num_queue_drops": "KV-event messages dropped, the oldest first, from a full receive queue "
     "(the index behind the engine; healed from the replay as gaps)",
+    "num_connection_heals": "New connections to the engine's KV-event publisher whose check "
+    "applied batches from its replay that the subscription missed (published before the "
+    "connection was up; no later batch showed them as a gap)",
 }
 
 
@@ -740,17 +749,27 @@ class ZmqSource:
         At start a failed replay changes nothing (it is retried, see below) and an empty one
         only clears: the first message then rebuilds the worker as ever. At a new connection
         (`_CONNECTED`), check the stream applied so far against the replay instead
-        (`_check_connection`)."""
+        (`_check_connection`).
+
+        A connection's check still pending (wanted, or to be retried after its replay failed)
+        is made first, whatever else asked. (A resync the index asked for took its place
+        (`_want_resync`), and the check, left pending, ran at the first message against the
+        resync's replay: one replay for nothing, and another process behind the connection
+        was never told as a sequence break.) The resync's replay is no such check: it shows
+        what the publisher holds, not whether that goes on from the batches the worker held
+        before it was cleared. And a replay here that answers ends a check left pending by its
+        own failed replay: the worker is rebuilt from this one, made with the connection up,
+        which holds whatever the publisher sent before the connection."""
         cause = self._resync_cause
+        await self._check_connection()  # (a no-op unless one is pending)
         if cause == _CONNECTED:
-            await self._check_connection()
             return
         floor = self._expected
         # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
         # the index asked for. One the index asked for clears the worker even with nothing to
         # rebuild it from: a Redis back with older data holds blocks this source cleared (a
         # departed publisher's, which sends no next message to clear them).
-        starting = cause in (_STARTING, _RECONNECTED)
+        starting = cause in (_STARTING, _RECONNECTED, _RESYNC_RETRIED)
         if starting and floor is None and not self.settings.replay_endpoint:
             return  # the next message clears and rebuilds the worker anyway
         if starting and floor is not None:
@@ -766,6 +785,8 @@ class ZmqSource:
             self.counters.num_resyncs += 1
             log.warning("worker %s: %s; clearing and rebuilding", self.worker_id, cause)
         replies = await self._replay(0)
+        if replies is not None:
+            self._new_connection = False  # (see above)
         if starting:
             await self._refill(replies, cause)
             return
@@ -775,7 +796,7 @@ class ZmqSource:
         await self._reset_worker(self.last_seq or 0)
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             if self.settings.replay_endpoint:
-                self._retry_replay(_RECONNECTED)  # (a reconnection's rebuild it served, too)
+                self._retry_replay(_RESYNC_RETRIED)  # (a reconnection's it served, too)
             return
         for reply in replies:
             await self._apply(reply, replayed=True)
@@ -794,7 +815,7 @@ class ZmqSource:
     async def _refill(self, replies: list[ZmqMessage] | None, cause: str) -> None:
         """Rebuild the worker, with nothing applied since it was cleared or the source started,
         from `replies`: a replay (of the whole buffer) made just now for `cause` (`_STARTING`,
-        `_RECONNECTED`), None when it failed.
+        `_RECONNECTED`, `_RESYNC_RETRIED`), None when it failed.
         Failed (None) or empty: retried at the SUB's next connection, or rebuilt by the first
         message, whichever comes first. When the SUB connected while the replay ran (its
         connection is handled first), an empty replay is not retried: the SUB then receives
@@ -1149,6 +1170,7 @@ class ZmqSource:
             for reply in found:
                 await self._apply(reply, replayed=True)
             if found:
+                self.counters.num_connection_heals += 1  # (not a gap: no message showed one)
                 log.info(
                     "worker %s: new connection; the replay brought seq %d to %d",
                     self.worker_id,
