@@ -92,7 +92,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   source's own rebuild is (with the backoff while the SUB is connected, else at its next
   connection), until one answers or a message comes (logged as the resync retried). A
   resync asked while a new connection's check is still to be made makes that check first
-  (`_resync`).
+  (`_resync`): a check that rebuilds the worker serves the resync, and one whose replay
+  fails is not followed by the resync's own replay at once (no second stall).
 
 `on_sequence_break`, when given, is called (synchronously) each time a message out of sequence
 (a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages,
@@ -132,6 +133,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 from collections.abc import Callable
@@ -259,6 +261,15 @@ class _Break:
 
     reason: str
     buffered: list[ZmqMessage] | None = None
+
+
+class _Checked(enum.Enum):
+    """What a new connection's check (`_check_connection`) leaves to a resync made right
+    after it (`_resync`)."""
+
+    NOTHING = enum.auto()  # none was pending, it was moot, or the stream went on
+    REBUILT = enum.auto()  # the worker rebuilt from a replay made just now: the resync's too
+    FAILED = enum.auto()  # its replay failed just now: no second stall on another at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -759,10 +770,21 @@ class ZmqSource:
         what the publisher holds, not whether that goes on from the batches the worker held
         before it was cleared. And a replay here that answers ends a check left pending by its
         own failed replay: the worker is rebuilt from this one, made with the connection up,
-        which holds whatever the publisher sent before the connection."""
+        which holds whatever the publisher sent before the connection. A check that rebuilt
+        the worker (another process) did so from a replay made after whatever asked: that
+        serves the resync too (before, the resync's replay rebuilt it a second time). One
+        whose replay failed just now leaves the resync to clear the worker and retry its
+        rebuild, without a second replay at once (which stalled the source twice as long)."""
         cause = self._resync_cause
-        await self._check_connection()  # (a no-op unless one is pending)
+        checked = await self._check_connection()  # (a no-op unless one is pending)
         if cause == _CONNECTED:
+            return
+        if checked is _Checked.REBUILT:
+            if cause == _INDEX_ASKED:
+                self.counters.num_resyncs += 1
+                log.warning(
+                    "worker %s: %s; served by the connection's rebuild", self.worker_id, cause
+                )
             return
         floor = self._expected
         # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
@@ -784,7 +806,7 @@ class ZmqSource:
         else:
             self.counters.num_resyncs += 1
             log.warning("worker %s: %s; clearing and rebuilding", self.worker_id, cause)
-        replies = await self._replay(0)
+        replies = None if checked is _Checked.FAILED else await self._replay(0)
         if replies is not None:
             self._new_connection = False  # (see above)
         if starting:
@@ -1145,7 +1167,7 @@ class ZmqSource:
         else:
             self.counters.num_duplicates += 1
 
-    async def _check_connection(self) -> None:
+    async def _check_connection(self) -> _Checked:
         """Check the stream applied so far against one replay from the last applied seq
         (`_continuation`) as a new connection is made (`_resync`), unless nothing is applied
         or a message has checked it since (`_new_connection`). What the replay brought after
@@ -1154,33 +1176,35 @@ class ZmqSource:
         the replay; one that fails leaves the check to a retry or to the first message."""
         expected = self._expected
         if not self._new_connection or expected is None:
-            return
+            return _Checked.NOTHING
         self._new_connection = False
         # (With no live batch yet, no rank to hold the replayed ones against: `_is_new_rank`.)
         found = await self._continuation(expected - 1, rank_known=self._live_rank is not None)
         if await self._connection_changed_meanwhile():
-            return  # (what the events asked for replaces the check: see there)
+            return _Checked.NOTHING  # (what the events asked for replaces the check: see there)
         if found is None:
             # Checked at the first message (from it alone: no second stall) or at a retry.
             self._new_connection = True
             self._retry_replay(_CONNECTED)
-        elif isinstance(found, _Break):
+            return _Checked.FAILED
+        if isinstance(found, _Break):
             await self._rebuild(None, reason=found.reason, buffered=found.buffered)
-        else:
-            for reply in found:
-                await self._apply(reply, replayed=True)
-            if found:
-                self.counters.num_connection_heals += 1  # (not a gap: no message showed one)
-                log.info(
-                    "worker %s: new connection; the replay brought seq %d to %d",
-                    self.worker_id,
-                    found[0].seq,
-                    found[-1].seq,
-                )
-            # Their live copies, if any come (sent once the SUB was connected), are duplicates,
-            # and so are those of the batches the replay before the connection applied (no
-            # live batch has come since to pass them: they may still be on their way).
-            self._replayed.update((r.seq, r.payload) for r in found)
+            return _Checked.REBUILT
+        for reply in found:
+            await self._apply(reply, replayed=True)
+        if found:
+            self.counters.num_connection_heals += 1  # (not a gap: no message showed one)
+            log.info(
+                "worker %s: new connection; the replay brought seq %d to %d",
+                self.worker_id,
+                found[0].seq,
+                found[-1].seq,
+            )
+        # Their live copies, if any come (sent once the SUB was connected), are duplicates,
+        # and so are those of the batches the replay before the connection applied (no
+        # live batch has come since to pass them: they may still be on their way).
+        self._replayed.update((r.seq, r.payload) for r in found)
+        return _Checked.NOTHING
 
     async def _continuation(
         self, last: int, *, rank_known: bool

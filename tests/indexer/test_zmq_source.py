@@ -1022,9 +1022,11 @@ async def test_a_resync_asked_as_the_sub_connects_leaves_the_connection_checked(
     """The start's replay applied seq 0 and 1 of an engine process, which is replaced (on the
     same ports) before the SUB's connection reaches it; the new process publishes its seq 0.
     The index asks for a resync as the connection is acted on, before its check. The check is
-    made, then the resync: the new process is told as a sequence break, and the first live
-    message is applied with no replay (before, the resync took the check's place: no break
-    was told, and the check was left to the first message, a replay for nothing)."""
+    made first: the new process is told as a sequence break, and the first live message is
+    applied with no replay (before, the resync took the check's place: no break was told, and
+    the check was left to the first message, a replay for nothing). The check's rebuild, from
+    a replay made after the index asked, serves the resync: the worker is rebuilt once (before,
+    the resync's own replay cleared and rebuilt it a second time)."""
     index = PrefixIndex()
     breaks: list[int] = []
     async with _started_before_the_pub_is_up(context, index, breaks) as (publisher, source):
@@ -1037,10 +1039,43 @@ async def test_a_resync_asked_as_the_sub_connects_leaves_the_connection_checked(
         # (Applied live, or by the resync's replay and then a duplicate: either way after it.)
         await publisher.publish(_message(1, _stored(8, parent=7)))
         await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
-        # The start's, the check's (seq 1 no longer held), its rebuild's, the resync's.
-        assert publisher.replay_requests == [0, 1, 0, 0]
+        # The start's, the check's (seq 1 no longer held), its rebuild's (the resync's too).
+        assert publisher.replay_requests == [0, 1, 0]
     assert breaks == [1]
     assert source.counters.num_resyncs == 1
+    assert source.counters.num_resets == 2  # at the start, at the check's rebuild
+
+
+async def test_a_resync_asked_as_the_sub_connects_does_not_replay_again_after_the_checks_failed(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay applied seq 0 and 1, then the engine's replay ROUTER stops
+    answering; the index asks for a resync as the SUB's connection is acted on. The check's
+    replay fails (one stall of `replay_timeout_s`); the resync clears the worker and leaves
+    its rebuild to the retry (with the backoff) or the first message, without a second replay
+    at once (before, it asked again and stalled the source twice as long, on a ROUTER that
+    had just not answered, as a failed resync alone never did)."""
+    index = PrefixIndex()
+    breaks: list[int] = []
+    failures_at_the_clear: list[int] = []
+
+    def cleared() -> bool:
+        if source.counters.num_resyncs == 1 and _keys(index) == set():
+            failures_at_the_clear.append(source.counters.num_replay_failures)
+            return True
+        return False
+
+    started = _started_before_the_pub_is_up(context, index, breaks, replay_timeout_s=0.5)
+    async with started as (publisher, source):
+        source.link = _LinkAskingAResync(source)
+        await publisher.stop_replay()
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        await source.wait_until(cleared, WAIT_S)
+        publisher.start_replay()  # the retry rebuilds the worker
+        await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+    assert failures_at_the_clear == [1]  # the check's alone
+    assert breaks == []
 
 
 async def test_a_resync_retried_after_its_replay_failed_is_logged_as_one(
