@@ -86,7 +86,10 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   already covered are then dropped as duplicates. Without a replay endpoint it only clears the
   worker (at once, even one its publisher left: a Redis back with older data holds blocks
   cleared since) and the next message rebuilds as on a first message (older blocks stay
-  missing, never stale). A rebuild of the source's own pending when the index asks (the
+  missing, never stale). So does one asked while the publisher is away (its disconnection
+  cleared the worker): its next connection rebuilds the worker from the replay, as ever (a
+  rebuild before it, taken as done, would miss what the publisher sent before that
+  connection). A rebuild of the source's own pending when the index asks (the
   publisher back after a disconnection) is served by the index's, which counts as a resync
   (`resyncs`) and is logged as the index's. A resync whose replay fails is retried as the
   source's own rebuild is (with the backoff while the SUB is connected, else at its next
@@ -806,7 +809,11 @@ class ZmqSource:
         else:
             self.counters.num_resyncs += 1
             log.warning("worker %s: %s; clearing and rebuilding", self.worker_id, cause)
-        replies = None if checked is _Checked.FAILED else await self._replay(0)
+        # A publisher away (its end cleared the worker) is not rebuilt from its replay until its
+        # next connection does it (`_cleared_by_disconnect`): rebuilt now, the connection would
+        # take the rebuild as done, and miss what the publisher sent before it.
+        away = self._cleared_by_disconnect
+        replies = None if checked is _Checked.FAILED or away else await self._replay(0)
         if replies is not None:
             self._new_connection = False  # (see above)
         if starting:

@@ -1114,6 +1114,42 @@ async def test_a_resync_retried_after_its_replay_failed_is_logged_as_one(
     assert source.counters.num_resyncs == 1
 
 
+async def test_a_resync_asked_while_the_publisher_is_away_leaves_the_rebuild_to_its_connection(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The publisher's connection ends (the worker cleared until it is back), and the index
+    asks for a resync meanwhile, while the engine's next process, its replay ROUTER up on the
+    same port before its PUB, holds seq 0; it then publishes seq 1 before the SUB's connection
+    reaches its PUB, and goes idle. The resync clears the worker and leaves its rebuild to the
+    publisher's connection, whose replay holds both (before, the resync rebuilt the worker
+    from the replay while the publisher was away, which had the connection skip its rebuild
+    as done: seq 1 stayed missing until the engine's next batch). A resync asked as the SUB
+    connects came to this too: the connection's check, made first, read the publisher's end
+    as its replay answered, and the resync after it rebuilt while the publisher was away."""
+    index, publisher, source = _replaying(context)
+    breaks: list[int] = []
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1, 2)))
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+            publisher.close_pub()  # the engine's process gone
+            await source.wait_until(lambda: not source.link.up, WAIT_S)
+            publisher.buffer.clear()  # its next process, its PUB not up yet
+            await publisher.publish(_message(0, _stored(7)), live=False)
+            source.request_resync()
+            await source.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+            assert _keys(index) == set()  # (no rebuild while the publisher is away)
+            await publisher.publish(_message(1, _stored(8, parent=7)), live=False)  # missed
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert breaks == [1]  # the publisher back: maybe another process
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
