@@ -30,8 +30,14 @@ EventsFollowing = Callable[[EngineRecord], EventFollowing]
 IndexAnswers = Callable[[], bool]
 # The engine's source counters exported per engine (HELP: `SOURCE_COUNTER_HELP`): a rebuild
 # of the engine's index entries (the index lost them, or the stream went out of sequence), a
-# stream or message sequence that skipped, and a reconnect after the stream failed.
-_SOURCE_COUNTERS = {"resyncs": "num_resyncs", "gaps": "num_gaps", "restarts": "num_restarts"}
+# stream or message sequence that skipped, a reconnect after the stream failed, and a new ZMQ
+# connection whose check recovered batches published before it.
+_SOURCE_COUNTERS = {
+    "resyncs": "num_resyncs",
+    "gaps": "num_gaps",
+    "restarts": "num_restarts",
+    "connection_heals": "num_connection_heals",
+}
 
 # "invalid": refused for the request itself (a client error such as INVALID_ARGUMENT,
 # NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":

@@ -27,7 +27,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   from one replay from the last applied seq, with no message to wait for: the SUB misses
   whatever the publisher sent before its connection was up, and the publisher may have sent
   batches after that replay and then gone idle (or be another process by now). Whatever the
-  replay brought after the last applied seq is applied (their live copies are duplicates); a
+  replay brought after the last applied seq is applied (their live copies are duplicates;
+  `connection_heals` counts such a check, `gaps` does not: no message showed a gap); a
   replay that shows another process rebuilds the worker from the replay; a connection that
   ends (or another made) while the check replays makes it moot (`_connection_changed_meanwhile`:
   one sequence break for a process replaced meanwhile). One that fails is retried with the
@@ -85,11 +86,17 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   already covered are then dropped as duplicates. Without a replay endpoint it only clears the
   worker (at once, even one its publisher left: a Redis back with older data holds blocks
   cleared since) and the next message rebuilds as on a first message (older blocks stay
-  missing, never stale). A rebuild of the source's own pending when the index asks (the
+  missing, never stale). So does one asked while the publisher is away (its disconnection
+  cleared the worker): its next connection rebuilds the worker from the replay, as ever (a
+  rebuild before it, taken as done, would miss what the publisher sent before that
+  connection). A rebuild of the source's own pending when the index asks (the
   publisher back after a disconnection) is served by the index's, which counts as a resync
   (`resyncs`) and is logged as the index's. A resync whose replay fails is retried as the
   source's own rebuild is (with the backoff while the SUB is connected, else at its next
-  connection), until one answers or a message comes.
+  connection), until one answers or a message comes (logged as the resync retried). A
+  resync asked while a new connection's check is still to be made makes that check first
+  (`_resync`): a check that rebuilds the worker serves the resync, and one whose replay
+  fails is not followed by the resync's own replay at once (no second stall).
 
 `on_sequence_break`, when given, is called (synchronously) each time a message out of sequence
 (a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages,
@@ -129,6 +136,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 from collections.abc import Callable
@@ -170,7 +178,8 @@ TWO_FRAME_SUBSCRIPTION = b"\x00"
 _STARTING = "starting"
 _RECONNECTED = "the publisher is back"
 _INDEX_ASKED = "the index asked for a resync"
-# (Not a rebuild: the check a new connection makes of the stream, `_heal_gap`.)
+_RESYNC_RETRIED = "the index's resync is retried (its replay failed)"
+# (Not a rebuild: the check a new connection makes of the stream, `_check_connection`.)
 _CONNECTED = "a new connection to the publisher"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
@@ -215,6 +224,8 @@ class SourceCounters:
     num_restarts: int = 0  # loop restarts after an error (reconnect with backoff)
     num_resyncs: int = 0  # rebuilds the index asked for (request_resync)
     num_queue_drops: int = 0  # evicted from a full receive queue (`ReceiveQueue`)
+    # New connections whose check applied batches the SUB missed (`_check_connection`).
+    num_connection_heals: int = 0
 
 
 # What each `SourceCounters` field counts, as the Prometheus HELP of the counter that exports
@@ -239,7 +250,29 @@ SOURCE_COUNTER_HELP = {
     "entries, or its stream skipped)",
     "num_queue_drops": "KV-event messages dropped, the oldest first, from a full receive queue "
     "(the index behind the engine; healed from the replay as gaps)",
+    "num_connection_heals": "New connections to the engine's KV-event publisher whose check "
+    "applied batches from its replay that the subscription missed (published before the "
+    "connection was up; no later batch showed them as a gap)",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _Break:
+    """A break in the stream applied so far, found by a replay from its last seq
+    (`_continuation`): the worker is rebuilt (`_rebuild`, a sequence break), from `buffered`
+    when that replay brought the whole buffer."""
+
+    reason: str
+    buffered: list[ZmqMessage] | None = None
+
+
+class _Checked(enum.Enum):
+    """What a new connection's check (`_check_connection`) leaves to a resync made right
+    after it (`_resync`)."""
+
+    NOTHING = enum.auto()  # none was pending, it was moot, or the stream went on
+    REBUILT = enum.auto()  # the worker rebuilt from a replay made just now: the resync's too
+    FAILED = enum.auto()  # its replay failed just now: no second stall on another at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,8 +328,9 @@ class ZmqSource:
         # payload); a live message matching one is a duplicate, not a seq reset.
         self._replayed: dict[int, bytes] = {}
         # A connection was made or accepted and the stream applied so far not checked against
-        # the replay since (`_heal_gap`): the check runs at once with a replay endpoint, or at
-        # the connection's first message when that comes first (or without one).
+        # the replay since (`_check_connection`): the check runs at once with a replay
+        # endpoint, or at the connection's first message when that comes first (or without
+        # one).
         self._new_connection = False
         self._progress = asyncio.Condition()
         # Set by request_resync (and at start, with a replay endpoint, and at a new connection:
@@ -571,14 +605,13 @@ class ZmqSource:
     async def _on_connection_events(self, events: list[int]) -> None:
         """Act on the SUB's monitor events. A connection made or accepted (its handshake done)
         has the stream applied so far checked against the replay at once (`_new_connection`,
-        `_heal_gap`): what the publisher sent before the SUB's connection was up is lost to
-        the SUB, and an idle publisher sends nothing after it that would show the gap. A
-        disconnection means the
-        publisher went away (its process ended: a killed engine publishes no last word, or
-        it fell silent past the heartbeat timeout): the blocks indexed from it
-        are cleared at once rather than left stale until it publishes again, which a dead
-        engine never does. The next connection (the engine back, restarted or not) then
-        rebuilds the worker from the replay at once, as a start does."""
+        `_check_connection`): what the publisher sent before the SUB's connection was up is
+        lost to the SUB, and an idle publisher sends nothing after it that would show the gap.
+        A disconnection means the publisher went away (its process ended: a killed engine
+        publishes no last word, or it fell silent past the heartbeat timeout): the blocks
+        indexed from it are cleared at once rather than left stale until it publishes again,
+        which a dead engine never does. The next connection (the engine back, restarted or
+        not) then rebuilds the worker from the replay at once, as a start does."""
         ends = [i for i, event in enumerate(events) if event == zmq.EVENT_DISCONNECTED]
         if ends:
             self._replay_failed_on_connection = False  # (the connection it failed on)
@@ -729,21 +762,39 @@ class ZmqSource:
         """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring).
         At start a failed replay changes nothing (it is retried, see below) and an empty one
         only clears: the first message then rebuilds the worker as ever. At a new connection
-        (`_CONNECTED`), check the stream applied so far against the replay instead, unless a
-        message has since (`_heal_gap`)."""
+        (`_CONNECTED`), check the stream applied so far against the replay instead
+        (`_check_connection`).
+
+        A connection's check still pending (wanted, or to be retried after its replay failed)
+        is made first, whatever else asked. (A resync the index asked for took its place
+        (`_want_resync`), and the check, left pending, ran at the first message against the
+        resync's replay: one replay for nothing, and another process behind the connection
+        was never told as a sequence break.) The resync's replay is no such check: it shows
+        what the publisher holds, not whether that goes on from the batches the worker held
+        before it was cleared. And a replay here that answers ends a check left pending by its
+        own failed replay: the worker is rebuilt from this one, made with the connection up,
+        which holds whatever the publisher sent before the connection. A check that rebuilt
+        the worker (another process) did so from a replay made after whatever asked: that
+        serves the resync too (before, the resync's replay rebuilt it a second time). One
+        whose replay failed just now leaves the resync to clear the worker and retry its
+        rebuild, without a second replay at once (which stalled the source twice as long)."""
         cause = self._resync_cause
+        checked = await self._check_connection()  # (a no-op unless one is pending)
         if cause == _CONNECTED:
-            expected = self._expected
-            if self._new_connection and expected is not None:
-                self._new_connection = False
-                await self._heal_gap(expected, None)
+            return
+        if checked is _Checked.REBUILT:
+            if cause == _INDEX_ASKED:
+                self.counters.num_resyncs += 1
+                log.warning(
+                    "worker %s: %s; served by the connection's rebuild", self.worker_id, cause
+                )
             return
         floor = self._expected
         # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
         # the index asked for. One the index asked for clears the worker even with nothing to
         # rebuild it from: a Redis back with older data holds blocks this source cleared (a
         # departed publisher's, which sends no next message to clear them).
-        starting = cause in (_STARTING, _RECONNECTED)
+        starting = cause in (_STARTING, _RECONNECTED, _RESYNC_RETRIED)
         if starting and floor is None and not self.settings.replay_endpoint:
             return  # the next message clears and rebuilds the worker anyway
         if starting and floor is not None:
@@ -758,7 +809,13 @@ class ZmqSource:
         else:
             self.counters.num_resyncs += 1
             log.warning("worker %s: %s; clearing and rebuilding", self.worker_id, cause)
-        replies = await self._replay(0)
+        # A publisher away (its end cleared the worker) is not rebuilt from its replay until its
+        # next connection does it (`_cleared_by_disconnect`): rebuilt now, the connection would
+        # take the rebuild as done, and miss what the publisher sent before it.
+        away = self._cleared_by_disconnect
+        replies = None if checked is _Checked.FAILED or away else await self._replay(0)
+        if replies is not None:
+            self._new_connection = False  # (see above)
         if starting:
             await self._refill(replies, cause)
             return
@@ -768,7 +825,7 @@ class ZmqSource:
         await self._reset_worker(self.last_seq or 0)
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             if self.settings.replay_endpoint:
-                self._retry_replay(_RECONNECTED)  # (a reconnection's rebuild it served, too)
+                self._retry_replay(_RESYNC_RETRIED)  # (a reconnection's it served, too)
             return
         for reply in replies:
             await self._apply(reply, replayed=True)
@@ -787,7 +844,7 @@ class ZmqSource:
     async def _refill(self, replies: list[ZmqMessage] | None, cause: str) -> None:
         """Rebuild the worker, with nothing applied since it was cleared or the source started,
         from `replies`: a replay (of the whole buffer) made just now for `cause` (`_STARTING`,
-        `_RECONNECTED`), None when it failed.
+        `_RECONNECTED`, `_RESYNC_RETRIED`), None when it failed.
         Failed (None) or empty: retried at the SUB's next connection, or rebuilt by the first
         message, whichever comes first. When the SUB connected while the replay ran (its
         connection is handled first), an empty replay is not retried: the SUB then receives
@@ -1057,8 +1114,8 @@ class ZmqSource:
         `on_sequence_break`). `buffered`: what a replay made just now says the buffer holds
         (the whole buffer, or nothing when it failed), not asked for again; None: replay from
         seq 0 (unless the last replay on this connection failed: from `trigger` alone). No
-        `trigger` (a new connection's check, `_heal_gap`): from the replay alone, retried as a
-        reconnection's rebuild is when it fails (`_refill`)."""
+        `trigger` (a new connection's check, `_check_connection`): from the replay alone,
+        retried as a reconnection's rebuild is when it fails (`_refill`)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         if trigger is None:
@@ -1093,75 +1150,95 @@ class ZmqSource:
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
 
-    async def _heal_gap(self, expected: int, trigger: ZmqMessage | None) -> None:
-        """Heal the gap (possibly empty, after a new connection) before `trigger` from one
-        replay from the last applied seq, or clear and rebuild the worker when the replay shows
-        another publisher process (see the module docstring) or cannot cover the gap. Without
-        `trigger`: a new connection's check, made as the connection is (`_resync`), which
-        applies whatever the replay brought after the last applied seq: what the publisher sent
-        before the SUB's connection was up never comes live."""
+    async def _heal_gap(self, expected: int, trigger: ZmqMessage) -> None:
+        """Heal the gap (possibly empty, a new connection's first message) before `trigger`
+        from one replay from the last applied seq (`_continuation`), or clear and rebuild the
+        worker when the replay shows another publisher process (see the module docstring) or
+        cannot cover the gap."""
         last = expected - 1
-        if trigger is not None:
-            self._learn_rank(trigger)
-        # (With no live batch yet, no rank to hold the replayed ones against: `_is_new_rank`.)
-        known_rank = trigger is not None or self._live_rank is not None
-        if known_rank and self._applied_rank not in (None, self._live_rank):
-            await self._rebuild(
-                trigger,
-                reason=f"the worker holds data-parallel rank {self._applied_rank}'s batches "
-                f"(replayed), the live stream is rank {self._live_rank}'s",
-            )
+        self._learn_rank(trigger)
+        found = await self._continuation(last, rank_known=True)
+        if found is None:  # (one that failed is not asked again at once: `_rebuild`)
+            found = _Break("no replay to check the stream against")
+        elif isinstance(found, list) and (found[-1].seq if found else last) + 1 < trigger.seq:
+            found = _Break("replay cannot cover the gap")
+        if isinstance(found, _Break):
+            await self._rebuild(trigger, reason=found.reason, buffered=found.buffered)
             return
-        replies = await self._replay(last)
-        if trigger is None and await self._connection_changed_meanwhile():
-            return  # (what the events asked for replaces the check: see there)
-        if replies is None and trigger is None:
-            # Checked at the first message (from it alone: no second stall) or at a retry.
-            self._new_connection = True
-            self._retry_replay(_CONNECTED)
-            return
-        if replies is None:  # (one that failed is not asked again at once: `_rebuild`)
-            await self._rebuild(trigger, reason="no replay to check the stream against")
-            return
-        if not replies or replies[0].seq != last:
-            await self._rebuild(
-                trigger,
-                reason=f"the replay no longer holds seq {last} (buffer trimmed, a restart, or "
-                "more to replay than replay_bytes)",
-                # A buffer that starts after `last` came whole (the backlog outgrew it).
-                buffered=replies or None,
-            )
-            return
-        if replies[0].payload != self._last_payload:
-            await self._rebuild(trigger, reason=f"seq {last} changed: the engine restarted")
-            return
-        covered = all(b.seq == a.seq + 1 for a, b in itertools.pairwise(replies)) and (
-            trigger is None or replies[-1].seq + 1 >= trigger.seq
-        )
-        if not covered:
-            await self._rebuild(trigger, reason="replay cannot cover the gap")
-            return
-        for reply in replies[1:]:
+        for reply in found:
             await self._apply(reply, replayed=True)
-        if trigger is None:
-            if len(replies) > 1:
-                log.info(
-                    "worker %s: new connection; the replay brought seq %d to %d",
-                    self.worker_id,
-                    replies[1].seq,
-                    replies[-1].seq,
-                )
-            # Their live copies, if any come (sent once the SUB was connected), are duplicates,
-            # and so are those of the batches the replay before the connection applied (no
-            # live batch has come since to pass them: they may still be on their way).
-            self._replayed.update((r.seq, r.payload) for r in replies[1:])
-            return
         # Live messages after the trigger that the replay already applied are duplicates.
-        self._replayed = {r.seq: r.payload for r in replies if r.seq > trigger.seq}
+        self._replayed = {r.seq: r.payload for r in found if r.seq > trigger.seq}
         if trigger.seq >= (self._expected or 0):
             await self._apply(trigger)
         else:
             self.counters.num_duplicates += 1
+
+    async def _check_connection(self) -> _Checked:
+        """Check the stream applied so far against one replay from the last applied seq
+        (`_continuation`) as a new connection is made (`_resync`), unless nothing is applied
+        or a message has checked it since (`_new_connection`). What the replay brought after
+        the last applied seq is applied: what the publisher sent before the SUB's connection
+        was up never comes live. A replay that shows another process rebuilds the worker from
+        the replay; one that fails leaves the check to a retry or to the first message."""
+        expected = self._expected
+        if not self._new_connection or expected is None:
+            return _Checked.NOTHING
+        self._new_connection = False
+        # (With no live batch yet, no rank to hold the replayed ones against: `_is_new_rank`.)
+        found = await self._continuation(expected - 1, rank_known=self._live_rank is not None)
+        if await self._connection_changed_meanwhile():
+            return _Checked.NOTHING  # (what the events asked for replaces the check: see there)
+        if found is None:
+            # Checked at the first message (from it alone: no second stall) or at a retry.
+            self._new_connection = True
+            self._retry_replay(_CONNECTED)
+            return _Checked.FAILED
+        if isinstance(found, _Break):
+            await self._rebuild(None, reason=found.reason, buffered=found.buffered)
+            return _Checked.REBUILT
+        for reply in found:
+            await self._apply(reply, replayed=True)
+        if found:
+            self.counters.num_connection_heals += 1  # (not a gap: no message showed one)
+            log.info(
+                "worker %s: new connection; the replay brought seq %d to %d",
+                self.worker_id,
+                found[0].seq,
+                found[-1].seq,
+            )
+        # Their live copies, if any come (sent once the SUB was connected), are duplicates,
+        # and so are those of the batches the replay before the connection applied (no
+        # live batch has come since to pass them: they may still be on their way).
+        self._replayed.update((r.seq, r.payload) for r in found)
+        return _Checked.NOTHING
+
+    async def _continuation(
+        self, last: int, *, rank_known: bool
+    ) -> list[ZmqMessage] | _Break | None:
+        """One replay from `last`, the last applied seq: the batches after it when the replay
+        goes on from the very batch applied at `last` (the same bytes: the same process, see
+        the module docstring; its replies run without a hole, `_replay`), else why not; None
+        when it failed. No replay when the worker holds replayed batches of another
+        data-parallel rank than the live stream's, once `rank_known` (`_is_new_rank`)."""
+        if rank_known and self._applied_rank not in (None, self._live_rank):
+            return _Break(
+                f"the worker holds data-parallel rank {self._applied_rank}'s batches "
+                f"(replayed), the live stream is rank {self._live_rank}'s"
+            )
+        replies = await self._replay(last)
+        if replies is None:
+            return None
+        if not replies or replies[0].seq != last:
+            return _Break(
+                f"the replay no longer holds seq {last} (buffer trimmed, a restart, or more to "
+                "replay than replay_bytes)",
+                # A buffer that starts after `last` came whole (the backlog outgrew it).
+                buffered=replies or None,
+            )
+        if replies[0].payload != self._last_payload:
+            return _Break(f"seq {last} changed: the engine restarted")
+        return replies[1:]
 
     async def _connection_changed_meanwhile(self) -> bool:
         """Whether the SUB's connection changed (ended, or another was made) while a new

@@ -24,6 +24,7 @@ from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
+from indexer.sources.link import Link
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kv_indexer.v1 import kv_indexer_pb2 as kv
@@ -853,6 +854,8 @@ async def test_a_batch_published_between_the_start_replay_and_the_subs_connectio
         await publisher.close()
     assert publisher.replay_requests == [0, 0]  # the start's, then the connection's check
     assert (source.counters.num_resets, source.counters.num_resyncs) == (1, 0)
+    # Counted as the connection's heal (before, nowhere), not as a gap: no message showed one.
+    assert (source.counters.num_connection_heals, source.counters.num_gaps) == (1, 0)
 
 
 async def test_a_new_process_behind_the_start_replay_is_rebuilt_at_the_subs_connection(
@@ -938,6 +941,7 @@ async def test_a_live_copy_of_a_start_replay_batch_read_after_the_connections_ch
         assert publisher.replay_requests == [0, 1]  # the start's, the connection's check
     assert _keys(index) == {1, 2, 3, 4}
     assert source.counters.num_duplicates == 1
+    assert source.counters.num_connection_heals == 0  # (the check found nothing missed)
     assert (source.counters.num_resets, breaks) == (1, [])
 
 
@@ -994,6 +998,156 @@ async def test_a_restart_while_the_connections_check_replays_is_one_sequence_bre
         assert publisher.replay_requests == rebuilt  # (no second rebuild)
     assert breaks == [1]
     assert source.counters.num_resets == 2  # at the start, at the old connection's end
+
+
+class _LinkAskingAResync(Link):
+    """A source's link that, the first time it goes up (the SUB's connection acted on, its
+    check still to make), has the index ask the source for a resync: an index that loses the
+    worker at that very moment, made deterministic."""
+
+    def __init__(self, source: ZmqSource) -> None:
+        super().__init__(source.link.reason)
+        self.source: ZmqSource | None = source
+
+    def went_up(self) -> None:
+        super().went_up()
+        if self.source is not None:
+            self.source.request_resync()
+            self.source = None
+
+
+async def test_a_resync_asked_as_the_sub_connects_leaves_the_connection_checked(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay applied seq 0 and 1 of an engine process, which is replaced (on the
+    same ports) before the SUB's connection reaches it; the new process publishes its seq 0.
+    The index asks for a resync as the connection is acted on, before its check. The check is
+    made first: the new process is told as a sequence break, and the first live message is
+    applied with no replay (before, the resync took the check's place: no break was told, and
+    the check was left to the first message, a replay for nothing). The check's rebuild, from
+    a replay made after the index asked, serves the resync: the worker is rebuilt once (before,
+    the resync's own replay cleared and rebuilt it a second time)."""
+    index = PrefixIndex()
+    breaks: list[int] = []
+    async with _started_before_the_pub_is_up(context, index, breaks) as (publisher, source):
+        source.link = _LinkAskingAResync(source)
+        publisher.buffer.clear()  # a new process, publishing before the SUB reaches it
+        await publisher.publish(_message(0, _stored(7)), live=False)
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        await source.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+        # (Applied live, or by the resync's replay and then a duplicate: either way after it.)
+        await publisher.publish(_message(1, _stored(8, parent=7)))
+        await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
+        # The start's, the check's (seq 1 no longer held), its rebuild's (the resync's too).
+        assert publisher.replay_requests == [0, 1, 0]
+    assert breaks == [1]
+    assert source.counters.num_resyncs == 1
+    assert source.counters.num_resets == 2  # at the start, at the check's rebuild
+
+
+async def test_a_resync_asked_as_the_sub_connects_does_not_replay_again_after_the_checks_failed(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The start's replay applied seq 0 and 1, then the engine's replay ROUTER stops
+    answering; the index asks for a resync as the SUB's connection is acted on. The check's
+    replay fails (one stall of `replay_timeout_s`); the resync clears the worker and leaves
+    its rebuild to the retry (with the backoff) or the first message, without a second replay
+    at once (before, it asked again and stalled the source twice as long, on a ROUTER that
+    had just not answered, as a failed resync alone never did)."""
+    index = PrefixIndex()
+    breaks: list[int] = []
+    failures_at_the_clear: list[int] = []
+
+    def cleared() -> bool:
+        if source.counters.num_resyncs == 1 and _keys(index) == set():
+            failures_at_the_clear.append(source.counters.num_replay_failures)
+            return True
+        return False
+
+    started = _started_before_the_pub_is_up(context, index, breaks, replay_timeout_s=0.5)
+    async with started as (publisher, source):
+        source.link = _LinkAskingAResync(source)
+        await publisher.stop_replay()
+        await publisher.open_pub_when_free()
+        await publisher.wait_subscribed()
+        await source.wait_until(cleared, WAIT_S)
+        publisher.start_replay()  # the retry rebuilds the worker
+        await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+    assert failures_at_the_clear == [1]  # the check's alone
+    assert breaks == []
+
+
+async def test_a_resync_retried_after_its_replay_failed_is_logged_as_one(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index asks for a resync while the engine's replay ROUTER does not answer: the
+    resync's replay fails, and is retried (the SUB is connected) until the ROUTER answers,
+    which rebuilds the worker. The retries are logged as the index's resync retried (before,
+    as "the publisher is back": a reconnection that never happened), and the resync counts
+    once."""
+    caplog.set_level(logging.DEBUG, logger="indexer.sources.zmq")  # (where retries log)
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    sink = MemoryBackend(index)
+    source = _source(
+        publisher.endpoint, context, sink, replay=publisher.replay_endpoint, replay_timeout_s=0.2
+    )
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1)))
+            await source.wait_until(lambda: _keys(index) == {1}, WAIT_S)
+            await publisher.stop_replay()
+            source.request_resync()
+            # The resync's replay failed (the worker cleared), and a retry's.
+            await eventually(lambda: source.counters.num_replay_failures >= 2, WAIT_S)
+            assert _keys(index) == set()
+            publisher.start_replay()
+            await source.wait_until(lambda: _keys(index) == {1}, WAIT_S)
+    finally:
+        await publisher.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "indexer.sources.zmq"]
+    assert any("the index's resync is retried" in line for line in logged)
+    assert not any("the publisher is back" in line for line in logged)
+    assert source.counters.num_resyncs == 1
+
+
+async def test_a_resync_asked_while_the_publisher_is_away_leaves_the_rebuild_to_its_connection(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The publisher's connection ends (the worker cleared until it is back), and the index
+    asks for a resync meanwhile, while the engine's next process, its replay ROUTER up on the
+    same port before its PUB, holds seq 0; it then publishes seq 1 before the SUB's connection
+    reaches its PUB, and goes idle. The resync clears the worker and leaves its rebuild to the
+    publisher's connection, whose replay holds both (before, the resync rebuilt the worker
+    from the replay while the publisher was away, which had the connection skip its rebuild
+    as done: seq 1 stayed missing until the engine's next batch). A resync asked as the SUB
+    connects came to this too: the connection's check, made first, read the publisher's end
+    as its replay answered, and the resync after it rebuilt while the publisher was away."""
+    index, publisher, source = _replaying(context)
+    breaks: list[int] = []
+    source.on_sequence_break = lambda: breaks.append(1)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1, 2)))
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+            publisher.close_pub()  # the engine's process gone
+            await source.wait_until(lambda: not source.link.up, WAIT_S)
+            publisher.buffer.clear()  # its next process, its PUB not up yet
+            await publisher.publish(_message(0, _stored(7)), live=False)
+            source.request_resync()
+            await source.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+            assert _keys(index) == set()  # (no rebuild while the publisher is away)
+            await publisher.publish(_message(1, _stored(8, parent=7)), live=False)  # missed
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {7, 8}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert breaks == [1]  # the publisher back: maybe another process
 
 
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
