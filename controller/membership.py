@@ -621,7 +621,7 @@ class Membership:
         # Each with the stamp this replica knows it by: a field deleted since through another
         # replica (its tombstone newer) stays deleted, and so do those this replica saw
         # deleted (their tombstones) when another replica writes back an older view.
-        changes = [(f, "s", v, self._stamp_of(f, True)) for f, v in fields.items()]
+        changes = [(f, "s", v, self._stamp_of(f)) for f, v in fields.items()]
         changes += [
             (f, "d", "", stamp)
             for f, (stamp, held) in self._stamps.items()
@@ -634,11 +634,11 @@ class Membership:
         never seen."""
         return self._stamps.get(field, (0, False))[1]
 
-    def _stamp_of(self, field: str, held: bool) -> int:
-        """The stamp of `field` as last read or written here, if it was `held` (set or not)
-        then; else 0 (older than any change)."""
-        stamp, was_held = self._stamps.get(field, (0, held))
-        return stamp if was_held == held else 0
+    def _stamp_of(self, field: str) -> int:
+        """The stamp of `field` as last read or written here, if it was set then; else 0
+        (older than any change)."""
+        stamp, held = self._stamps.get(field, (0, False))
+        return stamp if held else 0
 
 
 def _shares(config: ControllerConfig) -> bool:

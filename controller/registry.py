@@ -463,7 +463,6 @@ class EngineRecord:
     # When the polls that could not reach it began (meaningful while UNREACHABLE; None
     # after a poll it answered, even with an error: no outage is running).
     unreachable_since_s: float | None = None
-    next_attempt_s: float = 0.0
     # Bumped whenever the engine turns out to be a new process (new instance id).
     epoch: int = 0
     # The controller told this engine process to drain: it stays out of routing even if a
@@ -1299,7 +1298,6 @@ class Registry:
             self._cap_settled = None  # (what the cap reads of it changed: decided again)
         record.state = state
         record.num_failures = 0
-        record.next_attempt_s = now_s
         self._decide_cap()
 
     def would_flap(self, address: str, state: EngineState) -> bool:
@@ -1584,7 +1582,6 @@ class Registry:
         record.load = LoadSnapshot()
         delay: float = min(self.backoff_initial_s * 2.0**record.num_failures, self.backoff_max_s)
         record.num_failures += 1
-        record.next_attempt_s = now_s + delay
         self._decide_cap()
         return delay
 

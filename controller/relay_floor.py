@@ -59,12 +59,12 @@ class Relay:
         await self.channel.close()
 
 
-async def start_relay(target: str, listen: str = "127.0.0.1:0") -> Relay:
-    """A started relay to the engine at `target`."""
+async def start_relay(target: str) -> Relay:
+    """A started relay to the engine at `target`, on a loopback port of the system's choosing."""
     channel = INSECURE.aio_channel(target)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([_generate_handler(channel)])
-    port = server.add_insecure_port(listen)
+    port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return Relay(server, port, channel)
 

@@ -27,8 +27,8 @@ BLOCK_TOKENS = 16
 IN_FLIGHT = 8  # concurrent applies from the one process
 
 
-def _chain(seed: int, length: int = CHAIN_BLOCKS) -> list[BlockKey]:
-    return [xxhash.xxh3_64_intdigest(b"%d:%d" % (seed, i)) >> 1 for i in range(length)]
+def _chain(seed: int) -> list[BlockKey]:
+    return [xxhash.xxh3_64_intdigest(b"%d:%d" % (seed, i)) >> 1 for i in range(CHAIN_BLOCKS)]
 
 
 def _report(worker: int, keys: Sequence[BlockKey]) -> Batch:

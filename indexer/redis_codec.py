@@ -37,8 +37,8 @@ def pack_u32s(values: Sequence[int]) -> bytes:
     return struct.pack(f">{len(values)}I", *values)
 
 
-def u32(data: bytes, offset: int = 0) -> int:
-    value: int = _U32.unpack_from(data, offset)[0]
+def u32(data: bytes) -> int:
+    value: int = _U32.unpack_from(data)[0]
     return value
 
 

@@ -66,14 +66,12 @@ class IndexSizeGauges:
             yield family
 
 
-async def refresh_index_size(
-    backend: IndexBackend, gauges: IndexSizeGauges, clock: Callable[[], float] = time.monotonic
-) -> None:
+async def refresh_index_size(backend: IndexBackend, gauges: IndexSizeGauges) -> None:
     """Forever: read `backend.stats()` into `gauges`, then wait (`refresh_wait_s`). A failed
     read (a shared index down) is logged when the failures start and when they end."""
     failing = False
     while True:
-        started = clock()
+        started = time.monotonic()
         try:
             stats: IndexStats | None = await backend.stats()
         except Exception as exc:
@@ -86,4 +84,4 @@ async def refresh_index_size(
                 log.info("index size read again")
             failing = False
         gauges.record(stats)
-        await asyncio.sleep(refresh_wait_s(clock() - started))
+        await asyncio.sleep(refresh_wait_s(time.monotonic() - started))

@@ -473,15 +473,15 @@ def rpc_channel(
 MODELS_CELL_WIDTH = 40
 
 
-def models_cell(models: Sequence[str], width: int = MODELS_CELL_WIDTH) -> str:
+def models_cell(models: Sequence[str]) -> str:
     """An engine's models in one table cell: names joined by commas, as many as fit in
-    `width` (the first, its default model, always), the rest counted (`a,b,+3`). The whole
-    list is in the JSON output."""
+    `MODELS_CELL_WIDTH` (the first, its default model, always), the rest counted (`a,b,+3`).
+    The whole list is in the JSON output."""
     shown: list[str] = []
     for i, model in enumerate(models):
         left = len(models) - i - 1
         cell = ",".join([*shown, model]) + (f",+{left}" if left else "")
-        if shown and len(cell) > width:
+        if shown and len(cell) > MODELS_CELL_WIDTH:
             break
         shown.append(model)
     left = len(models) - len(shown)

@@ -164,13 +164,13 @@ class ControllerAdmin:
             seen, self._instance_id = self._instance_id, info.instance_id
             if seen is not None and info.instance_id != seen:
                 return
-            await self._connection_lost(_IDENTITY_POLL_S)
+            await self._connection_lost()
 
-    async def _connection_lost(self, within_s: float) -> None:
+    async def _connection_lost(self) -> None:
         """Until the channel leaves the state it is in (a connection up: until it drops), or
-        `within_s` passes."""
+        `_IDENTITY_POLL_S` passes."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(within_s):
+            async with asyncio.timeout(_IDENTITY_POLL_S):
                 channel = self._dialled.channel
                 await channel.wait_for_state_change(channel.get_state())
 

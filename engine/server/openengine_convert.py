@@ -11,7 +11,7 @@ engine, no tokens and a terminal PrefillReady instead of GenerationFinished.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.api import (
@@ -188,6 +188,22 @@ def guided_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> Guided
     raise UnsupportedOptionError(f"guided {which} is not supported; supported modes: {supported}")
 
 
+async def given_prompt(
+    which: str | None, token_ids: Iterable[int], text: str, ctx: EngineContext, *, text_field: str
+) -> list[int]:
+    """A Generate request's prompt, OpenEngine's or vllm.Generate's (`which`: the set field of
+    its prompt oneof, whose text field is `text_field`): the token ids as given, or the text
+    tokenised (in a worker thread when long) by an engine with a tokenizer; an engine without
+    one refuses text."""
+    if which == "token_ids":
+        return list(token_ids)
+    if which == text_field:
+        if ctx.encode is None:
+            raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
+        return await tokenize_off_loop(ctx.encode, text)
+    raise InvalidRequestError(f"set {text_field} or token_ids")
+
+
 async def engine_request_from_proto(
     request: pb.GenerateRequest, ctx: EngineContext
 ) -> EngineRequest:
@@ -196,15 +212,9 @@ async def engine_request_from_proto(
     if not ctx.model.serves(request.model):
         raise ModelNotFoundError(f"model {request.model!r} is not served here")
     check_unsupported(request, ctx)
-    which = request.WhichOneof("input")
-    if which == "token_ids":
-        prompt = list(request.token_ids.ids)
-    elif which == "prompt":
-        if ctx.encode is None:
-            raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
-        prompt = await tokenize_off_loop(ctx.encode, request.prompt)
-    else:
-        raise InvalidRequestError("set prompt or token_ids")
+    prompt = await given_prompt(
+        request.WhichOneof("input"), request.token_ids.ids, request.prompt, ctx, text_field="prompt"
+    )
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
     kv = request.kv

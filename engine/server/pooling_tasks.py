@@ -109,7 +109,7 @@ class PoolingTasks:
             dimensions=dimensions,
         )
         with self._service.converting(request.context.request_id) as converted:
-            items = await self._items(request.inputs, "inputs")
+            items = await self._items(request.inputs)
         outputs = await self._accepted(converted, "embed", items, params)
         response = pb.EmbedResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
@@ -145,7 +145,7 @@ class PoolingTasks:
             PoolingTask.CLASSIFY, per_token=granularity == _TOKEN, activation=_SEMANTICS[semantics]
         )
         with self._service.converting(request.context.request_id) as converted:
-            items = await self._items(request.inputs, "inputs")
+            items = await self._items(request.inputs)
         outputs = await self._accepted(converted, "classify", items, params)
         response = pb.ClassifyResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
@@ -248,8 +248,8 @@ class PoolingTasks:
             raise UnsupportedOptionError(f"{task} granularity: one of {names}")
         return value
 
-    async def _items(self, inputs: Sequence[pb.TaskInput], where: str) -> list[_Item]:
-        return await self._tokenized(self._placed(inputs, where))
+    async def _items(self, inputs: Sequence[pb.TaskInput]) -> list[_Item]:
+        return await self._tokenized(self._placed(inputs, "inputs"))
 
     @staticmethod
     def _placed(

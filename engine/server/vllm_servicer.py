@@ -58,16 +58,19 @@ from engine.server.errors import (
     FeatureDisabledError,
     ModelNotFoundError,
     RoleMismatchError,
-    UnsupportedOptionError,
     grpc_status_for_kind,
 )
 from engine.server.info import POOLING_ONLY_MESSAGE
-from engine.server.openengine_convert import EngineContext, guided_from_proto, unconverted_request
+from engine.server.openengine_convert import (
+    EngineContext,
+    given_prompt,
+    guided_from_proto,
+    unconverted_request,
+)
 from engine.server.openengine_servicer import refuse
 from kvplane.logprobs_asked import vllm_asks
 from kvplane.prompt_truncation import kept_prompt
 from kvplane.server import Service, ServiceHealth, abort_with
-from kvplane.tokenize import tokenize_off_loop
 from openengine.v1 import openengine_pb2 as oe
 from vllm_grpc import vllm_grpc_pb2 as pb
 from vllm_grpc import vllm_grpc_pb2_grpc as pb_grpc
@@ -153,15 +156,9 @@ async def engine_request_from_vllm(
             "vLLM's kv_transfer_params are not supported: KV moves between engines through "
             "OpenEngine's kv.session"
         )
-    which = request.WhichOneof("prompt")
-    if which == "token_ids":
-        prompt = list(request.token_ids.ids)
-    elif which == "text":
-        if ctx.encode is None:
-            raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
-        prompt = await tokenize_off_loop(ctx.encode, request.text)
-    else:
-        raise InvalidRequestError("set text or token_ids")
+    prompt = await given_prompt(
+        request.WhichOneof("prompt"), request.token_ids.ids, request.text, ctx, text_field="text"
+    )
     prompt = list(kept_prompt(prompt, request.truncate_prompt_tokens))
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
