@@ -32,7 +32,7 @@ import shutil
 import socket
 import tempfile
 import urllib.request
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +57,7 @@ DEPLOYMENT = "kvplane-engine"
 LABELS = {"app": "kvplane-engine", "pool": POOL}
 SETTLE_S = 60.0
 T = TypeVar("T")
+M = TypeVar("M", bound=RuleBasedStateMachine)
 # Which of the candidates a rule takes (modulo their number). A rule drawn where it does not
 # apply does nothing: the draws do not depend on what the cluster did (pod names, timings),
 # which hypothesis would report as flaky data generation.
@@ -541,6 +542,19 @@ TestKubernetesActuatorModel = KubernetesActuatorMachine.TestCase
 # breakage the random runs find only sometimes.
 
 
+def replay_on(
+    machine: M, steps: Iterable[Callable[[M], object]], invariants: Iterable[Callable[[], None]]
+) -> None:
+    """Run `steps` on `machine`, each of its `invariants` checked after each; then torn down."""
+    try:
+        for step in steps:
+            step(machine)
+            for invariant_holds in invariants:
+                invariant_holds()
+    finally:
+        machine.teardown()
+
+
 def replay(*steps: Callable[[KubernetesActuatorMachine], object]) -> None:
     """Run `steps` on a fresh machine, its invariants checked after each, then a look."""
     machine = KubernetesActuatorMachine()
@@ -550,13 +564,7 @@ def replay(*steps: Callable[[KubernetesActuatorMachine], object]) -> None:
         machine.each_engine_is_its_own_pod,
         machine.no_serving_engines_pod_was_scaled_away,
     )
-    try:
-        for step in (*steps, KubernetesActuatorMachine.tick):
-            step(machine)
-            for invariant_holds in invariants:
-                invariant_holds()
-    finally:
-        machine.teardown()
+    replay_on(machine, (*steps, KubernetesActuatorMachine.tick), invariants)
 
 
 def test_a_start_takes_a_free_replica_without_scaling_up() -> None:
