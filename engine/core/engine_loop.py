@@ -20,9 +20,9 @@ Request ids: the engine thread hands each output to the sink of the live request
    `abandon`, an abort of all's, a failing sink's). Its outputs from the core reach no one,
    and its id, no sink's, is taken until the core ends it (seen at the end of each round of the
    engine thread): `submit` refuses it as a duplicate, a request queued under it ends ERROR;
-   an abort of all (`abort_all`, `stop`, a failed step's) ends it in the core too, on its own
-   if the core's abort of all fails, but `abort_all` does not name it nor count it in its
-   error (no client waits on it).
+   an abort of all (`abort_all`, `stop`, a failed step's, the stopped thread's) ends it in the
+   core too, on its own if the core's abort of all fails, but `abort_all` does not name it nor
+   count it in its error (no client waits on it).
 4. Made up (`_Failed`): an ERROR end the loop makes up for a request reaches it if it is still
    live when handed over (else no one), and ends only its outputs not ended yet, its usage
    counting the tokens its sink was handed and each matched stop token left out of them (as
@@ -37,8 +37,9 @@ core forgot: made up), and the loop carries on; a failing sink aborts its reques
 core's abort of every request fails (`abort_all`, `stop`, or a failed step's, whose ends are
 ERROR), each is aborted on its own (by `abort`'s rule), stray ones too, `abort_all`'s future
 failing (AbortFailedError), and the loop carries on; a failing `on_step` observer is logged;
-if the thread itself dies, every live request still gets a terminal ERROR output, and
-`submit` refuses from then on.
+once the thread ends (stopped, or it died), the core's abort of every request that is left
+(the same way, each on its own should it fail) releases what the core holds for them, every
+live request still gets a terminal ERROR output, and `submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -470,6 +471,13 @@ class EngineLoop:
             f"{len(failed)} of {len(ended | failed)} ended with an error"
         )
 
+    def _abort_every_request(self, failure: str | None = None) -> list[_Item]:
+        """`_abort_all` of every request (engine thread): the live ones and the stray ones
+        as they are now; its error (logged) dropped."""
+        with self._cond:
+            live, stray = dict(self._sinks), set(self._stray)
+        return self._abort_all(live, stray, failure)[0]
+
     def _abort_each(
         self,
         requests: dict[str, _Live],
@@ -556,9 +564,7 @@ class EngineLoop:
                 for command in commands:
                     items.extend(self._run_command(command))
                 if stopping:  # (every request: none is submitted from now on)
-                    with self._cond:
-                        taken_in, stray = dict(self._sinks), set(self._stray)
-                    items.extend(self._abort_all(taken_in, stray)[0])
+                    items.extend(self._abort_every_request())
                     self._publish(items, submitted)
                     return
                 stepped = self.core.has_work()
@@ -576,8 +582,9 @@ class EngineLoop:
             for command in pending:  # resolve futures of commands that raced the stop
                 self._run_command(command)
             try:  # a failed thread's requests (or ones added as it stopped) release what the
-                # core holds for them: blocks, LoRA slots, pulled KV (their sinks hear below)
-                self.core.abort_all(FinishReason.ERROR, "the engine stopped")
+                # core holds for them: blocks, LoRA slots, pulled KV; each on its own should
+                # the core's abort of them all fail (their sinks hear below)
+                self._abort_every_request("the engine stopped")
             except Exception:
                 logger.exception("releasing the requests of the stopped engine failed")
             with self._cond:  # whatever is still live ends now, so no consumer waits forever

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
@@ -625,32 +626,36 @@ async def test_a_retry_of_an_abandoned_request_that_runs_on_gets_none_of_its_out
 
 
 class AbortAllFails(EngineCore):
-    """A core whose abort of every request fails before it did anything or (`forgets`) after
-    it ended every request (as one whose freeing of their resources raises): those are gone,
-    their ends never emitted. Its abort that cancels them all (AbortAll, stop) fails once per
-    `armed.release()` (once at first); its abort that ends them all ERROR (a failed step's, or
-    the engine thread's as it dies) once per `error_armed.release()` (none at first)."""
+    """A core whose abort of every request fails as armed (none at first): before it did
+    anything, or (a failure that `forgets`) after it ended every request (as one whose freeing
+    of their resources raises): those are gone, their ends never emitted. Its abort that
+    cancels them all (AbortAll, stop) fails once per `armed.append(forgets)`; its abort that
+    ends them all ERROR (a failed step's, or the engine thread's as it ends) once per
+    `error_armed.append(forgets)`: each failure in turn, as its own `forgets` says."""
 
-    forgets = False
     failures = 0
     error_failures = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.armed = threading.Semaphore(1)
-        self.error_armed = threading.Semaphore(0)
+        # Appended by any thread, taken by the engine thread alone (a deque's ends are
+        # thread-safe).
+        self.armed: deque[bool] = deque()
+        self.error_armed: deque[bool] = deque()
 
     def abort_all(
         self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
     ) -> list[RequestOutput]:
         cancels = reason is FinishReason.CANCELLED
-        if not (self.armed if cancels else self.error_armed).acquire(blocking=False):
+        armed = self.armed if cancels else self.error_armed
+        if not armed:
             return super().abort_all(reason, message)
+        forgets = armed.popleft()
         if cancels:
             self.failures += 1
         else:
             self.error_failures += 1
-        if self.forgets:
+        if forgets:
             super().abort_all(reason, message)
         raise RuntimeError("freeing the requests' resources failed")
 
@@ -668,7 +673,7 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
     goes idle, and a request under a used id runs to its end. The abort's future was never
     resolved (the RPC waited for ever), and the requests ran on."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
-    core.forgets = forgets
+    core.armed.append(forgets)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -703,6 +708,7 @@ async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for
     client retries under its id as it gets its (CANCELLED) end. The retry gets its own
     outputs to its end; it used to get that second, stale end (ERROR) instead."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.armed.append(False)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -742,6 +748,7 @@ async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request(
     CANCELLED (both its outputs), and the core holds none of them. The engine thread failed
     instead ("the engine thread failed"): each request ended ERROR, "the engine stopped"."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0.05))
+    core.armed.append(False)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -762,7 +769,7 @@ async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request(
 
 class AbortAndAbortAllFail(AbortAllFails, AbortFailsKeeping):
     """A core whose first abort of a request fails before it did anything (the request runs
-    on), and whose first abort of every request (cancelling them) fails too."""
+    on), and whose abort of every request fails as armed."""
 
 
 @pytest.mark.timeout(60)
@@ -776,6 +783,7 @@ async def test_a_failed_abort_of_all_ends_a_request_the_core_ran_on_after_its_ab
     it ran."""
     runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
     core = AbortAndAbortAllFail(runner)
+    core.armed.append(False)
     engine = EngineLoop(core)
     engine.start()
     outputs = await aborted_in_the_core(engine, max_tokens=100_000)
@@ -1113,9 +1121,7 @@ async def test_a_failed_step_whose_abort_of_all_fails_ends_each_request_and_serv
     request ended "the engine stopped", and the engine served no more."""
     runner = FlakyRunner(block_size=4, num_blocks=256, time_scale=0)
     core = AbortAllFails(runner)
-    core.armed.acquire()  # (only the failed step's abort of all fails)
-    core.error_armed.release()
-    core.forgets = forgets
+    core.error_armed.append(forgets)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -1205,36 +1211,63 @@ def _counted(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, {"model": "m", **labels}) or 0.0
 
 
-class DyingCore(EngineCore):
-    """A core whose `has_work` raises once armed: the engine thread fails outside a step."""
+class DyingCore(AbortAllFails):
+    """A core whose `has_work` raises once armed: the engine thread fails outside a step (its
+    abort of every request failing as `AbortAllFails` arms it)."""
 
-    armed = False
+    dying = False
 
     def has_work(self) -> bool:
-        if self.armed:
+        if self.dying:
             raise RuntimeError("engine bug")
         return super().has_work()
 
 
-def test_a_failed_engine_thread_releases_what_its_requests_held() -> None:
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("abort_all_fails", [False, True])
+def test_a_failed_engine_thread_releases_what_its_requests_held(abort_all_fails: bool) -> None:
     """The engine thread failing (not a step: the thread itself) ends its requests in the core
     too: their blocks return to the pool and the pulled KV a DECODE engine held for a waiting
-    one (`import_or_hold_kv_blocks`) is dropped, not kept as long as the process lives."""
+    one (`import_or_hold_kv_blocks`) is dropped, not kept as long as the process lives; and
+    each client gets its ERROR end, "the engine stopped". Should the core's abort of them all
+    fail (before it did anything), each is aborted on its own: that failure used to be only
+    logged, the core holding both requests, the blocks and the pulled KV."""
     core = DyingCore(BytesRunner(num_blocks=4))
-    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
-    core.step()  # holds all 4 blocks
-    pulled = EngineRequest("pulled", tuple(range(100, 110)), SamplingParams(max_tokens=3))
-    assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
-    core.add_request(pulled)
+    if abort_all_fails:
+        core.error_armed.append(False)
     exited = threading.Event()
     engine = EngineLoop(core, on_exit=exited.set)
-    core.armed = True
+    pulled = EngineRequest("pulled", tuple(range(100, 110)), SamplingParams(max_tokens=3))
+    outputs: dict[str, list[RequestOutput]] = {"busy": [], "pulled": []}
+    imports: list[str] = []
+
+    def pulled_kv(core: EngineCore) -> None:
+        imports.append(core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4))
+
+    def busy_sink(output: RequestOutput) -> None:
+        # On the engine thread, once the pass that gave "busy" all 4 blocks is over: the
+        # thread fails right after it adds "pulled" (its KV held: no room in the pool).
+        if not outputs["busy"]:
+            engine.submit(pulled, outputs["pulled"].append, before=pulled_kv)
+            core.dying = True
+        outputs["busy"].append(output)
+
     engine.start()
+    busy = EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3))
+    engine.submit(busy, busy_sink)
     assert exited.wait(timeout=10)
     assert not engine.running
-    core.armed = False
+    core.dying = False
+    assert imports == ["held"] and core.error_failures == int(abort_all_fails)
+    assert not core.holds("busy") and not core.holds("pulled")
     assert core.held_import_bytes == 0
     assert core.block_manager.num_used_blocks == 0 and not core.has_work()
+    for got in outputs.values():
+        assert got[-1].usage is not None
+        assert (got[-1].finish_reason, got[-1].message) == (
+            FinishReason.ERROR,
+            "the engine stopped",
+        )
 
 
 @pytest.mark.timeout(30)
@@ -1246,10 +1279,10 @@ def test_a_request_submitted_once_the_engine_thread_died_is_refused() -> None:
     core = DyingCore(SimRunner(block_size=4, num_blocks=256, time_scale=0))
     exited = threading.Event()
     engine = EngineLoop(core, on_exit=exited.set)
-    core.armed = True
+    core.dying = True
     engine.start()
     assert exited.wait(timeout=10)
-    core.armed = False
+    core.dying = False
     got: list[RequestOutput] = []
     with pytest.raises(EngineStoppedError):
         engine.submit(EngineRequest("late", (1, 2, 3), SamplingParams(max_tokens=2)), got.append)

@@ -65,8 +65,8 @@ IDS = ("a", "b", "c")
 
 class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep):
     """A core whose abort of every request fails as `armed` says (cancelling them) or as
-    `error_armed` says (a failed step's), before it did anything or after it ended them all
-    (`forgets`), whose abort of one request fails as
+    `error_armed` says (a failed step's), each failure before it did anything or after it
+    ended them all (as its own `forgets` says), whose abort of one request fails as
     `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
     says, partway (it forgets the request, its end never emitted), and whose end of an output
     in a step fails partway as `end_armed` says (the step fails, the request forgotten)."""
@@ -120,7 +120,6 @@ class EngineLoopIds(RuleBasedStateMachine):
         self.runner = FlakyRunner(block_size=4, num_blocks=16, time_scale=0.0)
         config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)
         self.core = FailingAborts(self.runner, config)
-        self.core.armed.acquire()  # its abort of all fails only as `abort` arms it
         self.core.abort_armed.acquire()  # its abort of one only as `fail_an_abort` arms it
         self.engine = EngineLoop(self.core, on_step=self._on_step)
         self.engine.start()
@@ -277,8 +276,7 @@ class EngineLoopIds(RuleBasedStateMachine):
         if request_id is None:
             if core_fails:
                 self.abort_all_failures += 1
-                self.core.forgets = forgets
-                self.core.armed.release()
+                self.core.armed.append(forgets)
             engine = self.engine
             with engine._cond:  # one batch of the engine thread: nothing runs between them
                 before = engine.call(lambda _core: self.core.abort_failures)
@@ -317,8 +315,7 @@ class EngineLoopIds(RuleBasedStateMachine):
         request is aborted on its own; the engine thread carries on."""
         self.runner.armed = True
         if abort_all_fails:
-            self.core.forgets = forgets
-            self.core.error_armed.release()
+            self.core.error_armed.append(forgets)
 
     def _running_on(self, core: EngineCore) -> tuple[int, set[str]]:
         """The core's failed aborts of one request so far, and the ids it runs that no
