@@ -1029,6 +1029,28 @@ class EndFailsInAStep(EngineCore):
             self._stepping = False
 
 
+class BatchFailsInAStep(EngineCore):
+    """A core whose step fails once per `batch_armed.release()` (none at first) as it builds
+    the pass's batch, scheduled and not started yet (no `on_pass_start`): as it next reads a
+    block table (the block manager's public seam; `_build_batch` is private), which a step
+    does there alone but for an import of pulled KV, a KV session read or a fast-forward."""
+
+    batch_failures = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_armed = threading.Semaphore(0)
+        block_table = self.block_manager.block_table
+
+        def failing_block_table(seq_id: int) -> list[int]:
+            if self.batch_armed.acquire(blocking=False):
+                self.batch_failures += 1
+                raise RuntimeError("building the batch failed")
+            return block_table(seq_id)
+
+        self.block_manager.block_table = failing_block_table  # type: ignore[method-assign]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("end", "num_sequences"),

@@ -1,9 +1,9 @@
 """EngineLoop's request ids against a naive model, under any order of submit, abandon (the
 client gone), abort (the RPC), abort_all (which may fail in the core), an abort of one request
 that fails in the core (at once, or partway through ending it), a sink that fails once,
-a failing forward pass (the core's abort of all after it may fail too), a request's end in a
-step that fails partway and the engine thread held or let run, over three ids reused all the
-time (hypothesis stateful).
+a failing forward pass (as it runs, or before it starts: as its batch is built; the core's
+abort of all after it may fail too), a request's end in a step that fails partway and the
+engine thread held or let run, over three ids reused all the time (hypothesis stateful).
 
 The model is each request's own outputs: the sim runner's tokens are a function of the prompt's
 last token, so every request (a prompt of its own) knows the tokens it may get. Sinks may also
@@ -56,6 +56,7 @@ from tests.engine.test_engine_loop import (
     AbortAllFails,
     AbortFailsKeeping,
     AbortFailsPartway,
+    BatchFailsInAStep,
     EndFailsInAStep,
     FlakyRunner,
 )
@@ -63,13 +64,16 @@ from tests.engine.test_engine_loop import (
 IDS = ("a", "b", "c")
 
 
-class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep):
+class FailingAborts(
+    AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep, BatchFailsInAStep
+):
     """A core whose abort of every request fails as `armed` says (cancelling them) or as
     `error_armed` says (a failed step's), each failure before it did anything or after it
     ended them all (as its own `forgets` says), whose abort of one request fails as
     `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
-    says, partway (it forgets the request, its end never emitted), and whose end of an output
-    in a step fails partway as `end_armed` says (the step fails, the request forgotten)."""
+    says, partway (it forgets the request, its end never emitted), whose end of an output
+    in a step fails partway as `end_armed` says (the step fails, the request forgotten), and
+    whose step fails as it builds the pass's batch as `batch_armed` says."""
 
 
 WAIT_S = 10.0
@@ -307,13 +311,17 @@ class EngineLoopIds(RuleBasedStateMachine):
         up for its client, ERROR), and its id is free."""
         self.core.end_armed.release()
 
-    @rule(abort_all_fails=st.booleans(), forgets=st.booleans())
-    def fail_a_pass(self, abort_all_fails: bool, forgets: bool) -> None:
-        """The next forward pass fails: every request it computes ends ERROR (those it ended
-        before failing with their own end). The core's abort of all after a failed step may
-        fail too (before it did anything, or after it ended them all: `forgets`), when each
-        request is aborted on its own; the engine thread carries on."""
-        self.runner.armed = True
+    @rule(before_it_starts=st.booleans(), abort_all_fails=st.booleans(), forgets=st.booleans())
+    def fail_a_pass(self, before_it_starts: bool, abort_all_fails: bool, forgets: bool) -> None:
+        """The next forward pass fails, as it runs or before it starts (as the core builds its
+        batch, the commands' outputs before it not published yet): every request it computes
+        ends ERROR (those it ended before failing with their own end). The core's abort of all
+        after a failed step may fail too (before it did anything, or after it ended them all:
+        `forgets`), when each request is aborted on its own; the engine thread carries on."""
+        if before_it_starts:
+            self.core.batch_armed.release()
+        else:
+            self.runner.armed = True
         if abort_all_fails:
             self.core.error_armed.append(forgets)
 
