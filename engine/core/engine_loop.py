@@ -35,8 +35,9 @@ Failure handling: a failing step fails every live request (FinishReason.ERROR), 
 outputs it produced before it failed (the ends of requests it ended; one whose end raised, the
 core forgot: made up), and the loop carries on; a failing sink aborts its request; if the
 core's abort of every request fails (`abort_all`, `stop`, or a failed step's, whose ends are
-ERROR), each is aborted on its own (by `abort`'s rule), stray ones too, `abort_all`'s future
-failing (AbortFailedError), and the loop carries on; a failing `on_step` observer is logged;
+ERROR), the ends it emitted before it failed are handed over, and each request it did not end
+is aborted on its own (by `abort`'s rule), stray ones too, `abort_all`'s future failing
+(AbortFailedError), and the loop carries on; a failing `on_step` observer is logged;
 once the thread ends (stopped, or it died), the core's abort of every request that is left
 (the same way, each on its own should it fail) releases what the core holds for them, every
 live request still gets a terminal ERROR output, and `submit` refuses from then on.
@@ -453,17 +454,21 @@ class EngineLoop:
         self, requests: dict[str, _Live], stray: set[str], failure: str | None = None
     ) -> tuple[list[_Item], Exception | None]:
         """The core's abort of every request (engine thread): CANCELLED, or ERROR with
-        `failure` (a failed step's). Should it fail, each request is aborted on its own
-        (`_abort_each`: `requests`, the ones clients wait on, and `stray` ones, the core's of
-        ids no client waits on), and the error says so, counting `requests` alone. One made
-        up ends with `failure`, or says that the abort of every request failed."""
+        `failure` (a failed step's). Should it fail, the ends it emitted before it failed
+        come first, then each request it did not end is aborted on its own (`_abort_each`:
+        `requests`, the ones clients wait on, and `stray` ones, the core's of ids no client
+        waits on), and the error says so, counting `requests` alone. One made up ends with
+        `failure`, or says that the abort of every request failed."""
         end = _CANCELLED if failure is None else (FinishReason.ERROR, failure)
         try:
             return [*self.core.abort_all(*end)], None
         except Exception as exc:
             logger.exception("aborting every request failed; aborting them one by one")
             made_up = failure or f"aborting every request failed: {exc}"
-            items = self._abort_each(requests, stray, end, made_up)
+            ended_first = self.core.take_failed_outputs()
+            over = {output.request_id for output in ended_first if output.usage is not None}
+            left = {rid: live for rid, live in requests.items() if rid not in over}
+            items = [*ended_first, *self._abort_each(left, stray - over, end, made_up)]
         ended = _ended(items) - stray
         failed = {i.live.request.request_id for i in items if isinstance(i, _Failed)}
         return items, AbortFailedError(
@@ -620,7 +625,7 @@ class EngineLoop:
         except Exception:
             logger.exception("engine step failed; failing every running request")
             # What it produced before it failed first: the ends of requests it ended included.
-            items.extend(self.core.take_failed_step_outputs())
+            items.extend(self.core.take_failed_outputs())
             with self._cond:  # (a request queued and not added yet is not in the core)
                 taken_in = {rid: live for rid, live in self._sinks.items() if live.added}
                 stray = set(self._stray)

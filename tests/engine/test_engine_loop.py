@@ -700,6 +700,66 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
     engine.stop(timeout_s=10)
 
 
+class AbortAllFailsPartway(EngineCore):
+    """A core whose abort of every request fails partway at the request `fails_at` (once), as
+    it takes its output, marked finished, out of the scheduler (its blocks not freed yet): it
+    ended the requests before that one, and forgets that one, its end never emitted."""
+
+    fails_at: str | None = None
+    _aborting_all = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        remove = self.scheduler.remove
+
+        def failing_remove(sequence: Sequence) -> None:
+            if self._aborting_all and sequence.request_id == self.fails_at:
+                self.fails_at = None
+                raise RuntimeError("freeing the output's blocks failed")
+            remove(sequence)
+
+        self.scheduler.remove = failing_remove  # type: ignore[method-assign]
+
+    def abort_all(
+        self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
+    ) -> list[RequestOutput]:
+        self._aborting_all = True
+        try:
+            return super().abort_all(reason, message)
+        finally:
+            self._aborting_all = False
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_an_abort_of_all_ended_before_it_failed_gets_its_end() -> None:
+    """Every request is aborted, and the core's abort of them all fails partway at the second
+    request, having ended the first. The first's client gets its end (CANCELLED), the
+    second's an ERROR one, the abort's error counts the second alone, and the core holds
+    neither nor their blocks. The first's end was lost with the failed abort: its client got
+    an ERROR end made up for it, counted in the error."""
+    core = AbortAllFailsPartway(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.fails_at = "second"
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
+    async with engine_thread_held(engine):  # both added, in turn, before the abort runs
+        for request_id, queue in zip(["first", "second"], queues, strict=True):
+            sampling = SamplingParams(max_tokens=100_000)
+            engine.submit(EngineRequest(request_id, (1, 2, 3), sampling), asyncio_sink(loop, queue))
+        aborted = engine.abort_all()
+        left = engine.call(
+            lambda core: (core.holds("first"), core.holds("second"), core.load().num_used_blocks)
+        )
+    with pytest.raises(AbortFailedError, match="each was aborted on its own: 1 of 2 "):
+        await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    assert core.fails_at is None
+    ends = [(await collect(queue))[-1].finish_reason for queue in queues]
+    assert ends == [FinishReason.CANCELLED, FinishReason.ERROR]
+    assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, False, 0)
+    engine.stop(timeout_s=10)
+
+
 @pytest.mark.timeout(30)
 async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for_it() -> None:
     """A request is aborted, and an abort of all comes in the same round of the engine thread,
