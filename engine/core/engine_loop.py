@@ -39,8 +39,9 @@ ERROR), the ends it emitted before it failed are handed over, and each request i
 is aborted on its own (by `abort`'s rule), stray ones too, `abort_all`'s future failing
 (AbortFailedError), and the loop carries on; a failing `on_step` observer is logged;
 once the thread ends (stopped, or it died), the core's abort of every request that is left
-(the same way, each on its own should it fail) releases what the core holds for them, every
-live request still gets a terminal ERROR output, and `submit` refuses from then on.
+(the same way, each on its own should it fail: live, stray, and abandoned ones, whose queued
+abort never runs then) releases what the core holds for them, every live request still gets
+a terminal ERROR output, and `submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -476,12 +477,12 @@ class EngineLoop:
             f"{len(failed)} of {len(ended | failed)} ended with an error"
         )
 
-    def _abort_every_request(self, failure: str | None = None) -> list[_Item]:
+    def _abort_every_request(self) -> list[_Item]:
         """`_abort_all` of every request (engine thread): the live ones and the stray ones
         as they are now; its error (logged) dropped."""
         with self._cond:
             live, stray = dict(self._sinks), set(self._stray)
-        return self._abort_all(live, stray, failure)[0]
+        return self._abort_all(live, stray)[0]
 
     def _abort_each(
         self,
@@ -588,8 +589,12 @@ class EngineLoop:
                 self._run_command(command)
             try:  # a failed thread's requests (or ones added as it stopped) release what the
                 # core holds for them: blocks, LoRA slots, pulled KV; each on its own should
-                # the core's abort of them all fail (their sinks hear below)
-                self._abort_every_request("the engine stopped")
+                # the core's abort of them all fail: every id the core may hold, a live
+                # request's (its sink hears below, not from the abort), a stray one's, and
+                # an abandoned one's (its abort, queued once the last commands ran, never runs)
+                with self._cond:
+                    held = {*self._sinks, *self._stray, *self._abandoned}
+                self._abort_all({}, held, "the engine stopped")
             except Exception:
                 logger.exception("releasing the requests of the stopped engine failed")
             with self._cond:  # whatever is still live ends now, so no consumer waits forever

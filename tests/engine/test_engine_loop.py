@@ -1353,6 +1353,36 @@ def test_a_failed_engine_thread_releases_what_its_requests_held(abort_all_fails:
 
 
 @pytest.mark.timeout(30)
+def test_a_request_abandoned_as_the_engine_thread_ends_is_released_too() -> None:
+    """The engine thread fails (the thread itself), and a request is abandoned (its client
+    gone) once the thread took its last commands, so the abort `abandon` queues never runs;
+    the core's abort of every request fails then (before it did anything). The request is
+    aborted on its own all the same, its blocks freed. The abort of each on its own covered
+    only the live requests and the stray ones: the core held it, and its blocks."""
+    core = DyingCore(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.error_armed.append(False)
+    exited = threading.Event()
+    engine = EngineLoop(core, on_exit=exited.set)
+    engine.start()
+    got: list[RequestOutput] = []
+    gone = EngineRequest("gone", (1, 2, 3), SamplingParams(max_tokens=100_000))
+    engine.submit(gone, got.append)
+
+    def dies(_core: EngineCore) -> None:
+        # The thread fails right after this command; the abandon comes in a command it runs
+        # as it ends (as one from another thread racing its end would come).
+        engine.call(lambda _core: engine.abandon("gone"))
+        core.dying = True
+
+    engine.call(dies)
+    assert exited.wait(timeout=10)
+    core.dying = False
+    assert core.error_failures == 1
+    assert not core.holds("gone") and core.block_manager.num_used_blocks == 0
+    assert all(output.usage is None for output in got)  # (abandoned: its end reaches no one)
+
+
+@pytest.mark.timeout(30)
 def test_a_request_submitted_once_the_engine_thread_died_is_refused() -> None:
     """The engine thread fails (not a step: the thread itself); a request submitted after it
     (a server that checked `running` just before) is refused: the engine stopped. It used to
