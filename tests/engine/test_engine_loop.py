@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from enum import Enum
 from typing import Any
 
 import pytest
@@ -625,13 +626,23 @@ async def test_a_retry_of_an_abandoned_request_that_runs_on_gets_none_of_its_out
     engine.stop(timeout_s=10)
 
 
+class AllFails(Enum):
+    """How an armed abort of every request fails (`AbortAllFails`)."""
+
+    AT_ONCE = "before it did anything: every request runs on"
+    # As it takes its last sequence, marked finished, out of the scheduler (its blocks not freed
+    # yet; at once if it runs none): the requests before that one's ended, their ends handed
+    # over (`EngineCore.take_failed_outputs`), and that one forgotten, its end never emitted.
+    PARTWAY = "partway, as it ends its last sequence"
+    # As one whose freeing of their resources raises: those are gone, their ends never emitted.
+    FORGETTING = "after it ended every request, their ends lost"
+
+
 class AbortAllFails(EngineCore):
-    """A core whose abort of every request fails as armed (none at first): before it did
-    anything, or (a failure that `forgets`) after it ended every request (as one whose freeing
-    of their resources raises): those are gone, their ends never emitted. Its abort that
-    cancels them all (AbortAll, stop) fails once per `armed.append(forgets)`; its abort that
-    ends them all ERROR (a failed step's, or the engine thread's as it ends) once per
-    `error_armed.append(forgets)`: each failure in turn, as its own `forgets` says."""
+    """A core whose abort of every request fails as armed (none at first), each failure as
+    its own `AllFails` says. Its abort that cancels them all (AbortAll, stop) fails once per
+    `armed.append(fails)`; its abort that ends them all ERROR (a failed step's, or the engine
+    thread's as it ends) once per `error_armed.append(fails)`: each failure in turn."""
 
     failures = 0
     error_failures = 0
@@ -640,8 +651,8 @@ class AbortAllFails(EngineCore):
         super().__init__(*args, **kwargs)
         # Appended by any thread, taken by the engine thread alone (a deque's ends are
         # thread-safe).
-        self.armed: deque[bool] = deque()
-        self.error_armed: deque[bool] = deque()
+        self.armed: deque[AllFails] = deque()
+        self.error_armed: deque[AllFails] = deque()
 
     def abort_all(
         self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
@@ -650,22 +661,40 @@ class AbortAllFails(EngineCore):
         armed = self.armed if cancels else self.error_armed
         if not armed:
             return super().abort_all(reason, message)
-        forgets = armed.popleft()
+        fails = armed.popleft()
         if cancels:
             self.failures += 1
         else:
             self.error_failures += 1
-        if forgets:
+        scheduler = self.scheduler
+        if fails is AllFails.PARTWAY and scheduler.has_work():
+            remove = scheduler.remove
+            left = scheduler.num_running + scheduler.num_waiting
+
+            def failing_remove(sequence: Sequence) -> None:
+                nonlocal left
+                left -= 1
+                if not left:
+                    raise RuntimeError("freeing the output's blocks failed")
+                remove(sequence)
+
+            scheduler.remove = failing_remove  # type: ignore[method-assign]
+            try:
+                return super().abort_all(reason, message)  # (raises at the last sequence)
+            finally:
+                scheduler.remove = remove  # type: ignore[method-assign]
+        if fails is AllFails.FORGETTING:
             super().abort_all(reason, message)
         raise RuntimeError("freeing the requests' resources failed")
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
-    ("forgets", "finish"), [(False, FinishReason.CANCELLED), (True, FinishReason.ERROR)]
+    ("fails", "finish"),
+    [(AllFails.AT_ONCE, FinishReason.CANCELLED), (AllFails.FORGETTING, FinishReason.ERROR)],
 )
 async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_answered(
-    forgets: bool, finish: FinishReason
+    fails: AllFails, finish: FinishReason
 ) -> None:
     """Every request is aborted (the AbortAll RPC) and the core's abort of them all fails.
     The abort is answered (AbortFailedError), every request's stream ends, each aborted on its
@@ -673,7 +702,7 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
     goes idle, and a request under a used id runs to its end. The abort's future was never
     resolved (the RPC waited for ever), and the requests ran on."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
-    core.armed.append(forgets)
+    core.armed.append(fails)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -688,7 +717,7 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
                 asyncio_sink(loop, queue),
             )
         aborted = engine.abort_all()
-    errors = 2 if forgets else 0
+    errors = 2 if fails is AllFails.FORGETTING else 0
     with pytest.raises(AbortFailedError, match=f"each was aborted on its own: {errors} of 2 "):
         await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
     assert core.failures == 1
@@ -700,36 +729,6 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
     engine.stop(timeout_s=10)
 
 
-class AbortAllFailsPartway(EngineCore):
-    """A core whose abort of every request fails partway at the request `fails_at` (once), as
-    it takes its output, marked finished, out of the scheduler (its blocks not freed yet): it
-    ended the requests before that one, and forgets that one, its end never emitted."""
-
-    fails_at: str | None = None
-    _aborting_all = False
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        remove = self.scheduler.remove
-
-        def failing_remove(sequence: Sequence) -> None:
-            if self._aborting_all and sequence.request_id == self.fails_at:
-                self.fails_at = None
-                raise RuntimeError("freeing the output's blocks failed")
-            remove(sequence)
-
-        self.scheduler.remove = failing_remove  # type: ignore[method-assign]
-
-    def abort_all(
-        self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
-    ) -> list[RequestOutput]:
-        self._aborting_all = True
-        try:
-            return super().abort_all(reason, message)
-        finally:
-            self._aborting_all = False
-
-
 @pytest.mark.timeout(30)
 async def test_a_request_an_abort_of_all_ended_before_it_failed_gets_its_end() -> None:
     """Every request is aborted, and the core's abort of them all fails partway at the second
@@ -737,8 +736,8 @@ async def test_a_request_an_abort_of_all_ended_before_it_failed_gets_its_end() -
     second's an ERROR one, the abort's error counts the second alone, and the core holds
     neither nor their blocks. The first's end was lost with the failed abort: its client got
     an ERROR end made up for it, counted in the error."""
-    core = AbortAllFailsPartway(SimRunner(block_size=4, num_blocks=256, time_scale=0))
-    core.fails_at = "second"
+    core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.armed.append(AllFails.PARTWAY)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -753,7 +752,7 @@ async def test_a_request_an_abort_of_all_ended_before_it_failed_gets_its_end() -
         )
     with pytest.raises(AbortFailedError, match="each was aborted on its own: 1 of 2 "):
         await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
-    assert core.fails_at is None
+    assert core.failures == 1
     ends = [(await collect(queue))[-1].finish_reason for queue in queues]
     assert ends == [FinishReason.CANCELLED, FinishReason.ERROR]
     assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, False, 0)
@@ -768,7 +767,7 @@ async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for
     client retries under its id as it gets its (CANCELLED) end. The retry gets its own
     outputs to its end; it used to get that second, stale end (ERROR) instead."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
-    core.armed.append(False)
+    core.armed.append(AllFails.AT_ONCE)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -808,7 +807,7 @@ async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request(
     CANCELLED (both its outputs), and the core holds none of them. The engine thread failed
     instead ("the engine thread failed"): each request ended ERROR, "the engine stopped"."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0.05))
-    core.armed.append(False)
+    core.armed.append(AllFails.AT_ONCE)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -843,7 +842,7 @@ async def test_a_failed_abort_of_all_ends_a_request_the_core_ran_on_after_its_ab
     it ran."""
     runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
     core = AbortAndAbortAllFail(runner)
-    core.armed.append(False)
+    core.armed.append(AllFails.AT_ONCE)
     engine = EngineLoop(core)
     engine.start()
     outputs = await aborted_in_the_core(engine, max_tokens=100_000)
@@ -1191,19 +1190,19 @@ async def test_a_request_a_failing_step_ended_before_it_failed_gets_its_end() ->
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("forgets", [False, True])
+@pytest.mark.parametrize("fails", list(AllFails))
 async def test_a_failed_step_whose_abort_of_all_fails_ends_each_request_and_serves_on(
-    forgets: bool,
+    fails: AllFails,
 ) -> None:
     """A forward pass fails, and the core's abort of every request after it (ERROR) fails
-    too, before it did anything or after it ended them all (their ends never emitted). Each
-    request is aborted on its own: each output of each ends ERROR, "engine step failed", the
-    core holds none of them nor their blocks, and the engine goes on: a request of a used id
-    runs to its end. The engine thread died instead (the abort's error escaped it): each
-    request ended "the engine stopped", and the engine served no more."""
+    too, as `fails` says. Each request it did not end is aborted on its own (one it ended
+    gets its end, one it forgot an end made up): each output of each ends ERROR, "engine step
+    failed", the core holds none of them nor their blocks, and the engine goes on: a request
+    of a used id runs to its end. The engine thread died instead (the abort's error escaped
+    it): each request ended "the engine stopped", and the engine served no more."""
     runner = FlakyRunner(block_size=4, num_blocks=256, time_scale=0)
     core = AbortAllFails(runner)
-    core.error_armed.append(forgets)
+    core.error_armed.append(fails)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -1316,7 +1315,7 @@ def test_a_failed_engine_thread_releases_what_its_requests_held(abort_all_fails:
     logged, the core holding both requests, the blocks and the pulled KV."""
     core = DyingCore(BytesRunner(num_blocks=4))
     if abort_all_fails:
-        core.error_armed.append(False)
+        core.error_armed.append(AllFails.AT_ONCE)
     exited = threading.Event()
     engine = EngineLoop(core, on_exit=exited.set)
     pulled = EngineRequest("pulled", tuple(range(100, 110)), SamplingParams(max_tokens=3))
@@ -1360,7 +1359,7 @@ def test_a_request_abandoned_as_the_engine_thread_ends_is_released_too() -> None
     aborted on its own all the same, its blocks freed. The abort of each on its own covered
     only the live requests and the stray ones: the core held it, and its blocks."""
     core = DyingCore(SimRunner(block_size=4, num_blocks=256, time_scale=0))
-    core.error_armed.append(False)
+    core.error_armed.append(AllFails.AT_ONCE)
     exited = threading.Event()
     engine = EngineLoop(core, on_exit=exited.set)
     engine.start()

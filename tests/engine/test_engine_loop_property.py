@@ -56,6 +56,7 @@ from tests.engine.test_engine_loop import (
     AbortAllFails,
     AbortFailsKeeping,
     AbortFailsPartway,
+    AllFails,
     BatchFailsInAStep,
     EndFailsInAStep,
     FlakyRunner,
@@ -68,8 +69,8 @@ class FailingAborts(
     AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep, BatchFailsInAStep
 ):
     """A core whose abort of every request fails as `armed` says (cancelling them) or as
-    `error_armed` says (a failed step's), each failure before it did anything or after it
-    ended them all (as its own `forgets` says), whose abort of one request fails as
+    `error_armed` says (a failed step's), each failure as its own `AllFails` says (at once,
+    partway, or after it ended them all), whose abort of one request fails as
     `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
     says, partway (it forgets the request, its end never emitted), whose end of an output
     in a step fails partway as `end_armed` says (the step fails, the request forgotten), and
@@ -271,16 +272,17 @@ class EngineLoopIds(RuleBasedStateMachine):
     @rule(
         request_id=st.none() | st.sampled_from(IDS),
         core_fails=st.booleans(),
-        forgets=st.booleans(),
+        fails=st.sampled_from(AllFails),
     )
-    def abort(self, request_id: str | None, core_fails: bool, forgets: bool) -> None:
+    def abort(self, request_id: str | None, core_fails: bool, fails: AllFails) -> None:
         """Abort (the RPC) of an id, or of all (None): then the core's abort of them all may
-        fail (before it did anything, or after it ended them all, their ends never emitted:
-        `forgets`), when each request is aborted on its own."""
+        fail (`fails`: before it did anything; partway, the ends of the requests it ended
+        handed over, the one it was ending forgotten; or after it ended them all, their ends
+        never emitted), when each request it did not end is aborted on its own."""
         if request_id is None:
             if core_fails:
                 self.abort_all_failures += 1
-                self.core.armed.append(forgets)
+                self.core.armed.append(fails)
             engine = self.engine
             with engine._cond:  # one batch of the engine thread: nothing runs between them
                 before = engine.call(lambda _core: self.core.abort_failures)
@@ -311,19 +313,23 @@ class EngineLoopIds(RuleBasedStateMachine):
         up for its client, ERROR), and its id is free."""
         self.core.end_armed.release()
 
-    @rule(before_it_starts=st.booleans(), abort_all_fails=st.booleans(), forgets=st.booleans())
-    def fail_a_pass(self, before_it_starts: bool, abort_all_fails: bool, forgets: bool) -> None:
+    @rule(
+        before_it_starts=st.booleans(),
+        abort_all_fails=st.booleans(),
+        fails=st.sampled_from(AllFails),
+    )
+    def fail_a_pass(self, before_it_starts: bool, abort_all_fails: bool, fails: AllFails) -> None:
         """The next forward pass fails, as it runs or before it starts (as the core builds its
         batch, the commands' outputs before it not published yet): every request it computes
         ends ERROR (those it ended before failing with their own end). The core's abort of all
-        after a failed step may fail too (before it did anything, or after it ended them all:
-        `forgets`), when each request is aborted on its own; the engine thread carries on."""
+        after a failed step may fail too, as `fails` says (as an abort's), when each request
+        it did not end is aborted on its own; the engine thread carries on."""
         if before_it_starts:
             self.core.batch_armed.release()
         else:
             self.runner.armed = True
         if abort_all_fails:
-            self.core.error_armed.append(forgets)
+            self.core.error_armed.append(fails)
 
     def _running_on(self, core: EngineCore) -> tuple[int, set[str]]:
         """The core's failed aborts of one request so far, and the ids it runs that no
