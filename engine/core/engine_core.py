@@ -180,8 +180,8 @@ class EngineCore:
         self._next_arrival = 0
         self._last_prefill_batch = 0
         self._last_decode_batch = 0
-        # What the last step produced before it raised (`take_failed_step_outputs`).
-        self._failed_step_outputs: list[RequestOutput] = []
+        # What the last step or abort of all produced before it raised (`take_failed_outputs`).
+        self._failed_outputs: list[RequestOutput] = []
 
     @property
     def block_size(self) -> int:
@@ -326,9 +326,16 @@ class EngineCore:
     def abort_all(
         self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
     ) -> list[RequestOutput]:
+        """`abort` of every request. One that raises has ended requests maybe (their ends
+        nowhere else), which `take_failed_outputs` hands over; the one whose end raised it
+        forgot (`abort`), and it left the others running."""
         outputs: list[RequestOutput] = []
-        for request_id in list(self._requests):
-            outputs.extend(self._finish_request(request_id, reason, message))
+        try:
+            for request_id in list(self._requests):
+                outputs.extend(self._finish_request(request_id, reason, message))
+        except BaseException:
+            self._failed_outputs = outputs
+            raise
         return outputs
 
     def _finish_request(
@@ -669,19 +676,19 @@ class EngineCore:
         so that GetLoad never misses a request during the pass that admits it.
 
         One that raises has produced outputs maybe (a request it ended among them, whose end
-        is nowhere else): `take_failed_step_outputs` hands them over. One that raised as it
+        is nowhere else): `take_failed_outputs` hands them over. One that raised as it
         ended a request has forgotten it (`holds` is false), its end never emitted."""
         outputs: list[RequestOutput] = []
         try:
             return self._step(outputs, on_pass_start)
         except BaseException:
-            self._failed_step_outputs = outputs
+            self._failed_outputs = outputs
             raise
 
-    def take_failed_step_outputs(self) -> list[RequestOutput]:
-        """The outputs the last `step` produced before it raised, once: a caller failing the
-        requests left (`abort_all`) hands them over first."""
-        outputs, self._failed_step_outputs = self._failed_step_outputs, []
+    def take_failed_outputs(self) -> list[RequestOutput]:
+        """The outputs the last `step` or `abort_all` produced before it raised, once: a
+        caller failing or aborting the requests left hands them over first."""
+        outputs, self._failed_outputs = self._failed_outputs, []
         return outputs
 
     def _step(

@@ -20,9 +20,9 @@ Request ids: the engine thread hands each output to the sink of the live request
    `abandon`, an abort of all's, a failing sink's). Its outputs from the core reach no one,
    and its id, no sink's, is taken until the core ends it (seen at the end of each round of the
    engine thread): `submit` refuses it as a duplicate, a request queued under it ends ERROR;
-   an abort of all (`abort_all`, `stop`, a failed step's) ends it in the core too, on its own
-   if the core's abort of all fails, but `abort_all` does not name it nor count it in its
-   error (no client waits on it).
+   an abort of all (`abort_all`, `stop`, a failed step's, the stopped thread's) ends it in the
+   core too, on its own if the core's abort of all fails, but `abort_all` does not name it nor
+   count it in its error (no client waits on it).
 4. Made up (`_Failed`): an ERROR end the loop makes up for a request reaches it if it is still
    live when handed over (else no one), and ends only its outputs not ended yet, its usage
    counting the tokens its sink was handed and each matched stop token left out of them (as
@@ -35,10 +35,13 @@ Failure handling: a failing step fails every live request (FinishReason.ERROR), 
 outputs it produced before it failed (the ends of requests it ended; one whose end raised, the
 core forgot: made up), and the loop carries on; a failing sink aborts its request; if the
 core's abort of every request fails (`abort_all`, `stop`, or a failed step's, whose ends are
-ERROR), each is aborted on its own (by `abort`'s rule), stray ones too, `abort_all`'s future
-failing (AbortFailedError), and the loop carries on; a failing `on_step` observer is logged;
-if the thread itself dies, every live request still gets a terminal ERROR output, and
-`submit` refuses from then on.
+ERROR), the ends it emitted before it failed are handed over, and each request it did not end
+is aborted on its own (by `abort`'s rule), stray ones too, `abort_all`'s future failing
+(AbortFailedError), and the loop carries on; a failing `on_step` observer is logged;
+once the thread ends (stopped, or it died), the core's abort of every request that is left
+(the same way, each on its own should it fail: live, stray, and abandoned ones, whose queued
+abort never runs then) releases what the core holds for them, every live request still gets
+a terminal ERROR output, and `submit` refuses from then on.
 """
 
 from __future__ import annotations
@@ -452,23 +455,34 @@ class EngineLoop:
         self, requests: dict[str, _Live], stray: set[str], failure: str | None = None
     ) -> tuple[list[_Item], Exception | None]:
         """The core's abort of every request (engine thread): CANCELLED, or ERROR with
-        `failure` (a failed step's). Should it fail, each request is aborted on its own
-        (`_abort_each`: `requests`, the ones clients wait on, and `stray` ones, the core's of
-        ids no client waits on), and the error says so, counting `requests` alone. One made
-        up ends with `failure`, or says that the abort of every request failed."""
+        `failure` (a failed step's). Should it fail, the ends it emitted before it failed
+        come first, then each request it did not end is aborted on its own (`_abort_each`:
+        `requests`, the ones clients wait on, and `stray` ones, the core's of ids no client
+        waits on), and the error says so, counting `requests` alone. One made up ends with
+        `failure`, or says that the abort of every request failed."""
         end = _CANCELLED if failure is None else (FinishReason.ERROR, failure)
         try:
             return [*self.core.abort_all(*end)], None
         except Exception as exc:
             logger.exception("aborting every request failed; aborting them one by one")
             made_up = failure or f"aborting every request failed: {exc}"
-            items = self._abort_each(requests, stray, end, made_up)
+            ended_first = self.core.take_failed_outputs()
+            over = {output.request_id for output in ended_first if output.usage is not None}
+            left = {rid: live for rid, live in requests.items() if rid not in over}
+            items = [*ended_first, *self._abort_each(left, stray - over, end, made_up)]
         ended = _ended(items) - stray
         failed = {i.live.request.request_id for i in items if isinstance(i, _Failed)}
         return items, AbortFailedError(
             "aborting every request failed in the engine; each was aborted on its own: "
             f"{len(failed)} of {len(ended | failed)} ended with an error"
         )
+
+    def _abort_every_request(self) -> list[_Item]:
+        """`_abort_all` of every request (engine thread): the live ones and the stray ones
+        as they are now; its error (logged) dropped."""
+        with self._cond:
+            live, stray = dict(self._sinks), set(self._stray)
+        return self._abort_all(live, stray)[0]
 
     def _abort_each(
         self,
@@ -556,9 +570,7 @@ class EngineLoop:
                 for command in commands:
                     items.extend(self._run_command(command))
                 if stopping:  # (every request: none is submitted from now on)
-                    with self._cond:
-                        taken_in, stray = dict(self._sinks), set(self._stray)
-                    items.extend(self._abort_all(taken_in, stray)[0])
+                    items.extend(self._abort_every_request())
                     self._publish(items, submitted)
                     return
                 stepped = self.core.has_work()
@@ -576,8 +588,13 @@ class EngineLoop:
             for command in pending:  # resolve futures of commands that raced the stop
                 self._run_command(command)
             try:  # a failed thread's requests (or ones added as it stopped) release what the
-                # core holds for them: blocks, LoRA slots, pulled KV (their sinks hear below)
-                self.core.abort_all(FinishReason.ERROR, "the engine stopped")
+                # core holds for them: blocks, LoRA slots, pulled KV; each on its own should
+                # the core's abort of them all fail: every id the core may hold, a live
+                # request's (its sink hears below, not from the abort), a stray one's, and
+                # an abandoned one's (its abort, queued once the last commands ran, never runs)
+                with self._cond:
+                    held = {*self._sinks, *self._stray, *self._abandoned}
+                self._abort_all({}, held, "the engine stopped")
             except Exception:
                 logger.exception("releasing the requests of the stopped engine failed")
             with self._cond:  # whatever is still live ends now, so no consumer waits forever
@@ -613,7 +630,7 @@ class EngineLoop:
         except Exception:
             logger.exception("engine step failed; failing every running request")
             # What it produced before it failed first: the ends of requests it ended included.
-            items.extend(self.core.take_failed_step_outputs())
+            items.extend(self.core.take_failed_outputs())
             with self._cond:  # (a request queued and not added yet is not in the core)
                 taken_in = {rid: live for rid, live in self._sinks.items() if live.added}
                 stray = set(self._stray)

@@ -290,7 +290,7 @@ class EngineCoreModel(RuleBasedStateMachine):
         try:
             outputs = self.core.step().outputs
         except RuntimeError:
-            assert self.core.take_failed_step_outputs() == []  # nothing ends before a pass
+            assert self.core.take_failed_outputs() == []  # nothing ends before a pass
             if fail_requests:
                 expected = sum(req.num_unfinished for req in self.live.values())
                 outputs = self.core.abort_all(FinishReason.ERROR, "engine step failed")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from enum import Enum
 from typing import Any
 
 import pytest
@@ -624,43 +626,75 @@ async def test_a_retry_of_an_abandoned_request_that_runs_on_gets_none_of_its_out
     engine.stop(timeout_s=10)
 
 
-class AbortAllFails(EngineCore):
-    """A core whose abort of every request fails before it did anything or (`forgets`) after
-    it ended every request (as one whose freeing of their resources raises): those are gone,
-    their ends never emitted. Its abort that cancels them all (AbortAll, stop) fails once per
-    `armed.release()` (once at first); its abort that ends them all ERROR (a failed step's, or
-    the engine thread's as it dies) once per `error_armed.release()` (none at first)."""
+class AllFails(Enum):
+    """How an armed abort of every request fails (`AbortAllFails`)."""
 
-    forgets = False
+    AT_ONCE = "before it did anything: every request runs on"
+    # As it takes its last sequence, marked finished, out of the scheduler (its blocks not freed
+    # yet; at once if it runs none): the requests before that one's ended, their ends handed
+    # over (`EngineCore.take_failed_outputs`), and that one forgotten, its end never emitted.
+    PARTWAY = "partway, as it ends its last sequence"
+    # As one whose freeing of their resources raises: those are gone, their ends never emitted.
+    FORGETTING = "after it ended every request, their ends lost"
+
+
+class AbortAllFails(EngineCore):
+    """A core whose abort of every request fails as armed (none at first), each failure as
+    its own `AllFails` says. Its abort that cancels them all (AbortAll, stop) fails once per
+    `armed.append(fails)`; its abort that ends them all ERROR (a failed step's, or the engine
+    thread's as it ends) once per `error_armed.append(fails)`: each failure in turn."""
+
     failures = 0
     error_failures = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.armed = threading.Semaphore(1)
-        self.error_armed = threading.Semaphore(0)
+        # Appended by any thread, taken by the engine thread alone (a deque's ends are
+        # thread-safe).
+        self.armed: deque[AllFails] = deque()
+        self.error_armed: deque[AllFails] = deque()
 
     def abort_all(
         self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
     ) -> list[RequestOutput]:
         cancels = reason is FinishReason.CANCELLED
-        if not (self.armed if cancels else self.error_armed).acquire(blocking=False):
+        armed = self.armed if cancels else self.error_armed
+        if not armed:
             return super().abort_all(reason, message)
+        fails = armed.popleft()
         if cancels:
             self.failures += 1
         else:
             self.error_failures += 1
-        if self.forgets:
+        scheduler = self.scheduler
+        if fails is AllFails.PARTWAY and scheduler.has_work():
+            remove = scheduler.remove
+            left = scheduler.num_running + scheduler.num_waiting
+
+            def failing_remove(sequence: Sequence) -> None:
+                nonlocal left
+                left -= 1
+                if not left:
+                    raise RuntimeError("freeing the output's blocks failed")
+                remove(sequence)
+
+            scheduler.remove = failing_remove  # type: ignore[method-assign]
+            try:
+                return super().abort_all(reason, message)  # (raises at the last sequence)
+            finally:
+                scheduler.remove = remove  # type: ignore[method-assign]
+        if fails is AllFails.FORGETTING:
             super().abort_all(reason, message)
         raise RuntimeError("freeing the requests' resources failed")
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
-    ("forgets", "finish"), [(False, FinishReason.CANCELLED), (True, FinishReason.ERROR)]
+    ("fails", "finish"),
+    [(AllFails.AT_ONCE, FinishReason.CANCELLED), (AllFails.FORGETTING, FinishReason.ERROR)],
 )
 async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_answered(
-    forgets: bool, finish: FinishReason
+    fails: AllFails, finish: FinishReason
 ) -> None:
     """Every request is aborted (the AbortAll RPC) and the core's abort of them all fails.
     The abort is answered (AbortFailedError), every request's stream ends, each aborted on its
@@ -668,7 +702,7 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
     goes idle, and a request under a used id runs to its end. The abort's future was never
     resolved (the RPC waited for ever), and the requests ran on."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
-    core.forgets = forgets
+    core.armed.append(fails)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -683,7 +717,7 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
                 asyncio_sink(loop, queue),
             )
         aborted = engine.abort_all()
-    errors = 2 if forgets else 0
+    errors = 2 if fails is AllFails.FORGETTING else 0
     with pytest.raises(AbortFailedError, match=f"each was aborted on its own: {errors} of 2 "):
         await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
     assert core.failures == 1
@@ -696,6 +730,36 @@ async def test_an_abort_of_all_that_fails_in_the_core_ends_every_request_and_is_
 
 
 @pytest.mark.timeout(30)
+async def test_a_request_an_abort_of_all_ended_before_it_failed_gets_its_end() -> None:
+    """Every request is aborted, and the core's abort of them all fails partway at the second
+    request, having ended the first. The first's client gets its end (CANCELLED), the
+    second's an ERROR one, the abort's error counts the second alone, and the core holds
+    neither nor their blocks. The first's end was lost with the failed abort: its client got
+    an ERROR end made up for it, counted in the error."""
+    core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.armed.append(AllFails.PARTWAY)
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
+    async with engine_thread_held(engine):  # both added, in turn, before the abort runs
+        for request_id, queue in zip(["first", "second"], queues, strict=True):
+            sampling = SamplingParams(max_tokens=100_000)
+            engine.submit(EngineRequest(request_id, (1, 2, 3), sampling), asyncio_sink(loop, queue))
+        aborted = engine.abort_all()
+        left = engine.call(
+            lambda core: (core.holds("first"), core.holds("second"), core.load().num_used_blocks)
+        )
+    with pytest.raises(AbortFailedError, match="each was aborted on its own: 1 of 2 "):
+        await asyncio.wait_for(asyncio.wrap_future(aborted), timeout=10)
+    assert core.failures == 1
+    ends = [(await collect(queue))[-1].finish_reason for queue in queues]
+    assert ends == [FinishReason.CANCELLED, FinishReason.ERROR]
+    assert await asyncio.wait_for(asyncio.wrap_future(left), timeout=10) == (False, False, 0)
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
 async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for_it() -> None:
     """A request is aborted, and an abort of all comes in the same round of the engine thread,
     where the core's abort of them all fails: aborted on its own, the request, ended already
@@ -703,6 +767,7 @@ async def test_a_retry_taken_as_its_aborted_request_ends_gets_no_end_made_up_for
     client retries under its id as it gets its (CANCELLED) end. The retry gets its own
     outputs to its end; it used to get that second, stale end (ERROR) instead."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.armed.append(AllFails.AT_ONCE)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -742,6 +807,7 @@ async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request(
     CANCELLED (both its outputs), and the core holds none of them. The engine thread failed
     instead ("the engine thread failed"): each request ended ERROR, "the engine stopped"."""
     core = AbortAllFails(SimRunner(block_size=4, num_blocks=256, time_scale=0.05))
+    core.armed.append(AllFails.AT_ONCE)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -762,7 +828,7 @@ async def test_a_stop_whose_abort_of_all_fails_in_the_core_cancels_each_request(
 
 class AbortAndAbortAllFail(AbortAllFails, AbortFailsKeeping):
     """A core whose first abort of a request fails before it did anything (the request runs
-    on), and whose first abort of every request (cancelling them) fails too."""
+    on), and whose abort of every request fails as armed."""
 
 
 @pytest.mark.timeout(60)
@@ -776,6 +842,7 @@ async def test_a_failed_abort_of_all_ends_a_request_the_core_ran_on_after_its_ab
     it ran."""
     runner = SimRunner(block_size=4, num_blocks=256, time_scale=0)
     core = AbortAndAbortAllFail(runner)
+    core.armed.append(AllFails.AT_ONCE)
     engine = EngineLoop(core)
     engine.start()
     outputs = await aborted_in_the_core(engine, max_tokens=100_000)
@@ -1021,6 +1088,28 @@ class EndFailsInAStep(EngineCore):
             self._stepping = False
 
 
+class BatchFailsInAStep(EngineCore):
+    """A core whose step fails once per `batch_armed.release()` (none at first) as it builds
+    the pass's batch, scheduled and not started yet (no `on_pass_start`): as it next reads a
+    block table (the block manager's public seam; `_build_batch` is private), which a step
+    does there alone but for an import of pulled KV, a KV session read or a fast-forward."""
+
+    batch_failures = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_armed = threading.Semaphore(0)
+        block_table = self.block_manager.block_table
+
+        def failing_block_table(seq_id: int) -> list[int]:
+            if self.batch_armed.acquire(blocking=False):
+                self.batch_failures += 1
+                raise RuntimeError("building the batch failed")
+            return block_table(seq_id)
+
+        self.block_manager.block_table = failing_block_table  # type: ignore[method-assign]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("end", "num_sequences"),
@@ -1101,21 +1190,19 @@ async def test_a_request_a_failing_step_ended_before_it_failed_gets_its_end() ->
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("forgets", [False, True])
+@pytest.mark.parametrize("fails", list(AllFails))
 async def test_a_failed_step_whose_abort_of_all_fails_ends_each_request_and_serves_on(
-    forgets: bool,
+    fails: AllFails,
 ) -> None:
     """A forward pass fails, and the core's abort of every request after it (ERROR) fails
-    too, before it did anything or after it ended them all (their ends never emitted). Each
-    request is aborted on its own: each output of each ends ERROR, "engine step failed", the
-    core holds none of them nor their blocks, and the engine goes on: a request of a used id
-    runs to its end. The engine thread died instead (the abort's error escaped it): each
-    request ended "the engine stopped", and the engine served no more."""
+    too, as `fails` says. Each request it did not end is aborted on its own (one it ended
+    gets its end, one it forgot an end made up): each output of each ends ERROR, "engine step
+    failed", the core holds none of them nor their blocks, and the engine goes on: a request
+    of a used id runs to its end. The engine thread died instead (the abort's error escaped
+    it): each request ended "the engine stopped", and the engine served no more."""
     runner = FlakyRunner(block_size=4, num_blocks=256, time_scale=0)
     core = AbortAllFails(runner)
-    core.armed.acquire()  # (only the failed step's abort of all fails)
-    core.error_armed.release()
-    core.forgets = forgets
+    core.error_armed.append(fails)
     engine = EngineLoop(core)
     engine.start()
     loop = asyncio.get_running_loop()
@@ -1205,36 +1292,93 @@ def _counted(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, {"model": "m", **labels}) or 0.0
 
 
-class DyingCore(EngineCore):
-    """A core whose `has_work` raises once armed: the engine thread fails outside a step."""
+class DyingCore(AbortAllFails):
+    """A core whose `has_work` raises once armed: the engine thread fails outside a step (its
+    abort of every request failing as `AbortAllFails` arms it)."""
 
-    armed = False
+    dying = False
 
     def has_work(self) -> bool:
-        if self.armed:
+        if self.dying:
             raise RuntimeError("engine bug")
         return super().has_work()
 
 
-def test_a_failed_engine_thread_releases_what_its_requests_held() -> None:
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("abort_all_fails", [False, True])
+def test_a_failed_engine_thread_releases_what_its_requests_held(abort_all_fails: bool) -> None:
     """The engine thread failing (not a step: the thread itself) ends its requests in the core
     too: their blocks return to the pool and the pulled KV a DECODE engine held for a waiting
-    one (`import_or_hold_kv_blocks`) is dropped, not kept as long as the process lives."""
+    one (`import_or_hold_kv_blocks`) is dropped, not kept as long as the process lives; and
+    each client gets its ERROR end, "the engine stopped". Should the core's abort of them all
+    fail (before it did anything), each is aborted on its own: that failure used to be only
+    logged, the core holding both requests, the blocks and the pulled KV."""
     core = DyingCore(BytesRunner(num_blocks=4))
-    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3)))
-    core.step()  # holds all 4 blocks
-    pulled = EngineRequest("pulled", tuple(range(100, 110)), SamplingParams(max_tokens=3))
-    assert core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4) == "held"
-    core.add_request(pulled)
+    if abort_all_fails:
+        core.error_armed.append(AllFails.AT_ONCE)
     exited = threading.Event()
     engine = EngineLoop(core, on_exit=exited.set)
-    core.armed = True
+    pulled = EngineRequest("pulled", tuple(range(100, 110)), SamplingParams(max_tokens=3))
+    outputs: dict[str, list[RequestOutput]] = {"busy": [], "pulled": []}
+    imports: list[str] = []
+
+    def pulled_kv(core: EngineCore) -> None:
+        imports.append(core.import_or_hold_kv_blocks(pulled, [b"k0", b"k1"], max_held_bytes=4))
+
+    def busy_sink(output: RequestOutput) -> None:
+        # On the engine thread, once the pass that gave "busy" all 4 blocks is over: the
+        # thread fails right after it adds "pulled" (its KV held: no room in the pool).
+        if not outputs["busy"]:
+            engine.submit(pulled, outputs["pulled"].append, before=pulled_kv)
+            core.dying = True
+        outputs["busy"].append(output)
+
     engine.start()
+    busy = EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=3))
+    engine.submit(busy, busy_sink)
     assert exited.wait(timeout=10)
     assert not engine.running
-    core.armed = False
+    core.dying = False
+    assert imports == ["held"] and core.error_failures == int(abort_all_fails)
+    assert not core.holds("busy") and not core.holds("pulled")
     assert core.held_import_bytes == 0
     assert core.block_manager.num_used_blocks == 0 and not core.has_work()
+    for got in outputs.values():
+        assert got[-1].usage is not None
+        assert (got[-1].finish_reason, got[-1].message) == (
+            FinishReason.ERROR,
+            "the engine stopped",
+        )
+
+
+@pytest.mark.timeout(30)
+def test_a_request_abandoned_as_the_engine_thread_ends_is_released_too() -> None:
+    """The engine thread fails (the thread itself), and a request is abandoned (its client
+    gone) once the thread took its last commands, so the abort `abandon` queues never runs;
+    the core's abort of every request fails then (before it did anything). The request is
+    aborted on its own all the same, its blocks freed. The abort of each on its own covered
+    only the live requests and the stray ones: the core held it, and its blocks."""
+    core = DyingCore(SimRunner(block_size=4, num_blocks=256, time_scale=0))
+    core.error_armed.append(AllFails.AT_ONCE)
+    exited = threading.Event()
+    engine = EngineLoop(core, on_exit=exited.set)
+    engine.start()
+    got: list[RequestOutput] = []
+    gone = EngineRequest("gone", (1, 2, 3), SamplingParams(max_tokens=100_000))
+    engine.submit(gone, got.append)
+
+    def dies(_core: EngineCore) -> None:
+        # The thread fails right after this command; the abandon comes in a command it runs
+        # as it ends (as one from another thread racing its end would come).
+        engine.call(lambda _core: engine.abandon("gone"))
+        core.dying = True
+
+    engine.call(dies)
+    assert exited.wait(timeout=10)
+    core.dying = False
+    assert core.error_failures == 1
+    assert not core.holds("gone") and core.block_manager.num_used_blocks == 0
+    assert all(output.usage is None for output in got)  # (abandoned: its end reaches no one)
 
 
 @pytest.mark.timeout(30)
@@ -1246,10 +1390,10 @@ def test_a_request_submitted_once_the_engine_thread_died_is_refused() -> None:
     core = DyingCore(SimRunner(block_size=4, num_blocks=256, time_scale=0))
     exited = threading.Event()
     engine = EngineLoop(core, on_exit=exited.set)
-    core.armed = True
+    core.dying = True
     engine.start()
     assert exited.wait(timeout=10)
-    core.armed = False
+    core.dying = False
     got: list[RequestOutput] = []
     with pytest.raises(EngineStoppedError):
         engine.submit(EngineRequest("late", (1, 2, 3), SamplingParams(max_tokens=2)), got.append)

@@ -1,9 +1,9 @@
 """EngineLoop's request ids against a naive model, under any order of submit, abandon (the
 client gone), abort (the RPC), abort_all (which may fail in the core), an abort of one request
 that fails in the core (at once, or partway through ending it), a sink that fails once,
-a failing forward pass (the core's abort of all after it may fail too), a request's end in a
-step that fails partway and the engine thread held or let run, over three ids reused all the
-time (hypothesis stateful).
+a failing forward pass (as it runs, or before it starts: as its batch is built; the core's
+abort of all after it may fail too), a request's end in a step that fails partway and the
+engine thread held or let run, over three ids reused all the time (hypothesis stateful).
 
 The model is each request's own outputs: the sim runner's tokens are a function of the prompt's
 last token, so every request (a prompt of its own) knows the tokens it may get. Sinks may also
@@ -56,6 +56,8 @@ from tests.engine.test_engine_loop import (
     AbortAllFails,
     AbortFailsKeeping,
     AbortFailsPartway,
+    AllFails,
+    BatchFailsInAStep,
     EndFailsInAStep,
     FlakyRunner,
 )
@@ -63,13 +65,16 @@ from tests.engine.test_engine_loop import (
 IDS = ("a", "b", "c")
 
 
-class FailingAborts(AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep):
+class FailingAborts(
+    AbortAllFails, AbortFailsKeeping, AbortFailsPartway, EndFailsInAStep, BatchFailsInAStep
+):
     """A core whose abort of every request fails as `armed` says (cancelling them) or as
-    `error_armed` says (a failed step's), before it did anything or after it ended them all
-    (`forgets`), whose abort of one request fails as
+    `error_armed` says (a failed step's), each failure as its own `AllFails` says (at once,
+    partway, or after it ended them all), whose abort of one request fails as
     `abort_armed` says, before it did anything (the request runs on), or as `partway_armed`
-    says, partway (it forgets the request, its end never emitted), and whose end of an output
-    in a step fails partway as `end_armed` says (the step fails, the request forgotten)."""
+    says, partway (it forgets the request, its end never emitted), whose end of an output
+    in a step fails partway as `end_armed` says (the step fails, the request forgotten), and
+    whose step fails as it builds the pass's batch as `batch_armed` says."""
 
 
 WAIT_S = 10.0
@@ -120,7 +125,6 @@ class EngineLoopIds(RuleBasedStateMachine):
         self.runner = FlakyRunner(block_size=4, num_blocks=16, time_scale=0.0)
         config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)
         self.core = FailingAborts(self.runner, config)
-        self.core.armed.acquire()  # its abort of all fails only as `abort` arms it
         self.core.abort_armed.acquire()  # its abort of one only as `fail_an_abort` arms it
         self.engine = EngineLoop(self.core, on_step=self._on_step)
         self.engine.start()
@@ -268,17 +272,17 @@ class EngineLoopIds(RuleBasedStateMachine):
     @rule(
         request_id=st.none() | st.sampled_from(IDS),
         core_fails=st.booleans(),
-        forgets=st.booleans(),
+        fails=st.sampled_from(AllFails),
     )
-    def abort(self, request_id: str | None, core_fails: bool, forgets: bool) -> None:
+    def abort(self, request_id: str | None, core_fails: bool, fails: AllFails) -> None:
         """Abort (the RPC) of an id, or of all (None): then the core's abort of them all may
-        fail (before it did anything, or after it ended them all, their ends never emitted:
-        `forgets`), when each request is aborted on its own."""
+        fail (`fails`: before it did anything; partway, the ends of the requests it ended
+        handed over, the one it was ending forgotten; or after it ended them all, their ends
+        never emitted), when each request it did not end is aborted on its own."""
         if request_id is None:
             if core_fails:
                 self.abort_all_failures += 1
-                self.core.forgets = forgets
-                self.core.armed.release()
+                self.core.armed.append(fails)
             engine = self.engine
             with engine._cond:  # one batch of the engine thread: nothing runs between them
                 before = engine.call(lambda _core: self.core.abort_failures)
@@ -309,16 +313,23 @@ class EngineLoopIds(RuleBasedStateMachine):
         up for its client, ERROR), and its id is free."""
         self.core.end_armed.release()
 
-    @rule(abort_all_fails=st.booleans(), forgets=st.booleans())
-    def fail_a_pass(self, abort_all_fails: bool, forgets: bool) -> None:
-        """The next forward pass fails: every request it computes ends ERROR (those it ended
-        before failing with their own end). The core's abort of all after a failed step may
-        fail too (before it did anything, or after it ended them all: `forgets`), when each
-        request is aborted on its own; the engine thread carries on."""
-        self.runner.armed = True
+    @rule(
+        before_it_starts=st.booleans(),
+        abort_all_fails=st.booleans(),
+        fails=st.sampled_from(AllFails),
+    )
+    def fail_a_pass(self, before_it_starts: bool, abort_all_fails: bool, fails: AllFails) -> None:
+        """The next forward pass fails, as it runs or before it starts (as the core builds its
+        batch, the commands' outputs before it not published yet): every request it computes
+        ends ERROR (those it ended before failing with their own end). The core's abort of all
+        after a failed step may fail too, as `fails` says (as an abort's), when each request
+        it did not end is aborted on its own; the engine thread carries on."""
+        if before_it_starts:
+            self.core.batch_armed.release()
+        else:
+            self.runner.armed = True
         if abort_all_fails:
-            self.core.forgets = forgets
-            self.core.error_armed.release()
+            self.core.error_armed.append(fails)
 
     def _running_on(self, core: EngineCore) -> tuple[int, set[str]]:
         """The core's failed aborts of one request so far, and the ids it runs that no
