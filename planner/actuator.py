@@ -79,7 +79,9 @@ class Actuator(Protocol):
         ...
 
     async def start(self, pool: str) -> str:
-        """Start one engine of `pool`; its address once the controller routes to it."""
+        """Start one engine of `pool`; its address once the controller routes to it. An
+        engine the planner has at that address (exited, its address reused before `exited`
+        reported it) is gone: the start settled it, and `exited` does not report it."""
         ...
 
     async def sync(
@@ -101,7 +103,8 @@ class Actuator(Protocol):
 
     def exited(self) -> list[str]:
         """Addresses of started or adopted engines that are gone on their own (crashed,
-        killed, their pod deleted): not stopped through `stop`."""
+        killed, their pod deleted): not stopped through `stop`, nor settled by a `start`
+        that got their address."""
         ...
 
     async def drain(self, address: str, within_s: float) -> None:
@@ -256,7 +259,7 @@ class LocalProcesses:
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
             async with self._registering:
-                self._take_over_port(address)
+                await self._take_over_port(address)
                 await self._admin.register(address)
             registered = True
             await self._routed(address)
@@ -295,14 +298,28 @@ class LocalProcesses:
         self._port_files[address] = port_file
         self._logs[address] = log_path
 
-    def _take_over_port(self, address: str) -> None:
-        """`address`, a new engine's, is no longer that of an engine left registered (a
-        previous planner's, or one stopped: the port is reused, that engine is dead): its
-        port file is dropped, so that `adopt` does not remove this one from the controller in
-        its place. Should the controller list the dead one still, the registration is refused
-        (ALREADY_EXISTS) and the failed start removes it."""
-        if (port_file := self._left_registered.pop(address, None)) is not None:
-            log.info("port %s of an engine left registered (%s) is reused", address, port_file)
+    async def _take_over_port(self, address: str) -> None:
+        """`address`, a new engine's, is no longer that of a dead engine that holds it still:
+        one left registered (a previous planner's, or one stopped), or one of this run that
+        exited and that `exited` has not reported yet (the port is reused: that engine is
+        dead). The dead one is settled as an exited one is stopped: its exit said (it is
+        forgotten, `exited` reports it no more) and taken out of the controller, which would
+        refuse the new engine's registration while it lists the dead one. Its port file is
+        dropped, whatever the removal did, so that `adopt` does not remove the new engine in
+        its place: from now on the new engine's port file names the address (a failed start
+        keeps that one while the controller may list it)."""
+        if (process := self._processes.get(address)) is not None:
+            signal_child(process, signal.SIGKILL)  # its port is another's: it serves no more
+            code = await process.wait()  # (exited: its exit may not be collected yet)
+            if address not in self._exits_said:
+                self._say_exit(address, code)
+            self._forget(address)
+            port_file = self._port_files.pop(address, None)
+        elif (port_file := self._left_registered.pop(address, None)) is None:
+            return
+        log.info("port %s of a dead engine (its port file %s) is reused", address, port_file)
+        await self._admin.remove(address)
+        if port_file is not None:
             port_file.unlink(missing_ok=True)
 
     async def _routed(self, address: str) -> None:

@@ -438,8 +438,7 @@ class LivePlanner:
             )
             failing |= await self._lose(engine, "unresponsive")
         for pool in sorted(failing):
-            if (next_s := self._backoff.failed(pool, self._clock())) > 0:
-                log.warning("engines of %s keep failing:%s", pool, _next_start(next_s))
+            self._pool_failed(pool)
         kept = [e for e in running if e not in lost]
         for engine in kept:
             if engine.state is EngineState.SERVING:
@@ -703,7 +702,22 @@ class LivePlanner:
             del self.engines[placeholder.engine_id]
             return
         del self.engines[placeholder.engine_id]
+        if (gone := self.engines.get(address)) is not None:
+            await self._settled(gone)
         self._serve(address, placeholder.pool)
+
+    async def _settled(self, engine: _Engine) -> None:
+        """`engine` exited and a start got its address (its port reused) before a look
+        reported it: the start settled it (`Actuator.start`). Lost as an engine that exited
+        is, its pool failing by it as by a crash that a look finds, but not stopped: the
+        process at its address is the new engine."""
+        log.warning(
+            "engine %s exited on its own: removed (a new engine has its address)",
+            engine.engine_id,
+        )
+        if self._lost(engine, "exited"):
+            self._pool_failed(engine.pool)
+        await self._forget(engine)
 
     def _serve(self, address: str, pool: str) -> None:
         """Observe a serving engine (started, or adopted by the actuator)."""
@@ -714,14 +728,22 @@ class LivePlanner:
         log.info("engine %s serves in pool %s", address, pool)
 
     async def _lose(self, engine: _Engine, cause: LossCause) -> set[str]:
-        """Count and remove an engine lost; the pool failing by it, for the start back-off: a
-        serving engine's crash soon after it began serving (`StartBackoff.crash`). One that
-        served longer is replaced at once, and a draining engine was leaving anyway: none."""
-        self.metrics.on_lost(engine.pool, cause)
-        crashed = engine.state is EngineState.SERVING and self._backoff.crash(engine.served_s())
-        failing = {engine.pool} if crashed else set()
+        """Count and remove an engine lost; the pool failing by it (`_lost`)."""
+        failing = {engine.pool} if self._lost(engine, cause) else set()
         await self._remove(engine, kill=cause == "unresponsive")
         return failing
+
+    def _lost(self, engine: _Engine, cause: LossCause) -> bool:
+        """Count an engine lost; whether its pool fails by it, for the start back-off: a
+        serving engine's crash soon after it began serving (`StartBackoff.crash`). One that
+        served longer is replaced at once, and a draining engine was leaving anyway: no."""
+        self.metrics.on_lost(engine.pool, cause)
+        return engine.state is EngineState.SERVING and self._backoff.crash(engine.served_s())
+
+    def _pool_failed(self, pool: str) -> None:
+        """Engines of `pool` failed: its next start waits (`StartBackoff.failed`)."""
+        if (next_s := self._backoff.failed(pool, self._clock())) > 0:
+            log.warning("engines of %s keep failing:%s", pool, _next_start(next_s))
 
     async def _remove(self, engine: _Engine, *, kill: bool = False) -> None:
         """Stop observing `engine` at once; the actuator stops (or kills) it beside the ticks,

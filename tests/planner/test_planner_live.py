@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner
+from planner.engine_args import serve_args
 from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
 from planner.start_backoff import StartBackoff
@@ -2310,6 +2311,104 @@ async def test_an_engine_on_a_dead_engines_port_is_not_taken_out_in_its_place(
         assert (tmp_path / "default-0.port").exists()  # the new engine's
     finally:
         await actuator.close()
+
+
+def listen_at(monkeypatch: pytest.MonkeyPatch, address: str) -> None:
+    """The local actuator's next engines listen at `address` rather than at a port the OS
+    picks: an address the OS may give again once its engine is dead (ports are reused)."""
+    from planner import actuator as actuator_module
+
+    def serve_args_at(*args: Any) -> list[str]:
+        return [address if arg == "127.0.0.1:0" else arg for arg in serve_args(*args)]
+
+    monkeypatch.setattr(actuator_module, "serve_args", serve_args_at)
+
+
+async def crash(actuator: LocalProcesses, address: str) -> None:
+    """The engine at `address` killed from outside (SIGKILL), its exit collected."""
+    process = actuator._processes[address]
+    os.kill(process.pid, signal.SIGKILL)
+    await process.wait()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("controller_restarts", [False, True])
+async def test_a_start_that_gets_a_crashed_engines_port_settles_it_first(
+    setup: Setup,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    controller_restarts: bool,
+) -> None:
+    """An engine crashes and, before the next look (`exited`), a start's engine gets its port
+    (ports are reused: injected here). The start settles the dead engine first: its exit
+    said, its port file dropped, taken out of the controller (which would refuse the new
+    engine's registration while it lists the dead one; a restarted one lists neither), and
+    no longer reported by `exited`; then the new engine is registered and routed to."""
+    actuator, app = setup.actuator, setup.app
+    dead = await actuator.start("default")
+    await crash(actuator, dead)
+    if controller_restarts:
+        await app.close(0.2)
+        config = {"listen": f"127.0.0.1:{app.port}", "shutdown_grace_s": 0.5}
+        app = await start_controller(ControllerConfig.model_validate(config))
+        admin = actuator._admin  # its dial back-off: what a start's check waits out
+        await eventually(lambda: passes(admin.check_reachable("default")), 60)
+    try:
+        fleet = app.controller.fleet
+        listed = [r.address for r in fleet.registry.records()]
+        assert listed == ([] if controller_restarts else [dead])
+        listen_at(monkeypatch, dead)
+        assert await actuator.start("default") == dead
+        assert actuator.exited() == []
+        assert actuator.running() == [dead]
+        assert [r.address for r in fleet.registry.routable()] == [dead]
+        assert not (tmp_path / "default-0.port").exists()
+        assert dead == f"127.0.0.1:{int((tmp_path / 'default-1.port').read_text())}"
+        assert f"({dead}) exited with code -9 (SIGKILL)" in caplog.text
+        await actuator.close()
+        assert not fleet.registry.records()
+    finally:
+        await actuator.close()
+        await app.close(0.2)
+
+
+async def passes(check: Awaitable[None]) -> bool:
+    """Whether `check` raises no KvplaneError."""
+    try:
+        await check
+    except KvplaneError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_whose_address_a_start_got_is_lost_and_its_channel_closed(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine crashes and, before the next tick's look, a start under way (one the core
+    asked for earlier) gets its port: the planner observes the new engine at that address in
+    place of the dead one, which is lost as an engine that exited (counted), its channel
+    closed and its runtime events no longer followed; the next tick finds nothing exited."""
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    metrics = PlannerMetrics()
+    async with serving(setup, 1, metrics=metrics) as (live, (dead,)):
+        gone = live.engines[dead]
+        await crash(actuator, dead)
+        listen_at(monkeypatch, dead)
+        await live._apply(ScalePool("default", 2, Reason.BELOW_MIN), live._clock())
+        await fleet.wait_for(lambda: len(live._starts) == 0, 60)
+        assert list(live.engines) == [dead]
+        assert live.engines[dead] is not gone
+        assert gone.events is not None and gone.events.done()
+        assert gone.dialled is not None
+        assert gone.dialled.channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+        lost = {"pool": "default", "cause": "exited"}
+        assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
+        assert await live.tick() == []
+        assert list(live.engines) == [dead] and actuator.running() == [dead]
+        assert [r.address for r in fleet.registry.routable()] == [dead]
+    assert actuator.num_alive() == 0
 
 
 @pytest.mark.timeout(120)

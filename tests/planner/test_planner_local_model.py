@@ -52,6 +52,7 @@ from controller.config import ControllerConfig
 from kvplane.errors import KvplaneError
 from planner.actuator import LocalProcesses
 from tests.planner.test_planner_kubernetes_model import picks, replay_on
+from tests.planner.test_planner_live import listen_at, passes
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(300)
@@ -232,13 +233,37 @@ class LocalActuatorMachine(RuleBasedStateMachine):
         # An operator's file of that name is a stale port: written over.
         self.stale.pop(port_file, None)
         self.garbage.discard(port_file)
-        assert address not in self.engines
-        # An engine left registered whose port the new one got is dead: it takes its place.
+        # A dead engine whose port the new one got (one crashed, not reported by a look yet;
+        # one left registered): settled by the start, the new one takes its place.
+        if address in self.engines:
+            assert self.engines[address].crashed
+            self.gone_with(address)
         self.left.pop(address, None)
         self.left_listed.discard(address)
         self.engines[address] = Engine(pool, port_file, actuator._processes[address])
         assert (self.workdir / f"{pool}-{number}.log").exists()
         assert self.registered().get(address) is True
+
+    @precondition(lambda self: self.app is not None and len(self.engines) < MAX_ENGINES)
+    @precondition(lambda self: self.dead_addresses())
+    @rule(pool=st.sampled_from(POOLS), pick=picks)
+    def start_on_a_dead_engines_port(self, pool: str, pick: int) -> None:
+        """A start whose engine gets the port of a dead engine (ports are reused; injected:
+        the engine told to listen there): one of this run that crashed, which no look
+        reported yet, or one left registered. The start takes the dead one out of the
+        controller and drops its port file first (a crashed one is no longer run nor
+        reported: the next look finds it gone), then registers the new one."""
+        dead = self.dead_addresses()
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            listen_at(monkeypatch, dead[pick % len(dead)])
+            self.start(pool)
+
+    def dead_addresses(self) -> list[str]:
+        """Where dead engines were that a new engine may listen at: those crashed, and those
+        left registered (not at the operator's stale ports: privileged, no engine gets them)."""
+        crashed = [a for a, e in self.engines.items() if e.crashed]
+        left = [a for a in self.left if int(a.rpartition(":")[2]) >= 1024]
+        return sorted(crashed + left)
 
     @precondition(lambda self: self.serving())
     @rule(pick=picks)
@@ -321,7 +346,7 @@ class LocalActuatorMachine(RuleBasedStateMachine):
         its next tick."""
         self.app = self.run(start_controller(self.controller_config(self.port)))
         admin = self.actor()._admin  # its dial back-off: what a start's check waits out
-        self.run(eventually(lambda: _answers(admin.check_reachable("any")), SETTLE_S))
+        self.run(eventually(lambda: passes(admin.check_reachable("any")), SETTLE_S))
         self.reconcile()
 
     @rule(pool=st.sampled_from(POOLS), ahead=st.sampled_from([0, 3]), stale=st.booleans())
@@ -451,14 +476,6 @@ async def _abandoned(actuator: LocalProcesses) -> None:
     await asyncio.gather(*actuator._stopping)
 
 
-async def _answers(check: Coroutine[Any, Any, None]) -> bool:
-    try:
-        await check
-    except KvplaneError:
-        return False
-    return True
-
-
 LocalActuatorMachine.TestCase.settings = settings(
     max_examples=20,
     stateful_step_count=10,
@@ -553,6 +570,21 @@ def test_a_close_without_a_controller_leaves_the_engines_for_the_next_planner() 
         lambda m: m.planner_closed_and_run_again(False),
         Machine.controller_starts,
         lambda m: m.start("pre-fill"),
+    )
+
+
+def test_a_start_on_a_dead_engines_port_takes_the_dead_one_out_first() -> None:
+    """A crashed engine no look reported yet (the controller lists it still), and one a
+    planner killed while the controller was down left registered: a start whose engine gets
+    the dead one's port is not refused for it, and the dead one goes, out of the controller,
+    its port file dropped."""
+    replay(
+        lambda m: m.engine_crashes(0),
+        lambda m: m.start_on_a_dead_engines_port("default", 0),
+        Machine.controller_stops,
+        Machine.planner_killed_and_restarted,
+        Machine.controller_starts,
+        lambda m: m.start_on_a_dead_engines_port("pre-fill", 0),
     )
 
 
