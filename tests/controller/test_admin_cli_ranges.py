@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from kvplane.cli import app
+from tests.boxed_text import unboxed
 
 UINT32_LIMIT = 2**32
 
@@ -47,10 +48,10 @@ def test_a_token_id_out_of_range_is_a_usage_error(
     tokens.write_text(ids)
     result = admin(command, "--tokens-file", str(tokens))
     assert result.exit_code == 2
-    assert (
+    assert unboxed(
         f"Invalid value for --tokens-file: {tokens}: token id {bad} is out of range (0 to "
         f"{UINT32_LIMIT - 1})"
-    ) in " ".join(result.output.replace("│", " ").split())
+    ) in unboxed(result.output)
 
 
 @pytest.mark.parametrize(
@@ -117,8 +118,8 @@ def test_an_empty_value_is_not_taken_for_the_default(
     is dialled (the target, port 1, would be refused anyway: it was exit 1)."""
     result = admin(*args[:1], "--target", "127.0.0.1:1", *args[1:])
     assert result.exit_code == 2, result.output
-    shown = " ".join(result.output.replace("│", " ").split())  # click's box, its lines wrapped
-    assert f"Invalid value for {option}: is empty: give {instead}" in shown
+    shown = unboxed(result.output)
+    assert unboxed(f"Invalid value for {option}: is empty: give {instead}") in shown
 
 
 @pytest.mark.parametrize(

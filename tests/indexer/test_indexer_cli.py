@@ -39,6 +39,7 @@ from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
+from tests.boxed_text import unboxed
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.indexer.hybrid_events import hybrid_payload
 from tests.indexer.vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
@@ -774,18 +775,24 @@ def test_both_admin_clis_refuse_a_tokens_file_without_uint32_ids(
     )
     # A file an option gives in the wrong format: a usage error naming the option (exit 2).
     assert result.exit_code == 2
-    output = " ".join(result.output.replace("│", " ").split())
+    output = unboxed(result.output)
     if bad is None:
         assert (
-            f"Invalid value for --tokens-file: {tokens_file} must hold token ids (a JSON array, "
-            'a JSON object with "token_ids" or "prompt_token_ids", or ids separated by spaces, '
-            "commas or newlines), integers in 0..4294967295"
-        ) in output
+            unboxed(
+                f"Invalid value for --tokens-file: {tokens_file} must hold token ids (a JSON array, "
+                'a JSON object with "token_ids" or "prompt_token_ids", or ids separated by spaces, '
+                "commas or newlines), integers in 0..4294967295"
+            )
+            in output
+        )
     else:
         assert (
-            f"Invalid value for --tokens-file: {tokens_file}: token id {bad} is out of range "
-            "(0 to 4294967295)"
-        ) in output
+            unboxed(
+                f"Invalid value for --tokens-file: {tokens_file}: token id {bad} is out of range "
+                "(0 to 4294967295)"
+            )
+            in output
+        )
 
 
 def test_both_admin_clis_read_a_vllm_style_request_object(tmp_path: Path) -> None:
@@ -944,8 +951,8 @@ async def test_admin_index_reads_a_read_protected_indexer_with_the_token(tmp_pat
         empty.write_text("\n")
         refused = await asyncio.to_thread(index, "stats", "--token-file", str(empty))
         assert refused.exit_code == 2
-        assert f"Invalid value for --token-file: token file {empty} is empty" in " ".join(
-            refused.output.replace("│", " ").split()
+        assert unboxed(f"Invalid value for --token-file: token file {empty} is empty") in unboxed(
+            refused.output
         )
     finally:
         await server.stop(None)
