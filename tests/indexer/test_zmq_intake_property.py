@@ -56,6 +56,7 @@ from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.sources.zmq import SourceCounters, ZmqSource, ZmqSourceSettings
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from tests.indexer.test_zmq_source import _LinkAskingAResync
 from tests.polling import eventually
 
 BLOCK_SIZE = 2
@@ -64,6 +65,7 @@ WORKER = "engine"
 TOPIC = "kv@test@sim"
 WAIT_S = 10.0
 REPLAY_TIMEOUT_S = 0.5  # the source's: each unanswered request stalls it this long
+BACKOFF_MAX_S = 0.4  # the source's longest wait before a retry
 SLOW_REPLAY_S = 0.15  # a slow ROUTER's wait before each answer (well within the timeout)
 SPARE_ENDPOINT = "tcp://127.0.0.1:*"  # a port no source knows: a socket bound there is not up
 
@@ -189,16 +191,20 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         self.log: KvEventLog
         self.publisher: LossyPublisher
         self.epoch = 0  # the engine process's (`_start_engine`)
+        # The wire timestamps of the engine's newest batch and of the last one the source
+        # applied: a seq alone does not tell one process's batch from another's.
+        self.newest_ts: float | None = None
+        self.applied_ts: float | None = None
         self.source: ZmqSource | None = None
         self.task: asyncio.Task[None] | None = None
         # The PUB's handshakes when the engine or the source last restarted (None: not since
         # the last check): the check waits for the SUB's connection after it (`_connected`).
         self.handshakes_before: int | None = None
         self.replay_delay_s = 0.0  # every publisher's (`slow_replays`)
-        # The sequence breaks the sources told, and those the rules call for; the resyncs the
-        # index asked of the source running now.
+        # The sequence breaks the sources told, and the fewest and most the rules call for
+        # (`_due_breaks`); the resyncs the index asked of the source running now.
         self.breaks: list[int] = []
-        self.breaks_due = 0
+        self.breaks_due = (0, 0)
         self.resyncs_asked = 0
         # While the publisher is away (`go_away` to `come_back`): whether its replay ROUTER is
         # up, whether the source saw it leave with batches applied (a break when it is back),
@@ -214,6 +220,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         self.replay_endpoint = self.publisher.bound_replay_endpoint
         self.loop.run_until_complete(self._start_source())
         self.handshakes_before = 0  # the first check waits for the SUB's first connection
+        self._check()  # (the rules start from a source connected and caught up)
 
     # -- the engine and the source ---------------------------------------------------------
 
@@ -243,6 +250,9 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
             replay_endpoint=self.replay_endpoint,
             topic=TOPIC,
             replay_timeout_s=REPLAY_TIMEOUT_S,
+            # (A failed replay's retries wait up to this, even after replays answered since:
+            # kept short, so that a rule's retries end within the check's wait.)
+            backoff_max_s=BACKOFF_MAX_S,
         )
         translator = WorkerTranslator(
             TranslateOptions(worker_id=WORKER, hash_mode=HashMode.CANONICAL)
@@ -252,6 +262,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
             translator,
             self.backend,
             context=self.ctx,
+            on_batch_time=self._applied,
             on_sequence_break=lambda: self.breaks.append(1),
         )
         self.resyncs_asked = 0
@@ -317,6 +328,10 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         events = [e for e in (self._event(*spec) for spec in specs) if e is not None]
         return self._append(events)
 
+    def _publish_all(self, batches: list[list[EventSpec]]) -> None:
+        for specs in batches:
+            self._publish(specs)
+
     def _append(self, events: list[KvEvent]) -> bool:
         """Append `events` to the engine's log as one batch, from within the machine's event
         loop, as the engine does (the publisher's asyncio socket sends there: outside it, it
@@ -324,7 +339,10 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         there was one."""
 
         async def append() -> bool:
-            return self.log.append(events) is not None
+            record = self.log.append(events)
+            if record is not None:
+                self.newest_ts = record.timestamp_unix_ns / 1e9  # (as the wire carries it)
+            return record is not None
 
         return self.loop.run_until_complete(append())
 
@@ -356,7 +374,12 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         not, the new replay ROUTER leaving the first `failing` requests unanswered or not.
         (One batch: a first message after a failed replay is rebuilt from alone, which its
         seq 0 is whole.)"""
-        self.breaks_due += self._published()  # the worker cleared at the old one's end
+        # A break for the old process's end, when the worker held its batches then: its
+        # end's clear tells it, unless the resync (racing it) cleared the worker before and
+        # its replay failed; and the resync may have filled the worker from the new process
+        # before the source saw the end, which its clear then tells.
+        published = self._published()
+        self._due_breaks(published and not (resync and failing), published or resync)
 
         async def restart() -> None:
             await self.publisher.close()
@@ -377,8 +400,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         """The source stops (the index keeps what it holds), the engine publishes meanwhile
         or not, and a new source starts, the first `failing` replays unanswered or not."""
         self.loop.run_until_complete(self._stop_source())
-        for specs in meanwhile:
-            self._publish(specs)
+        self._publish_all(meanwhile)
         self.publisher.unanswered = failing
         self.handshakes_before = self.publisher.handshakes()
         self.loop.run_until_complete(self._start_source())
@@ -395,6 +417,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         self._ask_resync()
         self._check()
 
+    @precondition(lambda self: not self.away)
     @rule(slow=st.booleans())
     def slow_replays(self, slow: bool) -> None:
         """The publisher's replay ROUTER answers slowly from now on (this process and the
@@ -404,30 +427,27 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
     # -- the publisher away ----------------------------------------------------------------
 
     @precondition(lambda self: not self.away)
-    @rule()
-    def go_away(self) -> None:
+    @rule(then=st.lists(batches, max_size=1))
+    def go_away(self, then: list[list[EventSpec]]) -> None:
         """The engine's process stops or is cut off (both sockets closed, its buffer kept),
-        and the source sees its connection end."""
+        and the source sees its connection end; then it publishes or not (buffered only)."""
         self.left_with_batches = self._published()  # (all applied: the last check)
         self.loop.run_until_complete(self.publisher.go_away())
         self.away, self.replay_up, self.holds_epoch = True, False, None
         self.loop.run_until_complete(
             eventually(lambda: not self._link_up(), WAIT_S, "the source to see the end")
         )
+        self._publish_all(then)
 
     @precondition(lambda self: self.away)
-    @rule(specs=batches)
-    def publish_while_away(self, specs: list[EventSpec]) -> None:
-        """The process away publishes (its PUB closed or not bound yet: buffered only)."""
-        self._publish(specs)
-
-    @precondition(lambda self: self.away and not self.replay_up)
-    @rule(new_process=st.booleans())
-    def replay_back(self, new_process: bool) -> None:
-        """The replay ROUTER comes back before the PUB: the same process, or a new one."""
+    @rule(new_process=st.booleans(), resync=st.booleans(), then=st.lists(batches, max_size=1))
+    def replay_back(self, new_process: bool, resync: bool, then: list[list[EventSpec]]) -> None:
+        """The replay ROUTER comes back before the PUB: the same process (unless its ROUTER
+        is back already), or a new one; the index asks for a resync then, or not; then the
+        process publishes or not (its PUB not up: buffered only)."""
 
         async def back() -> None:
-            if new_process:
+            if new_process or self.replay_up:
                 await self.publisher.close()
                 await self._start_engine(pub=False)
             else:
@@ -435,12 +455,20 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
 
         self.loop.run_until_complete(back())
         self.replay_up = True
+        if resync:
+            self._resync_while_away(lost=False)
+        self._publish_all(then)
 
     @precondition(lambda self: self.away)
-    @rule(lost=st.booleans())
-    def resync_while_away(self, lost: bool) -> None:
+    @rule(lost=st.booleans(), then=st.lists(batches, max_size=1))
+    def resync_while_away(self, lost: bool, then: list[list[EventSpec]]) -> None:
         """The index asks for a resync while the publisher is away, and the source handles
-        it (a replay that fails, or answers with the ROUTER back, or none)."""
+        it (a replay that fails, or answers with the ROUTER back, or none); then the
+        publisher publishes or not (buffered only)."""
+        self._resync_while_away(lost)
+        self._publish_all(then)
+
+    def _resync_while_away(self, lost: bool) -> None:
         if lost:
             self.loop.run_until_complete(self.backend.remove_worker(WORKER))
         counters = self._counters()
@@ -481,22 +509,30 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
     def come_back(self, resync: bool, failing: int) -> None:
         """The publisher's PUB comes back (its ROUTER with it, if not back yet), its ROUTER
         leaving the first `failing` requests unanswered or not; the index asks for a resync
-        as the source sees the connection, or not."""
+        as the source acts on the SUB's connection (before its check), or not. A resync so
+        asked, with replays that answer, clears the worker once whatever else the connection
+        called for (a rebuild, a check that finds another process: one rebuild, not two)."""
         self.publisher.unanswered = failing
         self.handshakes_before = self.publisher.handshakes()
+        assert self.source is not None
+        if resync:
+            self.source.link = _LinkAskingAResync(self.source)
+            self.resyncs_asked += 1
+        resets = self._counters().num_resets
         if self.replay_up:
             self.publisher.open_pub()
         else:
             self.loop.run_until_complete(self.publisher.start())
-        # A break for the end the source saw, or for another process behind the connection.
-        self.breaks_due += self.left_with_batches or self.holds_epoch not in (None, self.epoch)
+        # A break for the end the source saw, or for another process behind the connection:
+        # the connection's check tells it, unless its replay failed and the resync cleared
+        # the worker before a retry (the source then never learns).
+        replaced = self.holds_epoch not in (None, self.epoch)
+        told = self.left_with_batches or (replaced and not (resync and failing))
+        self._due_breaks(told, self.left_with_batches or replaced)
         self.away = False
-        if resync:
-            self.loop.run_until_complete(
-                eventually(self._link_up, WAIT_S, "the source to see the connection")
-            )
-            self._ask_resync()
         self._check()
+        if resync and not failing:
+            assert self._counters().num_resets == resets + 1, self._counters()
 
     # -- the check -------------------------------------------------------------------------
 
@@ -516,6 +552,11 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         self.loop.run_until_complete(self._caught_up(retried))
         self.handshakes_before = None
         self.publisher.unanswered = 0
+        self.publisher.left_last_unanswered = False  # (what the next rule arms is what counts)
+
+    def _due_breaks(self, fewest: bool, most: bool) -> None:
+        """One more sequence break called for (`fewest`), or allowed (`most`)."""
+        self.breaks_due = (self.breaks_due[0] + fewest, self.breaks_due[1] + most)
 
     def _ask_resync(self) -> None:
         assert self.source is not None
@@ -547,11 +588,14 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
     def _indexed(self) -> set[BlockKey]:
         return {p.key for p in self.index.placements(WORKER)}
 
+    def _applied(self, ts: float) -> None:
+        self.applied_ts = ts
+
     def _applied_newest(self) -> bool:
         """Whether the source applied the engine's newest batch (or the engine has none)."""
         assert self.source is not None
         newest = self.log.last_sequence_number - self.log.first_sequence_number
-        return newest < 0 or self.source.last_seq == newest
+        return newest < 0 or (self.source.last_seq == newest and self.applied_ts == self.newest_ts)
 
     def _connected(self) -> bool:
         """Whether the SUB has connected since the restart, if there was one."""
@@ -565,7 +609,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
             return (
                 not (retried and self.publisher.left_last_unanswered)
                 and self._resyncs_counted()
-                and len(self.breaks) == self.breaks_due
+                and self.breaks_due[0] <= len(self.breaks) <= self.breaks_due[1]
                 and self._connected()
                 and self._link_up()
                 and self._applied_newest()
@@ -582,7 +626,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
                 f"{exc}: newest seq {newest}, the source's last {source.last_seq}, "
                 f"missing {sorted(expected - self._indexed())}, "
                 f"stale {sorted(self._indexed() - expected)}, connected {self._connected()}, "
-                f"link up {self._link_up()}, breaks {len(self.breaks)} of {self.breaks_due} due, "
+                f"link up {self._link_up()}, breaks {len(self.breaks)} ({self.breaks_due} due), "
                 f"resyncs asked {self.resyncs_asked}, {source.counters}"
             ) from None
 
