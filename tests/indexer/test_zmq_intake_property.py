@@ -510,8 +510,8 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
         """The publisher's PUB comes back (its ROUTER with it, if not back yet), its ROUTER
         leaving the first `failing` requests unanswered or not; the index asks for a resync
         as the source acts on the SUB's connection (before its check), or not. A resync so
-        asked, with replays that answer, clears the worker once whatever else the connection
-        called for (a rebuild, a check that finds another process: one rebuild, not two)."""
+        asked, with replays that answer, clears the worker once (`resets`), whatever else
+        the connection called for (a rebuild, a check that finds another process)."""
         self.publisher.unanswered = failing
         self.handshakes_before = self.publisher.handshakes()
         assert self.source is not None
@@ -632,7 +632,7 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
 
 
 ZmqIntakeMachine.TestCase.settings = settings(
-    max_examples=25,
+    max_examples=15,
     stateful_step_count=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
