@@ -30,7 +30,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 protos: $(STAMP)
 	$(VENV)/bin/python scripts/gen_protos.py
