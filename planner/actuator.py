@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -81,7 +82,10 @@ class Actuator(Protocol):
     async def start(self, pool: str) -> str:
         """Start one engine of `pool`; its address once the controller routes to it. An
         engine the planner has at that address (exited, its address reused before `exited`
-        reported it) is gone: the start settled it, and `exited` does not report it."""
+        reported it) is gone: the start settled it, and `exited` reports it no more once the
+        start returned (a start that fails leaves it to be reported); a stop or kill of it
+        asked for before the planner learnt the new engine's address is not to be made (it
+        would take the new engine out)."""
         ...
 
     async def sync(
@@ -104,7 +108,7 @@ class Actuator(Protocol):
     def exited(self) -> list[str]:
         """Addresses of started or adopted engines that are gone on their own (crashed,
         killed, their pod deleted): not stopped through `stop`, nor settled by a `start`
-        that got their address."""
+        that got their address and returned it."""
         ...
 
     async def drain(self, address: str, within_s: float) -> None:
@@ -160,6 +164,10 @@ class LocalProcesses:
         self._logs: dict[str, Path] = {}  # by address, serving
         # Engines `exited` said why they exited (once each, though reported until stopped).
         self._exits_said: set[str] = set()
+        # Engines a start settled as it got their port (`_take_over_port`), until it serves:
+        # `exited` reports them meanwhile, so that one whose start fails is the planner's to
+        # lose and stop (a stop then does nothing: the start took it out).
+        self._settled: set[str] = set()
         # Children not reaped yet as of the last start, for `num_alive` and `kill_all`: each
         # start drops those reaped since, so engines crash-looping for days do not grow it.
         self._spawned: list[asyncio.subprocess.Process] = []
@@ -220,7 +228,7 @@ class LocalProcesses:
         for address, code in codes.items():
             if address not in self._exits_said:
                 self._say_exit(address, code)
-        return sorted(codes)
+        return sorted({*codes, *self._settled})
 
     def _say_exit(self, address: str, code: int) -> None:
         """How an engine that exited on its own ended and its log's last lines (a traceback,
@@ -294,6 +302,7 @@ class LocalProcesses:
         self, address: str, process: asyncio.subprocess.Process, port_file: Path, log_path: Path
     ) -> None:
         """`process` serves at `address`, one of the engines started (`close` stops it)."""
+        self._settled.discard(address)
         self._processes[address] = process
         self._port_files[address] = port_file
         self._logs[address] = log_path
@@ -301,9 +310,10 @@ class LocalProcesses:
     async def _take_over_port(self, address: str) -> None:
         """`address`, a new engine's, is no longer that of a dead engine that holds it still:
         one left registered (a previous planner's, or one stopped), or one of this run that
-        exited and that `exited` has not reported yet (the port is reused: that engine is
-        dead). The dead one is settled as an exited one is stopped: its exit said (it is
-        forgotten, `exited` reports it no more) and taken out of the controller, which would
+        exited and that no stop took out yet (the port is reused: that engine is dead). The
+        dead one is settled as an exited one is stopped: its exit said (it is forgotten: a
+        stop of it does nothing, and `exited` reports it until the new engine serves, so that
+        a failed start leaves it to the planner) and taken out of the controller, which would
         refuse the new engine's registration while it lists the dead one. Its port file is
         dropped, whatever the removal did, so that `adopt` does not remove the new engine in
         its place: from now on the new engine's port file names the address (a failed start
@@ -314,6 +324,7 @@ class LocalProcesses:
             if address not in self._exits_said:
                 self._say_exit(address, code)
             self._forget(address)
+            self._settled.add(address)
             port_file = self._port_files.pop(address, None)
         elif (port_file := self._left_registered.pop(address, None)) is None:
             return
@@ -353,11 +364,7 @@ class LocalProcesses:
         """Out of the controller (its RemoveEngine waited for `remove_within_s`, less once
         the planner closes: `_remove`), then `_terminate`d: also when the removal raised
         (the error is the caller's to say), which must leave no engine running."""
-        try:
-            await self._remove(address, self._port_files.pop(address, None), remove_within_s)
-        finally:
-            if (process := self._forget(address)) is not None:
-                self._terminate(process)
+        await self._take_out(address, remove_within_s, self._terminate)
 
     def _terminate(self, process: asyncio.subprocess.Process) -> None:
         """SIGTERM sent; its exit is waited for in the background (`close` waits for every
@@ -369,21 +376,45 @@ class LocalProcesses:
 
     async def kill(self, address: str) -> None:
         # SIGKILL: a hung process may never handle SIGTERM (a SIGSTOPped one holds it pending).
-        try:
-            await self._remove(address, self._port_files.pop(address, None))
-        finally:  # killed also when the removal raised, as `stop` terminates it
-            process = self._forget(address)
-            if process is not None:
-                signal_child(process, signal.SIGKILL)
-        if process is not None:
+        # Killed also when the removal raised, as `stop` terminates it.
+        end = functools.partial(signal_child, sig=signal.SIGKILL)
+        if (process := await self._take_out(address, ADMIN_TIMEOUT_S, end)) is not None:
             await process.wait()
 
-    def _forget(self, address: str) -> asyncio.subprocess.Process | None:
+    async def _take_out(
+        self,
+        address: str,
+        remove_within_s: float,
+        end: Callable[[asyncio.subprocess.Process], None],
+    ) -> asyncio.subprocess.Process | None:
+        """Out of the controller (`_remove`) and forgotten, then `end`ed (also when the
+        removal raised): the engine started at `address`; its process, or None where a start
+        that got its port settled it (`_take_over_port`): it was taken out then. One that
+        exited is taken out under `_registering`, as a start takes over the port it left
+        free: a new engine's registration must not come between its RemoveEngine (which would
+        take the new engine out) and its `_forget` (which would forget the new engine's
+        process). A running one holds its port: none can take it over."""
+        if (process := self._processes.get(address)) is None:
+            self._settled.discard(address)
+            return None
+        exited = process.returncode is not None
+        async with self._registering if exited else contextlib.nullcontext():
+            if self._processes.get(address) is not process:
+                return None  # settled while it waited
+            try:
+                await self._remove(address, self._port_files.pop(address, None), remove_within_s)
+            finally:
+                if self._processes.get(address) is process:  # (it may exit meanwhile)
+                    self._forget(address)
+                end(process)
+        return process
+
+    def _forget(self, address: str) -> None:
         """Take `address` out of the engines started (`_remove` took it out of the
-        controller); its process."""
+        controller)."""
         self._logs.pop(address, None)
         self._exits_said.discard(address)
-        return self._processes.pop(address, None)
+        self._processes.pop(address, None)
 
     async def _remove(
         self, address: str | None, port_file: Path | None, within_s: float = ADMIN_TIMEOUT_S

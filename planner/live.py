@@ -758,6 +758,8 @@ class LivePlanner:
         await self._removals_done(pool, before=asyncio.current_task())
         if not self._may_act():
             return  # the next leader takes the engine over as it finds it
+        if address in self.engines:  # a start got its address since (its port reused): it
+            return  # settled the engine removed (`Actuator.start`); the new one serves there
         operation: Operation = "kill" if kill else "stop"
         try:
             await (self.actuator.kill if kill else self.actuator.stop)(address)

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import pytest
@@ -46,6 +46,7 @@ from planner import live as live_module
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.controller_admin import (
+    ADMIN_TIMEOUT_S,
     DRAIN_ANSWER_S,
     NOT_RECONCILED,
     ControllerAdmin,
@@ -2408,6 +2409,125 @@ async def test_an_engine_whose_address_a_start_got_is_lost_and_its_channel_close
         assert await live.tick() == []
         assert list(live.engines) == [dead] and actuator.running() == [dead]
         assert [r.address for r in fleet.registry.routable()] == [dead]
+    assert actuator.num_alive() == 0
+
+
+class HeldRemoval:
+    """The actuator's first RemoveEngine held (`entered` set) until `go` is set; and whether
+    `starting` waited for `_registering` while another held it (`start_waits`)."""
+
+    def __init__(self, actuator: LocalProcesses) -> None:
+        self.entered, self.go, self.start_waits = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.starting: asyncio.Task[str] | None = None
+        remove, held = actuator._admin.remove, self
+
+        async def held_remove(address: str, within_s: float = ADMIN_TIMEOUT_S) -> bool:
+            if not held.entered.is_set():
+                held.entered.set()
+                await held.go.wait()
+            return await remove(address, within_s)
+
+        class WatchedLock(asyncio.Lock):
+            async def acquire(self) -> Literal[True]:
+                if asyncio.current_task() is held.starting and self.locked():
+                    held.start_waits.set()
+                return await super().acquire()
+
+        actuator._admin.remove = held_remove  # type: ignore[method-assign]
+        actuator._registering = WatchedLock()
+
+
+@pytest.mark.timeout(120)
+async def test_a_crashed_engines_stop_under_way_leaves_a_start_on_its_port_alone(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crashed engine's stop (`exited` reported it) is under way, its RemoveEngine not
+    answered yet, when a start's engine gets its port. The stop takes out the dead engine
+    only: not the new engine's registration, nor its process; the start registers its engine
+    once the dead one is out of the controller."""
+    actuator, fleet = setup.actuator, setup.app.controller.fleet
+    dead = await actuator.start("default")
+    await crash(actuator, dead)
+    assert actuator.exited() == [dead]
+    held = HeldRemoval(actuator)
+    stopping = asyncio.create_task(actuator.stop(dead))
+    await held.entered.wait()
+    listen_at(monkeypatch, dead)
+    held.starting = starting = asyncio.create_task(actuator.start("default"))
+    # The start ends, or waits for the stop to end first.
+    start_waits = asyncio.ensure_future(held.start_waits.wait())
+    await asyncio.wait([starting, start_waits], return_when=asyncio.FIRST_COMPLETED)
+    start_waits.cancel()
+    held.go.set()
+    await stopping
+    assert await starting == dead
+    assert actuator.running() == [dead] and actuator.num_alive() == 1
+    assert actuator._processes[dead].returncode is None
+    assert [r.address for r in fleet.registry.routable()] == [dead]
+
+
+@pytest.mark.timeout(120)
+async def test_a_removal_made_after_a_start_got_its_address_leaves_the_new_engine_alone(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine crashes; a tick finds it exited while a start under way waits to register
+    its engine, which got the dead one's port; its removal waits for an earlier one of its
+    pool. The start settles the dead engine, and the planner observes the new one; the
+    removal, for the dead engine, is not made: the new engine serves on."""
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    async with serving(setup, 1) as (live, (dead,)):
+        await crash(actuator, dead)
+        listen_at(monkeypatch, dead)
+        await actuator._registering.acquire()  # the start waits before it takes the port over
+        await live._apply(ScalePool("default", 2, Reason.BELOW_MIN), live._clock())
+        await eventually((actuator._workdir / "default-1.port").exists, 60)
+        earlier = asyncio.Event()
+
+        async def earlier_removal() -> None:  # of the pool, under way
+            await earlier.wait()
+
+        removal = asyncio.create_task(earlier_removal())
+        live._removals[removal] = "default"
+        removal.add_done_callback(live._removals.pop)
+        await live.tick()
+        assert dead not in live.engines and len(live._removals) == 2
+        actuator._registering.release()
+        await fleet.wait_for(lambda: len(live._starts) == 0, 60)
+        assert list(live.engines) == [dead]
+        earlier.set()
+        await asyncio.wait(list(live._removals))
+        assert actuator.running() == [dead] and actuator.num_alive() == 1
+        assert [r.address for r in fleet.registry.routable()] == [dead]
+        assert await live.tick() == []
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_crashed_engine_whose_port_a_failed_start_got_is_lost_at_the_next_tick(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine crashes and a start's engine gets its port, settles it, then fails (its
+    registration refused). The dead engine is the planner's still: the next tick finds it
+    exited, lost as such, at once (not polled until it counts as unresponsive)."""
+    actuator = setup.actuator
+    metrics = PlannerMetrics()
+
+    async def refused(address: str) -> None:
+        raise KvplaneError(f"registration of {address} refused")
+
+    async with serving(setup, 1, metrics=metrics) as (live, (dead,)):
+        await crash(actuator, dead)
+        listen_at(monkeypatch, dead)
+        monkeypatch.setattr(actuator._admin, "register", refused)
+        await live._apply(ScalePool("default", 2, Reason.BELOW_MIN), live._clock())
+        await asyncio.gather(*live._starts)
+        assert list(live.engines) == [dead]
+        await live.tick()
+        assert dead not in live.engines
+        lost = {"pool": "default", "cause": "exited"}
+        assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
+        await asyncio.gather(*live._removals)
+        assert actuator.exited() == [] and actuator.running() == []
     assert actuator.num_alive() == 0
 
 
