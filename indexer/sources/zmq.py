@@ -19,9 +19,11 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   is indexed all the same. A replay that failed while the SUB was connected (the publisher's
   replay ROUTER not answering yet) is retried with the source's backoff until one answers or
   a message comes (a streak of failures warns at its 1st, 2nd, 4th, 8th, ... failure, and
-  says when the replay answers again). A rebuild that follows a replay failed on the same
-  connection (timed out: an endpoint that never answers) does not ask again at once: it
-  rebuilds from its message alone rather than stall the source a second time;
+  says when the replay answers again; a replay that answers, whatever asked it, and a new
+  connection start the backoff from its shortest wait again). A rebuild that follows a
+  replay failed on the same connection (timed out: an endpoint that never answers) does not
+  ask again at once: it rebuilds from its message alone rather than stall the source a
+  second time;
 - a new connection (the SUB made or accepted one, its handshake done) with batches applied
   (a replay brought them before it: the start's, a resync's) is checked at once as a gap is,
   from one replay from the last applied seq, with no message to wait for: the SUB misses
@@ -149,6 +151,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
+from indexer.sources.backoff import Backoff
 from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES, HeldReplies
 from indexer.sources.link import Link
 from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES, ReceiveQueue
@@ -349,10 +352,11 @@ class ZmqSource:
         self._rebuild_at_connection = False
         # The rebuild from the replay at start (or at a reconnection, or a new connection's
         # check) failed while the SUB was connected: no connection is coming to retry it, so it
-        # is retried after a backoff (`_retry_replay`); the pending retry, and the wait before
-        # the next one.
+        # is retried after a backoff (`_retry_replay`); the pending retry, and the waits
+        # before the next ones: from the shortest again once a replay answers, whatever asked
+        # it (`_replay`: a resync, a gap, a connection's check), and at a new connection.
         self._start_replay_retry: asyncio.TimerHandle | None = None
-        self._start_replay_backoff = settings.backoff_initial_s
+        self.replay_backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
         # Replays failed since the last one that answered: a dead replay ROUTER beside a live
         # PUB fails every retry, so only the 1st, 2nd, 4th, 8th, ... of a streak warn.
         self._replay_failures_in_a_row = 0
@@ -627,7 +631,7 @@ class ZmqSource:
             self.link.went_up()
             self._silent_handshakes = 0
             # A failed start replay on this connection is retried from the shortest wait.
-            self._start_replay_backoff = self.settings.backoff_initial_s
+            self.replay_backoff.reset()
         elif ends:
             self._new_connection = False
             self.link.went_down(f"publisher {self.settings.endpoint} disconnected")
@@ -869,7 +873,8 @@ class ZmqSource:
     def _retry_replay(self, cause: str) -> None:
         """A rebuild from the replay (or a new connection's check, `_CONNECTED`) failed: retry
         it at the SUB's next connection, or, while the SUB is connected (no connection is
-        coming to retry it), after the source's backoff (doubling, as `run`'s): a publisher
+        coming to retry it), after the source's backoff (`replay_backoff`: doubling, as
+        `run`'s, and short again once a replay answers or a connection is made): a publisher
         that published before that connection and went idle sends no message that would
         rebuild the worker (nor clear what an earlier process of it left in the index), or
         show the gap."""
@@ -880,10 +885,8 @@ class ZmqSource:
         self._rebuild_at_connection = False
         if self._start_replay_retry is not None:
             self._start_replay_retry.cancel()
-        delay = self._start_replay_backoff
-        self._start_replay_backoff = min(delay * 2, self.settings.backoff_max_s)
         self._start_replay_retry = asyncio.get_running_loop().call_later(
-            delay, self._retry_replay_now, cause
+            self.replay_backoff.take(), self._retry_replay_now, cause
         )
 
     def _retry_replay_now(self, cause: str) -> None:
@@ -1306,6 +1309,9 @@ class ZmqSource:
         finally:
             dealer.close(linger=0)
         self._replay_failed_on_connection = False
+        # (Before, only a new connection reset it: after one episode of failed replays, a
+        # later resync's failed replay waited up to `backoff_max_s` for its first retry.)
+        self.replay_backoff.reset()
         if self._replay_failures_in_a_row:
             log.info(
                 "worker %s: replay from %s answered after %d failures",

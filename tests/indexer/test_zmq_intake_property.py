@@ -65,7 +65,6 @@ WORKER = "engine"
 TOPIC = "kv@test@sim"
 WAIT_S = 10.0
 REPLAY_TIMEOUT_S = 0.5  # the source's: each unanswered request stalls it this long
-BACKOFF_MAX_S = 0.4  # the source's longest wait before a retry
 SLOW_REPLAY_S = 0.15  # a slow ROUTER's wait before each answer (well within the timeout)
 SPARE_ENDPOINT = "tcp://127.0.0.1:*"  # a port no source knows: a socket bound there is not up
 
@@ -250,9 +249,6 @@ class ZmqIntakeMachine(RuleBasedStateMachine):
             replay_endpoint=self.replay_endpoint,
             topic=TOPIC,
             replay_timeout_s=REPLAY_TIMEOUT_S,
-            # (A failed replay's retries wait up to this, even after replays answered since:
-            # kept short, so that a rule's retries end within the check's wait.)
-            backoff_max_s=BACKOFF_MAX_S,
         )
         translator = WorkerTranslator(
             TranslateOptions(worker_id=WORKER, hash_mode=HashMode.CANONICAL)

@@ -24,6 +24,7 @@ from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
+from indexer.sources.backoff import Backoff
 from indexer.sources.link import Link
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
@@ -1078,6 +1079,18 @@ async def test_a_resync_asked_as_the_sub_connects_does_not_replay_again_after_th
     assert breaks == []
 
 
+async def _resync_while_the_replay_fails(
+    publisher: FakeKvPublisher, source: ZmqSource, index: PrefixIndex
+) -> None:
+    """The publisher's first batch indexed, its replay ROUTER stops answering, and the index
+    asks for a resync."""
+    await publisher.wait_subscribed()
+    await publisher.publish(_message(0, _stored(1)))
+    await source.wait_until(lambda: _keys(index) == {1}, WAIT_S)
+    await publisher.stop_replay()
+    source.request_resync()
+
+
 async def test_a_resync_retried_after_its_replay_failed_is_logged_as_one(
     context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1096,11 +1109,7 @@ async def test_a_resync_retried_after_its_replay_failed_is_logged_as_one(
     )
     try:
         async with running(source.run()):
-            await publisher.wait_subscribed()
-            await publisher.publish(_message(0, _stored(1)))
-            await source.wait_until(lambda: _keys(index) == {1}, WAIT_S)
-            await publisher.stop_replay()
-            source.request_resync()
+            await _resync_while_the_replay_fails(publisher, source, index)
             # The resync's replay failed (the worker cleared), and a retry's.
             await eventually(lambda: source.counters.num_replay_failures >= 2, WAIT_S)
             assert _keys(index) == set()
@@ -1112,6 +1121,56 @@ async def test_a_resync_retried_after_its_replay_failed_is_logged_as_one(
     assert any("the index's resync is retried" in line for line in logged)
     assert not any("the publisher is back" in line for line in logged)
     assert source.counters.num_resyncs == 1
+
+
+class _RecordedBackoff(Backoff):
+    """A backoff that records each wait the source asks of it."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        super().__init__(initial_s, max_s)
+        self.taken: list[float] = []
+
+    def take(self) -> float:
+        delay = super().take()
+        self.taken.append(delay)
+        return delay
+
+
+async def test_a_replay_that_answers_starts_the_retry_backoff_from_its_shortest_wait(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The index asks for a resync while the engine's replay ROUTER does not answer: the
+    retries wait longer each time until the ROUTER answers. A later resync whose replay fails
+    again is retried after the shortest wait (before, only a new connection reset the
+    backoff: a replay that answered did not, and that first retry waited as long as the last
+    of the episode before, up to `backoff_max_s`; tests/indexer/test_zmq_intake_property.py
+    found it)."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = _source(
+        publisher.endpoint,
+        context,
+        MemoryBackend(index),
+        replay=publisher.replay_endpoint,
+        replay_timeout_s=0.2,
+        backoff_s=(0.05, 60.0),
+    )
+    backoff = source.replay_backoff = _RecordedBackoff(0.05, 60.0)
+    try:
+        async with running(source.run()):
+            await _resync_while_the_replay_fails(publisher, source, index)
+            await eventually(lambda: len(backoff.taken) >= 3, WAIT_S)
+            publisher.start_replay()  # a retry answers: the worker is rebuilt
+            await source.wait_until(lambda: _keys(index) == {1}, WAIT_S)
+            episode = len(backoff.taken)
+            await publisher.stop_replay()
+            source.request_resync()
+            await eventually(lambda: len(backoff.taken) > episode, WAIT_S)
+    finally:
+        await publisher.close()
+    assert backoff.taken[:3] == [0.05, 0.1, 0.2]  # (the first episode: doubling)
+    assert backoff.taken[episode] == 0.05
 
 
 async def test_a_resync_asked_while_the_publisher_is_away_leaves_the_rebuild_to_its_connection(
