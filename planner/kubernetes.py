@@ -629,12 +629,16 @@ class KubernetesDeployments:
         return {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
 
     def _free(self, pods: Sequence[Pod]) -> list[Pod]:
-        """Ready pods, oldest first, that are no engine and not on their way out. A pod at
-        the address of an exited engine waits until the planner has removed that one, and one
-        at the address of an engine left registered until the controller no longer lists it
-        (pod IPs are reused; a look's RemoveEngine would take the new engine out): one
-        address, one engine."""
+        """Ready pods, oldest first, that are no engine and not on their way out. Pod IPs are
+        reused: a pod at the address of an engine of another pod (gone, its IP given to this
+        one before a look noted it: `_note_exits`) or of an exited one waits until the planner
+        has reported that engine exited and removed it, and one at the address of an engine
+        left registered until the controller no longer lists it. One address, one engine:
+        taken sooner, the new engine would write over the old one's entry (never reported
+        exited, its replica's fate lost), and the old one's removal, by address, would take
+        the new one out."""
         taken = self._taken()
+        held = self._engines.keys() | self._exited.keys() | self._left_registered.keys()
         return sorted(
             (
                 pod
@@ -643,8 +647,7 @@ class KubernetesDeployments:
                 and pod.active
                 and pod.ip
                 and pod.uid not in taken
-                and self._address(pod) not in self._exited
-                and self._address(pod) not in self._left_registered
+                and self._address(pod) not in held
             ),
             key=lambda pod: (pod.created, pod.name),
         )
