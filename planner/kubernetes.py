@@ -8,10 +8,13 @@
   Conflict is read again and retried). Then the first Ready pod (status.conditions Ready ==
   "True", not terminating) of the Deployment's selector that no engine is yet is taken:
   its address is podIP:`engine_port`, it is registered with the controller, and the start
-  returns once the controller routes to it. A start that times out leaves the replica asked
-  for: the next start waits for that pod rather than asking for one more (no runaway scale-up
-  while an image does not pull); its error names the pods it waited for and why each is not
-  Ready (`_not_ready`: Unschedulable, CrashLoopBackOff, ImagePullBackOff...).
+  returns once the controller routes to it. Pod IPs are recycled: a pod at the address of an
+  engine the actuator has (its pod gone before a look noted it) waits until a look has
+  reported that engine and the planner stopped it (`_free`: one address, one engine). A
+  start that times out leaves the replica asked for: the next start waits for that pod rather
+  than asking for one more (no runaway scale-up while an image does not pull); its error
+  names the pods it waited for and why each is not Ready (`_not_ready`: Unschedulable,
+  CrashLoopBackOff, ImagePullBackOff...).
 - **Removal** (of an engine the planner drained through the controller): it leaves the
   controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
