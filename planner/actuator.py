@@ -85,7 +85,9 @@ class Actuator(Protocol):
         reported it) is gone: the start settled it, and `exited` reports it no more once the
         start returned (a start that fails leaves it to be reported); a stop or kill of it
         asked for before the planner learnt the new engine's address is not to be made (it
-        would take the new engine out)."""
+        would take the new engine out). (The Kubernetes actuator settles none: a pod at such
+        an address is not taken until `exited` has reported that engine and it was stopped,
+        so no start returns it.)"""
         ...
 
     async def sync(

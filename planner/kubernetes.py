@@ -8,10 +8,13 @@
   Conflict is read again and retried). Then the first Ready pod (status.conditions Ready ==
   "True", not terminating) of the Deployment's selector that no engine is yet is taken:
   its address is podIP:`engine_port`, it is registered with the controller, and the start
-  returns once the controller routes to it. A start that times out leaves the replica asked
-  for: the next start waits for that pod rather than asking for one more (no runaway scale-up
-  while an image does not pull); its error names the pods it waited for and why each is not
-  Ready (`_not_ready`: Unschedulable, CrashLoopBackOff, ImagePullBackOff...).
+  returns once the controller routes to it. Pod IPs are recycled: a pod at the address of an
+  engine the actuator has (its pod gone before a look noted it) waits until a look has
+  reported that engine and the planner stopped it (`_free`: one address, one engine). A
+  start that times out leaves the replica asked for: the next start waits for that pod rather
+  than asking for one more (no runaway scale-up while an image does not pull); its error
+  names the pods it waited for and why each is not Ready (`_not_ready`: Unschedulable,
+  CrashLoopBackOff, ImagePullBackOff...).
 - **Removal** (of an engine the planner drained through the controller): it leaves the
   controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
@@ -629,12 +632,16 @@ class KubernetesDeployments:
         return {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
 
     def _free(self, pods: Sequence[Pod]) -> list[Pod]:
-        """Ready pods, oldest first, that are no engine and not on their way out. A pod at
-        the address of an exited engine waits until the planner has removed that one, and one
-        at the address of an engine left registered until the controller no longer lists it
-        (pod IPs are reused; a look's RemoveEngine would take the new engine out): one
-        address, one engine."""
+        """Ready pods, oldest first, that are no engine and not on their way out. Pod IPs are
+        reused: a pod at the address of an engine of another pod (gone, its IP given to this
+        one before a look noted it: `_note_exits`) or of an exited one waits until the planner
+        has reported that engine exited and removed it, and one at the address of an engine
+        left registered until the controller no longer lists it. One address, one engine:
+        taken sooner, the new engine would write over the old one's entry (never reported
+        exited, its replica's fate lost), and the old one's removal, by address, would take
+        the new one out."""
         taken = self._taken()
+        held = self._engines.keys() | self._exited.keys() | self._left_registered.keys()
         return sorted(
             (
                 pod
@@ -643,8 +650,7 @@ class KubernetesDeployments:
                 and pod.active
                 and pod.ip
                 and pod.uid not in taken
-                and self._address(pod) not in self._exited
-                and self._address(pod) not in self._left_registered
+                and self._address(pod) not in held
             ),
             key=lambda pod: (pod.created, pod.name),
         )

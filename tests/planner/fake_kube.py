@@ -60,17 +60,19 @@ What it implements (namespaced, one namespace):
   of those Deployments only (their scale, their pods listed or by name), as a server whose
   storage is slow for some objects: the others are answered.
 - `delay_s` makes a slow API server: every answer comes that long after its request.
+- `pod_listings` counts the pod LISTs answered.
 - `unschedulable` leaves the pods made meanwhile Pending, unscheduled (PodScheduled False,
   reason Unschedulable: no node has room), until it is cleared.
 - An answer over 2048 bytes is sent chunked (`Transfer-Encoding: chunked`), as the API
   server's are (Go's net/http, no Content-Length); a shorter one with its Content-Length.
-- The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
-  do not collide; Linux routes all of 127.0.0.0/8 to lo), or with `ipv6` the IP ::1 (an IPv6
-  cluster's; one pod at a time then: loopback has one IPv6 address), starts `python -m kvplane
-  engine serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a
-  cluster; an IPv6 IP in brackets), and marks it Ready once the gRPC health check answers
-  SERVING (a readiness probe, configs/k8s/engine-deployment.yaml's: the empty service name,
-  which an engine answers SERVING while its process runs, drained or not). A Ready pod is
+- The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs do
+  not collide; Linux routes all of 127.0.0.0/8 to lo), or with `ipv6` the IP ::1 (an IPv6 cluster's;
+  one pod at a time then: loopback has one IPv6 address), given when its sandbox is made (`reuse_ip`
+  hands a gone pod's IP to the next, as a cluster's IPAM recycles them), starts `python -m kvplane
+  engine serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a cluster; an
+  IPv6 IP in brackets), and marks it Ready once the gRPC health check answers SERVING (a readiness
+  probe, configs/k8s/engine-deployment.yaml's: the empty service name, which an engine answers
+  SERVING while its process runs, drained or not). A Ready pod is
   probed again every `readiness_period_s` (the manifest's periodSeconds, 2 s), and is not
   Ready once READINESS_FAILURE_THRESHOLD probes in a row fail (the kubelet's default, 3: a
   hung container, SIGSTOPped), Ready again at the next that succeeds; `probes` counts each
@@ -270,6 +272,8 @@ class FakeKube:
         # Set: new pods stay Pending, unscheduled (no node has a free GPU); cleared, they run.
         self.unschedulable = False
         self.faults: list[Fault] = []
+        self.pod_listings = 0  # pod LISTs answered
+        self._reused_ips: list[str] = []  # given to the next pods sandboxed (`reuse_ip`)
         self.faulted = 0  # requests answered with a fault
         self.hung_requests = 0
         self.dropped_requests = 0
@@ -368,6 +372,13 @@ class FakeKube:
             process.kill()
             process.wait()
 
+    def reuse_ip(self, ip: str) -> None:
+        """The IPAM gives `ip`, a gone pod's (no pod listed holds it), to the next pod whose
+        sandbox is made, as a cluster's pod CIDR recycles the IPs of pods gone."""
+        with self._changed:
+            assert all(pod.ip != ip for pod in self.pods.values()), f"{ip} is held"
+            self._reused_ips.append(ip)
+
     def kill_container(self, name: str) -> None:
         """SIGKILL a pod's engine, as a crash (the pod stays, not Ready)."""
         with self._changed:
@@ -451,7 +462,11 @@ class FakeKube:
             if len(parts) == 5 and method == "GET":
                 self._check_allowed("list", "pods", "")
                 query = urllib.parse.parse_qs(url.query)
-                return 200, self._pod_list(query.get("labelSelector", [""])[0])
+                listed = self._pod_list(query.get("labelSelector", [""])[0])
+                with self._changed:
+                    self.pod_listings += 1
+                    self._changed.notify_all()
+                return 200, listed
             if len(parts) == 6:
                 return self._pod(method, parts[5], headers, body)
         raise ApiError(404, "NotFound", "the server could not find the requested resource")
@@ -932,6 +947,8 @@ class FakeKube:
             pod.scheduled = True
             pod.resource_version = self._version()
         if pod.process is None and (pod.restart_at is None or now >= pod.restart_at):
+            if not pod.sandboxed and self._reused_ips:
+                pod.ip = self._reused_ips.pop(0)
             with (self._workdir / f"{pod.name}.log").open("ab") as log_file:
                 pod.process = subprocess.Popen(
                     [sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,

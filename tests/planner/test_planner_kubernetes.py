@@ -1112,6 +1112,60 @@ async def test_pods_that_vanish_or_crash_are_reported_and_leave_the_controller(
         await actuator.close()
 
 
+@pytest.fixture
+async def one_pod(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
+    async for cluster in cluster_with(tmp_path, tls_files, 1, restart_delay_s=3600):
+        yield cluster
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_waits_for_the_engine_whose_ip_its_pod_was_given_to_be_reported_and_out(
+    one_pod: Cluster,
+) -> None:
+    """An engine's pod deleted (`kubectl delete pod`), and its IP given to the pod the
+    ReplicaSet made in its place (pod IPs are recycled) before a look noted it gone: a start
+    does not take that pod while the old engine is the planner's (one address, one engine:
+    taken, the old one would never be reported exited). The ticks' looks report the old one
+    exited, once; once it is stopped (out of the controller), the start takes the pod at its
+    address, registered anew."""
+    kube = one_pod.kube
+    (old,) = kube.ready_pods(DEPLOYMENT)
+    address = kube.address(old)
+    actuator = one_pod.actuator()
+    try:
+        assert await actuator.adopt() == [(address, "default")]
+        await one_pod.wait_routable(1)
+        kube.unschedulable = True  # its replacement waits, Pending, for the IP to be free
+        delete_pod(one_pod, old.name)
+        await one_pod.wait(lambda: old.name not in kube.pods)
+        kube.reuse_ip(old.ip)
+        kube.unschedulable = False
+        await one_pod.wait(
+            lambda: [kube.address(pod) for pod in kube.ready_pods(DEPLOYMENT)] == [address]
+        )
+        kube.hold_replicasets = True  # the start's new replica makes no pod: this one or none
+        listed = kube.pod_listings
+        start = asyncio.create_task(actuator.start("default"))
+        # Until the start has taken the pod, or listed the pods again after passing it over.
+        await one_pod.wait(lambda: start.done() or kube.pod_listings >= listed + 2)
+        assert not start.done()
+        exits: list[str] = []
+        while not start.done():  # the ticks beside the start, as the live planner's
+            await actuator.adopt()
+            exits += actuator.exited()
+            for gone in actuator.exited():
+                await actuator.stop(gone)  # out of the controller; its replica stays
+            await asyncio.sleep(0.05)
+        assert await start == address
+        assert exits == [address]
+        assert await actuator.adopt() == [] and actuator.exited() == []
+        assert one_pod.registered() == [address]
+        await one_pod.wait_routable(1)
+    finally:
+        kube.hold_replicasets = False
+        await actuator.close()
+
+
 @pytest.mark.timeout(120)
 async def test_pods_that_crash_or_vanish_while_draining_take_their_replica_with_them(
     two_pods: Cluster,

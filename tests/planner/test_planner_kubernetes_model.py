@@ -233,6 +233,9 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
             for e in self.engines.values()
         )
         free = self.free_pods()
+        # A pod given the IP of an engine whose pod was deleted (pod IPs are recycled) waits
+        # until that engine, reported exited now, is stopped: the next look adopts it.
+        held = {address for address in free if address in self.engines}
         # The removals not done yet are done now, before the adoptions (one whose pod is gone
         # takes a free pod with it); one that was made is not made again.
         # A stand-in is a pod no engine is, not Ready first: a crash-looping one (its engine
@@ -250,7 +253,9 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
         assert all(pool == POOL for _, pool in found)
         adopted = sorted(address for address, _ in found)
         assert set(adopted) <= set(free), (adopted, free)
-        assert len(adopted) == (0 if stand_in_due else max(0, len(free) - stand_ins))
+        assert not set(adopted) & held, (adopted, held)
+        expected = max(0, len(free) - len(held) - stand_ins)
+        assert len(adopted) == (0 if stand_in_due else expected)
         assert actuator.exited() == exited
         for address in adopted:
             self.engines[address] = Engine(free[address])
@@ -261,7 +266,7 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
                 self.replicas -= 1
         self.reconcile([])
         self.settle()
-        if stand_in_due:  # the pods this look did not adopt are the next one's
+        if stand_in_due or held:  # the pods this look did not adopt are the next one's
             return
         # The pool is at its target: no active pod serves nothing, but a crash-looping one
         # (its replica stays, Kubernetes restarts it) and one a removal has yet to scale away.
@@ -410,19 +415,27 @@ class KubernetesActuatorMachine(RuleBasedStateMachine):
     def tick(self) -> None:
         self.look()
 
-    @rule(pick=picks, how=st.sampled_from(["crash", "crash", "delete"]))
+    @rule(pick=picks, how=st.sampled_from(["crash", "crash", "delete", "delete, IP reused"]))
     def engine_lost(self, pick: int, how: str) -> None:
         """An engine's container crashes (its pod stays, not Ready, CrashLoopBackOff), or an
-        operator deletes its pod (the ReplicaSet makes another)."""
+        operator deletes its pod (the ReplicaSet makes another, which may be given the
+        deleted pod's IP: pod IPs are recycled)."""
         if not (alive := sorted(a for a, e in self.engines.items() if not e.crashed)):
             return
         engine = self.engines[alive[pick % len(alive)]]
+        fake = self.kube.view(lambda: self.kube.pods[engine.pod])
         if how == "crash":
             self.kube.kill_container(engine.pod)
-            fake = self.kube.view(lambda: self.kube.pods[engine.pod])
             self.run(asyncio.to_thread(self.kube.wait_for, lambda: fake.restart_at is not None))
         else:
+            reused = how == "delete, IP reused"
+            self.kube.unschedulable = reused  # its replacement waits, Pending, for the IP
             self.operator("DELETE", f"api/v1/namespaces/{self.kube.namespace}/pods/{engine.pod}")
+            if reused:
+                gone = lambda: engine.pod not in self.kube.pods  # noqa: E731
+                self.run(asyncio.to_thread(self.kube.wait_for, gone, SETTLE_S))
+                self.kube.reuse_ip(fake.ip)
+                self.kube.unschedulable = False
         engine.crashed = True
         self.settle()
 
@@ -616,5 +629,17 @@ def test_a_refused_removal_beside_a_crash_looping_pod_is_done_at_the_next_look()
         lambda m: m.engine_lost(0, "crash"),
         KubernetesActuatorMachine.tick,
         lambda m: m.stop(0, 403),
+        KubernetesActuatorMachine.tick,
+    )
+
+
+def test_a_start_does_not_take_the_pod_given_the_ip_of_an_engine_not_looked_at() -> None:
+    """An engine's pod deleted and its IP given to the pod made in its place, before a look:
+    a start scales up and takes the new pod, not that one (one address, one engine); the
+    look reports the old engine exited and stops it, and the next adopts that pod."""
+    replay(
+        lambda m: m.a_fleet_left_running(1),
+        lambda m: m.engine_lost(0, "delete, IP reused"),
+        lambda m: m.start(None),
         KubernetesActuatorMachine.tick,
     )
