@@ -34,6 +34,7 @@ from controller.router import Router
 from controller.router.replica_protocol import ReplicaProtocol
 from controller.router.replicas import PeerRoutes, RouteEvent
 from indexer.redis_client import Client, RedisOptions, connect, stop_if_cancelled
+from kvplane.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ReplicaSync:
     async def _subscribe_loop(self) -> None:
         """Follows the channel; after a lost subscription, starts again from nothing (what
         peers did meanwhile is unknown) and asks them for snapshots."""
-        wait_s = _RETRY_S[0]
+        backoff = Backoff(*_RETRY_S)
         lost = False  # said once an outage: every retry meanwhile fails alike
         while True:
             stop_if_cancelled()
@@ -171,7 +172,7 @@ class ReplicaSync:
                 await pubsub.subscribe(self.channel)
                 await self._send(lambda: [self.protocol.message("hello")])
                 self.subscribed = True
-                wait_s = _RETRY_S[0]
+                backoff.reset()
                 if lost:
                     log.info("replica sync: back on the channel %s", self.channel)
                     lost = False
@@ -198,8 +199,7 @@ class ReplicaSync:
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     async with asyncio.timeout(_CLOSE_S):
                         await pubsub.aclose()
-            await asyncio.sleep(wait_s)
-            wait_s = min(wait_s * 2, _RETRY_S[1])
+            await asyncio.sleep(backoff.take())
 
     def _forget_silent_peers(self) -> None:
         self.protocol.forget_silent_other_versions(self.clock(), self.timeout_s)

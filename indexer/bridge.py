@@ -69,6 +69,7 @@ from indexer.validation import IndexRequestError, ValidationKind, validate_batch
 from indexer.zmq_decode import ArrayTail
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.backoff import Backoff
 from kvplane.channels import INSECURE, ClientChannels, Redialling
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
@@ -147,7 +148,7 @@ class KvIndexerSink:
             await self._send(batch, request)
 
     async def _send(self, batch: Batch, request: kv.ApplyExternalKvBatchRequest) -> None:
-        backoff = self._backoff_initial_s
+        backoff = Backoff(self._backoff_initial_s, self._backoff_max_s)
         unreachable = False
         while True:
             try:
@@ -170,8 +171,7 @@ class KvIndexerSink:
                     exc.code().name,
                     exc.details(),
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._backoff_max_s)
+                await asyncio.sleep(backoff.take())
             else:
                 if unreachable and self.num_sent and self.on_worker_lost is not None:
                     log.warning("%s is back after being unreachable: resyncing", self.target)

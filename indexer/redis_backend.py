@@ -101,6 +101,7 @@ from indexer.redis_client import (
     stop_if_cancelled,
 )
 from indexer.validation import MAX_ACTIONS_PER_BATCH, validate_batch
+from kvplane.backoff import Backoff
 from kvplane.errors import ConfigError, KvplaneError
 
 __all__ = [
@@ -1027,7 +1028,7 @@ class RedisBackend:
         )
 
     async def _recover(self) -> None:
-        delay_s = 0.05
+        backoff = Backoff(0.05, 1.0)
         while True:
             try:
                 await self._ensure_ready()
@@ -1070,13 +1071,11 @@ class RedisBackend:
                 stop_if_cancelled()
                 self._recovery_error = str(exc)
                 log.debug("Redis recovery: %s", exc)
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 1.0)
+                await asyncio.sleep(backoff.take())
             except Exception:  # never ends the task: the outage would never end either
                 stop_if_cancelled()
                 log.exception("Redis recovery failed; retrying")
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 1.0)
+                await asyncio.sleep(backoff.take())
         self._outage = False
         self._recovery_error = None
         self._recovery = None

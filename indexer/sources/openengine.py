@@ -76,6 +76,7 @@ from indexer.sources.zmq import (
 )
 from indexer.translate import WorkerTranslator
 from indexer.zmq_decode import ArrayTail
+from kvplane.backoff import Backoff
 from kvplane.channels import (
     INSECURE,
     ClientChannels,
@@ -255,14 +256,14 @@ class OpenEngineSource:
             self._call.cancel()
 
     async def run(self) -> None:
-        backoff = self.settings.backoff_initial_s
+        backoff = Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s)
         while True:
             follow_zmq = False
             try:
                 async with self._channels.aio_channel(self.settings.target) as channel:
                     delivered = await self._subscribe(channel)
                     if delivered and self._gaps_in_a_row < _GAPS_BEFORE_BACKOFF:
-                        backoff = self.settings.backoff_initial_s
+                        backoff.reset()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -282,7 +283,7 @@ class OpenEngineSource:
                 except asyncio.CancelledError:
                     raise
                 except grpc.aio.AioRpcError as exc:  # one line each retry: no traceback
-                    self._log_discovery_failure(exc, backoff)
+                    self._log_discovery_failure(exc, backoff.next_s)
                 except Exception:
                     log.exception(
                         "openengine source %s: ZMQ discovery failed", self.settings.target
@@ -294,16 +295,15 @@ class OpenEngineSource:
                     "worker %s: its stream broke sequence again before a batch in sequence; "
                     "resubscribing in %.1fs",
                     self.worker_id,
-                    backoff,
+                    backoff.next_s,
                 )
             self.counters.num_restarts += 1
             self._wake.clear()
             # A resync request ends the wait. (Not `asyncio.wait_for`: on Python 3.11 it loses
             # a cancellation that arrives as the request does.)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(backoff):
+                async with asyncio.timeout(backoff.take()):
                     await self._wake.wait()
-            backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     def _failure_reason(self, exc: grpc.aio.AioRpcError) -> str:
         """A failed call (SubscribeKvEvents, GetKvEventSources) as an operator reads it: its

@@ -151,7 +151,6 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
-from indexer.sources.backoff import Backoff
 from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES, HeldReplies
 from indexer.sources.link import Link
 from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES, ReceiveQueue
@@ -165,6 +164,7 @@ from indexer.zmq_decode import (
     decode_payload,
     decode_replay_reply,
 )
+from kvplane.backoff import Backoff
 from kvplane.errors import ConfigError
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from kvplane.zmq_ip import set_ip_version
@@ -440,7 +440,7 @@ class ZmqSource:
         this host's, an index that stays down) logs its 1st, 2nd, 4th, 8th, ... failure as an
         error, the rest at debug level; one that follows applied batches starts a new streak,
         from the shortest backoff."""
-        backoff = self.settings.backoff_initial_s
+        backoff = Backoff(self.settings.backoff_initial_s, self.settings.backoff_max_s)
         failures = 0  # in a row
         applied = self.counters.num_batches_applied  # when the last one happened
         while True:
@@ -451,28 +451,29 @@ class ZmqSource:
                 raise
             except Exception as exc:
                 if self.counters.num_batches_applied != applied:
-                    failures, backoff = 0, self.settings.backoff_initial_s
+                    failures = 0
+                    backoff.reset()
                 applied = self.counters.num_batches_applied
                 failures += 1
                 self.counters.num_restarts += 1
                 self._expected = None  # the index is in doubt: rebuild on the next message
                 self.link.went_down(f"restarting after an error: {exc!r}")
+                delay_s = backoff.take()
                 log.log(
                     _sparse_level(failures - 1, failures, logging.ERROR),
                     "zmq source %s (worker %s) failed%s; retrying in %.1fs",
                     self.settings.endpoint,
                     self.worker_id,
                     f" ({failures} times in a row)" if failures > 1 else "",
-                    backoff,
+                    delay_s,
                     exc_info=True,
                 )
                 if self._resync_wanted.is_set():  # pending from before: no shortcut
-                    await asyncio.sleep(backoff)
+                    await asyncio.sleep(delay_s)
                 else:  # a resync request (the index is back) ends the wait early
                     with contextlib.suppress(TimeoutError):  # (see `_replay` on wait_for)
-                        async with asyncio.timeout(backoff):
+                        async with asyncio.timeout(delay_s):
                             await self._resync_wanted.wait()
-                backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     async def _follow(self) -> None:
         sub = self._context.socket(zmq.SUB)

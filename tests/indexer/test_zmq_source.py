@@ -24,12 +24,12 @@ from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
-from indexer.sources.backoff import Backoff
 from indexer.sources.link import Link
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.backoff import Backoff
 from kvplane.config import ServerConfig
 from kvplane.server import create_server
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat

@@ -1,6 +1,7 @@
-"""The wait before a source tries again what failed: doubling from `initial_s` up to `max_s`
-with each failure in a row, and back to `initial_s` once an attempt succeeds (`reset`), so one
-episode of failures does not lengthen the first wait of the next."""
+"""The wait before a loop tries again what failed (the indexer's sources and bridge, its Redis
+recovery, the controller's replica sync): doubling from `initial_s` up to `max_s` with each
+failure in a row, and back to `initial_s` once an attempt succeeds (`reset`), so one episode of
+failures does not lengthen the first wait of the next."""
 
 from __future__ import annotations
 
