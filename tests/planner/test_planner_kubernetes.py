@@ -1671,7 +1671,9 @@ async def test_ctrl_c_during_the_start_up_check_does_not_wait_for_a_hung_api(
     with fake_kube(tmp_path, None) as kube:
         kube.add_deployment(DEPLOYMENT, 0, LABELS)
         kube.hang_requests = True
-        config = config_file(tmp_path, kube)
+        # The call's own limit far beyond the test's bound, so that it cannot end the call
+        # first on a loaded machine (it did once at the default 10 s: exit 1, "timed out").
+        config = config_file(tmp_path, kube, api_timeout_s=600)
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
             stderr=asyncio.subprocess.PIPE,
