@@ -7,6 +7,7 @@ persistence. `redis-server` and `redis-cli` come from the Debian package (/usr/b
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -49,28 +50,46 @@ def _bindable(port: int) -> bool:
         return True
 
 
+# Ports handed out by this process: a port picked and not bound yet (a fleet's ports are picked
+# before its processes start), or whose process is down for a restart, is bindable again, and
+# must not be picked twice.
+_HANDED_OUT: set[int] = set()
+
+
+def _worker_range(low: int, high: int) -> range:
+    """The part of ports [low, high) this process picks from: under pytest-xdist each worker
+    its own slice (`PYTEST_XDIST_WORKER` gwN of `PYTEST_XDIST_WORKER_COUNT`), so that no
+    other worker's test binds a port this one picked (a check that a port is free says
+    nothing of the port's next moment); the whole range otherwise."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw")) if worker.startswith("gw") else 0
+    size = (high - low) // count
+    return range(low + index * size, low + (index + 1) * size)
+
+
+def _pick_port(ports: range, also_free: Callable[[int], bool] = lambda port: True) -> int:
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(ports)
+        if port not in _HANDED_OUT and _bindable(port) and also_free(port):
+            _HANDED_OUT.add(port)
+            return port
+    raise AssertionError(f"no free port in {ports.start}..{ports.stop - 1}")
+
+
 def restartable_port() -> int:
     """A free port below the kernel's ephemeral range (`ip_local_port_range`), for a process
     killed and started again on the same port: a port from that range (what binding port 0
     gives) may meanwhile be the local end of some connection, and the restart's bind fails
-    (EADDRINUSE)."""
+    (EADDRINUSE). Below the ports of Redis Cluster nodes (`free_cluster_port`)."""
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(10000, ephemeral_low)
-        if _bindable(port):
-            return port
-    raise AssertionError("no free port below the ephemeral range")
+    return _pick_port(_worker_range(10000, min(20000, ephemeral_low)))
 
 
 def free_cluster_port() -> int:
     """A free port whose cluster bus port (+10000) is free too, both below 65536."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 30000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise AssertionError("no free port pair for a Redis Cluster node")
+    return _pick_port(_worker_range(20000, 30000), lambda port: _bindable(port + 10000))
 
 
 class RedisServer:
